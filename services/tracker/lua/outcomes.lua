@@ -1,0 +1,67 @@
+-- ARGV: prefix, then (request_id, reward) pairs. Checked whole (404 before 409), then applied.
+local missing = need_run()
+if missing then return missing end
+local n = (#ARGV - 1) / 2
+local reqs, unknown = {}, {}
+for i = 0, n - 1 do
+  local rid = ARGV[2 + 2 * i]
+  local req = load_req(rid)
+  if not req then table.insert(unknown, rid) end
+  reqs[rid] = req
+end
+if #unknown > 0 then
+  return fail(404, 'unknown_request', 'no such request', { request_ids = unknown })
+end
+local now = now_ms()
+local pending, bad_reward, not_live = {}, {}, {}
+for i = 0, n - 1 do
+  local rid, reward = ARGV[2 + 2 * i], tonumber(ARGV[3 + 2 * i])
+  local req = reqs[rid]
+  local known = pending[rid] or (req.state == 'reported' and tonumber(req.reward))
+  if known then
+    if known ~= reward then table.insert(bad_reward, rid) end
+  elseif not live(req, now) then
+    table.insert(not_live, rid)
+  else
+    pending[rid] = reward
+  end
+end
+if #bad_reward > 0 then
+  return fail(409, 'outcome_conflict', 'a different reward was already reported', { request_ids = bad_reward })
+end
+if #not_live > 0 then
+  return fail(409, 'lease_not_live', 'lease expired or released: the outcome is not counted', { request_ids = not_live })
+end
+local spopp = redis.call('HGET', RUN, 'recipe') == 'spopp'
+local lam, clock, floor = hnum(RUN, 'lam'), hnum(RUN, 'clock'), hnum(RUN, 'floor')
+local applied, results = 0, {}
+for i = 0, n - 1 do
+  local rid, reward = ARGV[2 + 2 * i], tonumber(ARGV[3 + 2 * i])
+  local req = reqs[rid]
+  if req.state == 'leased' then
+    local tk = task_key(req.task)
+    if spopp then
+      -- Event-time placement at the request's own policy coordinate (eq. 3, incremental form).
+      local z = tonumber(req.ver) * lam
+      local a, b, zr = hnum(tk, 'a'), hnum(tk, 'b'), hnum(tk, 'zr')
+      if z > zr then
+        local shrink = math.exp(zr - z)
+        a, b, zr = a * shrink, b * shrink, z
+      end
+      local w = math.exp(z - zr)
+      a, b = a + w * reward, b + w * (1 - reward)
+      redis.call('HSET', tk, 'a', fmt(a), 'b', fmt(b), 'zr', fmt(zr))
+    end
+    redis.call('HSET', req_key(rid), 'state', 'reported', 'reward', ARGV[3 + 2 * i])
+    redis.call('ZREM', LEASES, rid)
+    redis.call('HINCRBY', tk, 'outcomes', 1)
+    make_idle(req.task, tonumber(req.E), clock, floor)
+    req.state = 'reported'
+    applied = applied + 1
+  end
+  local adv = ''
+  if spopp then adv = fmt(reward - tonumber(req.value)) end
+  table.insert(results, { request_id = rid, value = req.value, advantage = adv })
+end
+redis.call('HINCRBY', RUN, 'outcomes', applied)
+return ok({ results = results })

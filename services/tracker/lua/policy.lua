@@ -1,0 +1,17 @@
+-- ARGV: prefix, version, snapshot. Advances the policy clock by exactly one version.
+local missing = need_run()
+if missing then return missing end
+local version, snapshot = tonumber(ARGV[2]), ARGV[3]
+local current = hnum(RUN, 'version')
+local cur_snap = redis.call('HGET', RUN, 'snapshot') or ''
+if version == current + 1 then
+  redis.call('HSET', RUN, 'version', version, 'snapshot', snapshot)
+  return ok({ version = version, snapshot = snapshot, changed = 1 })
+end
+if version == current and snapshot == cur_snap then
+  return ok({ version = version, snapshot = snapshot, changed = 0 })
+end
+local why = 'a gap in policy versions'
+if version < current then why = 'a step back in policy versions' end
+if version == current then why = 'another snapshot for a published version' end
+return fail(409, 'policy_conflict', why, { policy_version = current, snapshot = cur_snap })

@@ -1,0 +1,80 @@
+"""ASGI middleware: refuse oversized bodies with 413 before they are read into memory."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send)
+        seen = 0
+        started = False
+
+        # A chunked body has no length up front: count it as it arrives.
+        async def counting_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._refuse(send)
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps(
+            {"detail": {"code": "body_too_large", "message": f"request body exceeds {self.max_bytes} bytes",
+                        "max_bytes": self.max_bytes}}
+        ).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class BearerAuth:
+    """Every /v1 route needs `Authorization: Bearer <token>` when a token is configured.
+
+    A middleware rather than a route dependency so that auth is decided before the body is
+    parsed: a caller without the token learns nothing from validation errors.
+    """
+
+    def __init__(self, app, token: str | None) -> None:
+        self.app = app
+        self.token = token.encode() if token else None
+
+    async def __call__(self, scope, receive, send):
+        if self.token is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(given, self.token):
+            return await self.app(scope, receive, send)
+        body = json.dumps({"detail": {"code": "unauthorized", "message": "missing or wrong bearer token"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

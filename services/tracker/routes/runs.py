@@ -1,0 +1,23 @@
+"""PUT/GET /v1/runs/{run}: create a run (idempotent for the same body) and read it."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from spopp.tracker_api import Run, RunConfig
+
+from ..deps import RunName, StoreDep
+
+router = APIRouter(tags=["runs"])
+
+
+@router.put("/runs/{run}", response_model=Run, status_code=201)
+async def put_run(run: RunName, body: RunConfig, store: StoreDep, response: Response) -> dict:
+    if not await store.put_run(run, body):
+        response.status_code = 200
+    return await store.get_run(run)
+
+
+@router.get("/runs/{run}", response_model=Run)
+async def get_run(run: RunName, store: StoreDep) -> dict:
+    return await store.get_run(run)

@@ -1,0 +1,223 @@
+"""Redis state of the tracker: one atomic Lua script per state change, floats as 17-digit strings.
+
+The process keeps nothing between calls, so any number of tracker processes can share one Redis.
+Exponential-race draws are made here, outside Lua, from a counter range the script reserves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from spopp.evidence import jeffreys_init
+from spopp.sampler import SAMPLER_FLOOR, race_draws
+from spopp.tracker_api import RunConfig, TaskPrior
+
+from .errors import ApiError
+
+_SCRIPTS = (
+    "put_run put_tasks reserve dispatch outcomes renew release consume policy read_tasks read_run"
+).split()
+
+
+def _load(name: str) -> str:
+    lua = resources.files(__package__) / "lua"
+    return (lua / "common.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+
+
+def prefix(run: str) -> str:
+    return f"spopp:{{{run}}}:"
+
+
+def num(x: float) -> str:
+    return repr(float(x))
+
+
+def rfc3339(ms: float) -> str:
+    stamp = datetime.fromtimestamp(int(ms) / 1000, UTC).isoformat(timespec="milliseconds")
+    return stamp.replace("+00:00", "Z")
+
+
+def _list(x: Any) -> list:
+    # cjson encodes an empty Lua table as an object.
+    return x if isinstance(x, list) else []
+
+
+class Store:
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.redis = client
+        self._scripts = {name: client.register_script(_load(name)) for name in _SCRIPTS}
+
+    async def _call(self, name: str, run: str, *args: Any) -> Any:
+        raw = await self._scripts[name](args=[prefix(run), *args])
+        reply = json.loads(raw)
+        if "error" in reply:
+            err = reply["error"]
+            detail = dict(err["detail"])
+            raise ApiError(err["status"], detail.pop("code"), detail.pop("message"), run=run, **detail)
+        return reply["ok"]
+
+    # -- runs ---------------------------------------------------------------------------------
+    async def put_run(self, run: str, cfg: RunConfig) -> bool:
+        fields = {
+            "recipe": cfg.recipe,
+            "lam": num(-math.log(cfg.retention)),
+            "floor": num(SAMPLER_FLOOR),
+            "lease_ms": str(max(1, round(cfg.lease_seconds * 1000))),
+            "seed": str(cfg.seed),
+            "prior_mass": num(cfg.prior_mass),
+            "d_half": num(cfg.d_half),
+            "rho_min": num(cfg.rho_min),
+            "rho_max": num(cfg.rho_max),
+            "snapshot": cfg.base_snapshot or "",
+        }
+        flat = [x for kv in fields.items() for x in kv]
+        canonical = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+        out = await self._call("put_run", run, run, canonical, *flat)
+        return bool(out["created"])
+
+    async def get_run(self, run: str) -> dict:
+        raw = await self._call("read_run", run)
+        version = int(raw["version"])
+        return {
+            "run": run,
+            "config": json.loads(raw["config"]),
+            "policy_version": version,
+            "snapshot": raw.get("snapshot"),
+            "counts": {
+                "tasks": raw["tasks"],
+                "idle": raw["idle"],
+                "in_flight": raw["in_flight"],
+                "dispatches": int(raw["dispatches"]),
+                "outcomes": int(raw["outcomes"]),
+                "releases": int(raw["releases"]),
+                "expirations": int(raw["expirations"]),
+                "consumed_updates": int(raw["consumed"]),
+            },
+        }
+
+    async def runs(self) -> list[str]:
+        return sorted(m.decode() if isinstance(m, bytes) else m for m in await self.redis.smembers("spopp:runs"))
+
+    async def _reserve(self, run: str, n: int) -> tuple[list[float], float]:
+        got = await self._call("reserve", run, n)
+        return race_draws(int(got["seed"]), run, int(got["start"]), n), float(got["prior_mass"])
+
+    # -- tasks --------------------------------------------------------------------------------
+    async def put_tasks(self, run: str, tasks: list[TaskPrior]) -> dict:
+        draws, mass = await self._reserve(run, len(tasks))
+        args: list[str] = []
+        for task, e in zip(tasks, draws, strict=True):
+            if task.outcomes is not None:
+                a0, b0 = jeffreys_init(sum(task.outcomes), len(task.outcomes), mass)
+            else:
+                a0, b0 = task.alpha0, task.beta0
+            args += [task.task_id, num(a0), num(b0), num(e)]
+        return await self._call("put_tasks", run, *args)
+
+    async def read_tasks(self, run: str, task_ids: list[str]) -> list[dict]:
+        raw = await self._call("read_tasks", run, *task_ids)
+        zq = raw["version"] * float(raw["lam"])
+        spopp = raw["recipe"] == "spopp"
+        out = []
+        for tid, a, b, zr, n_disp, n_out, in_flight in _list(raw["rows"]):
+            a, b = float(a), float(b)
+            # spopp keeps (a, b) relative to zr; the value never reads the underflowing masses.
+            scale = math.exp(float(zr) - zq) if spopp else 1.0
+            out.append(
+                {
+                    "task_id": tid,
+                    "alpha": a * scale,
+                    "beta": b * scale,
+                    "value": a / (a + b),
+                    "in_flight": bool(in_flight),
+                    "dispatches": n_disp,
+                    "outcomes": n_out,
+                }
+            )
+        return out
+
+    # -- requests -----------------------------------------------------------------------------
+    async def dispatch(self, run: str, worker: str, version: int, k: int, idem: str | None) -> dict:
+        draws, _ = await self._reserve(run, k)
+        out = await self._call("dispatch", run, worker, version, k, idem or "", *map(num, draws))
+        return {
+            "policy_version": out["policy_version"],
+            "snapshot": out["snapshot"] or None,
+            "requests": [
+                {
+                    "request_id": r["request_id"],
+                    "task_id": r["task_id"],
+                    "value": float(r["value"]),
+                    "policy_version": r["policy_version"],
+                    "lease_expires_at": rfc3339(r["exp"]),
+                }
+                for r in _list(out["requests"])
+            ],
+        }
+
+    async def outcomes(self, run: str, items: list[tuple[str, float]]) -> list[dict]:
+        args = [x for rid, reward in items for x in (rid, num(reward))]
+        out = await self._call("outcomes", run, *args)
+        return [
+            {
+                "request_id": r["request_id"],
+                "value": float(r["value"]),
+                "advantage": float(r["advantage"]) if r["advantage"] != "" else None,
+            }
+            for r in out["results"]
+        ]
+
+    async def _request(self, script: str, run: str, rid: str) -> dict:
+        r = await self._call(script, run, rid)
+        return {
+            "request_id": rid,
+            "task_id": r["task"],
+            "state": r["state"],
+            "policy_version": int(r["ver"]),
+            "lease_expires_at": rfc3339(float(r["exp"])),
+        }
+
+    async def renew(self, run: str, rid: str) -> dict:
+        return await self._request("renew", run, rid)
+
+    async def release(self, run: str, rid: str) -> dict:
+        return await self._request("release", run, rid)
+
+    # -- evidence -----------------------------------------------------------------------------
+    async def consume(self, run: str, update_id: str, items: list[tuple[str, float, float]]) -> list[dict]:
+        args = [x for tid, reward, drift in items for x in (tid, num(reward), num(drift))]
+        out = await self._call("consume", run, update_id, *args)
+        keys = ("rho", "alpha", "beta", "value")
+        return [{"task_id": r["task_id"], **{k: float(r[k]) for k in keys}} for r in _list(out)]
+
+    # -- policy -------------------------------------------------------------------------------
+    async def publish(self, run: str, version: int, snapshot: str) -> bool:
+        out = await self._call("policy", run, version, snapshot)
+        return bool(out["changed"])
+
+    async def policy(self, run: str) -> dict:
+        got = await self._call("read_run", run)
+        version = int(got["version"])
+        return {"version": version, "z": version * float(got["lam"]), "snapshot": got.get("snapshot")}
+
+    # -- export -------------------------------------------------------------------------------
+    async def export(self, run: str, batch: int = 1000):
+        """Yield every task's evidence, `batch` tasks per Redis round trip."""
+        await self._call("read_run", run)
+        cursor, seen = 0, set()
+        while True:
+            cursor, ids = await self.redis.sscan(prefix(run) + "tasks", cursor, count=batch)
+            # SSCAN may repeat a member across pages.
+            ids = sorted({i.decode() if isinstance(i, bytes) else i for i in ids} - seen)
+            seen.update(ids)
+            for lo in range(0, len(ids), batch):
+                for row in await self.read_tasks(run, ids[lo : lo + batch]):
+                    yield row
+            if cursor == 0:
+                return

@@ -1,0 +1,3 @@
+"""spopp: asynchronous single-stream RL (SPO++ and SPO)."""
+
+__version__ = "0.1.0"
