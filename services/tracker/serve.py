@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 
 import uvicorn
 
@@ -13,7 +15,14 @@ from .embedded import EmbeddedRedis
 log = logging.getLogger("spopp.tracker")
 
 
+def _exit_on_sigterm() -> None:
+    # uvicorn re-raises the signal it caught once it has shut down; with Python's default action
+    # the process would die there and skip the `finally` that stops the embedded Redis.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+
 def serve(settings: TrackerSettings) -> None:
+    _exit_on_sigterm()
     embedded = None
     if settings.redis_url is None:
         embedded = EmbeddedRedis(settings.data_dir).start()

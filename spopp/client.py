@@ -1,0 +1,221 @@
+"""Typed client for the tracker's REST API, sync (`TrackerClient`) and async (`AsyncTrackerClient`).
+
+Each API method is written once in `_Api` and describes its call; the two subclasses only differ
+in how they send it. Connection errors are retried with exponential backoff; that is safe because
+every state-changing route is idempotent (dispatch through an idempotency key that the client
+makes up when the caller gives none, outcomes by request, consume by update, policy by version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from .tracker_api import (
+    ConsumeResult,
+    Dispatched,
+    OutcomeResult,
+    Policy,
+    PutTasksResult,
+    RequestState,
+    Run,
+    RunConfig,
+    TaskPrior,
+    TaskState,
+    TaskValue,
+)
+
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.RemoteProtocolError)
+
+
+class TrackerError(Exception):
+    """An error answer from the tracker: `status`, `code`, `message` and the rest of `detail`."""
+
+    def __init__(self, status: int, detail: Any) -> None:
+        if not isinstance(detail, dict):
+            detail = {"code": "http_error", "message": str(detail)}
+        self.status = status
+        self.detail = detail
+        self.code = detail.get("code", "http_error")
+        super().__init__(f"{status} {self.code}: {detail.get('message', '')}")
+
+
+class StalePolicy(TrackerError):
+    """409 on dispatch: a newer policy is out. `policy_version` and `snapshot` say which."""
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.detail["policy_version"])
+
+    @property
+    def snapshot(self) -> str | None:
+        return self.detail.get("snapshot") or None
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = response.text
+    err = TrackerError(response.status_code, detail)
+    if err.code == "stale_policy":
+        err = StalePolicy(response.status_code, detail)
+    raise err
+
+
+@dataclass
+class _Call:
+    method: str
+    path: str
+    body: Any
+    parse: Callable[[Any], Any]
+
+
+class _Api:
+    """The API, written once: each method returns what its transport makes of a `_Call`."""
+
+    def _do(self, call: _Call) -> Any:  # pragma: no cover - defined by the transports
+        raise NotImplementedError
+
+    def put_run(self, run: str, config: RunConfig | dict) -> Any:
+        body = RunConfig.model_validate(config).model_dump(mode="json")
+        return self._do(_Call("PUT", f"/v1/runs/{run}", body, Run.model_validate))
+
+    def get_run(self, run: str) -> Any:
+        return self._do(_Call("GET", f"/v1/runs/{run}", None, Run.model_validate))
+
+    def put_tasks(self, run: str, tasks: Iterable[TaskPrior | dict]) -> Any:
+        body = {"tasks": [TaskPrior.model_validate(t).model_dump(mode="json", exclude_none=True) for t in tasks]}
+        return self._do(_Call("PUT", f"/v1/runs/{run}/tasks", body, PutTasksResult.model_validate))
+
+    def get_task(self, run: str, task_id: str) -> Any:
+        return self._do(_Call("GET", f"/v1/runs/{run}/tasks/{task_id}", None, TaskState.model_validate))
+
+    def dispatch(
+        self, run: str, worker_id: str, policy_version: int, max_requests: int = 1, idempotency_key: str | None = None
+    ) -> Any:
+        body = {
+            "worker_id": worker_id,
+            "policy_version": policy_version,
+            "max_requests": max_requests,
+            "idempotency_key": idempotency_key or uuid.uuid4().hex,
+        }
+        return self._do(_Call("POST", f"/v1/runs/{run}/dispatch", body, Dispatched.model_validate))
+
+    def outcomes(self, run: str, outcomes: Iterable[tuple[str, float]]) -> Any:
+        body = {"outcomes": [{"request_id": rid, "reward": float(r)} for rid, r in outcomes]}
+        return self._do(_Call("POST", f"/v1/runs/{run}/outcomes", body, _results(OutcomeResult, "results")))
+
+    def renew(self, run: str, request_id: str) -> Any:
+        path = f"/v1/runs/{run}/requests/{request_id}/renew"
+        return self._do(_Call("POST", path, None, RequestState.model_validate))
+
+    def release(self, run: str, request_id: str) -> Any:
+        path = f"/v1/runs/{run}/requests/{request_id}/release"
+        return self._do(_Call("POST", path, None, RequestState.model_validate))
+
+    def values(self, run: str, task_ids: Iterable[str]) -> Any:
+        body = {"task_ids": list(task_ids)}
+        return self._do(_Call("POST", f"/v1/runs/{run}/values", body, _results(TaskValue, "values")))
+
+    def consume(self, run: str, update_id: str, items: Iterable[tuple[str, float, float]]) -> Any:
+        body = {"update_id": update_id, "items": [{"task_id": t, "reward": r, "drift": d} for t, r, d in items]}
+        return self._do(_Call("POST", f"/v1/runs/{run}/consume", body, _results(ConsumeResult, None)))
+
+    def publish(self, run: str, version: int, snapshot: str) -> Any:
+        body = {"version": version, "snapshot": snapshot}
+        return self._do(_Call("POST", f"/v1/runs/{run}/policy", body, Policy.model_validate))
+
+    def policy(self, run: str) -> Any:
+        return self._do(_Call("GET", f"/v1/runs/{run}/policy", None, Policy.model_validate))
+
+    def export(self, run: str) -> Any:
+        return self._do(_Call("GET", f"/v1/runs/{run}/export", None, _jsonl))
+
+
+def _results(model, key: str | None) -> Callable[[Any], list]:
+    def parse(data: Any) -> list:
+        return [model.model_validate(x) for x in (data[key] if key else data)]
+
+    return parse
+
+
+def _jsonl(text: str) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _headers(token: str | None) -> dict:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _decode(call: _Call, response: httpx.Response) -> Any:
+    _raise_for(response)
+    return call.parse(response.text if call.parse is _jsonl else response.json())
+
+
+class TrackerClient(_Api):
+    """Blocking client. `retries` connection attempts, backoff doubling from `backoff` seconds."""
+
+    def __init__(
+        self, base_url: str, token: str | None = None, timeout: float = 30.0, retries: int = 5, backoff: float = 0.1
+    ) -> None:
+        self.http = httpx.Client(base_url=base_url, headers=_headers(token), timeout=timeout)
+        self.retries, self.backoff = retries, backoff
+
+    def _do(self, call: _Call) -> Any:
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.http.request(call.method, call.path, json=call.body)
+                return _decode(call, response)
+            except _RETRYABLE:
+                if attempt == self.retries:
+                    raise
+                time.sleep(self.backoff * 2**attempt)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> TrackerClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncTrackerClient(_Api):
+    """The same API for asyncio: every method returns an awaitable."""
+
+    def __init__(
+        self, base_url: str, token: str | None = None, timeout: float = 30.0, retries: int = 5, backoff: float = 0.1
+    ) -> None:
+        self.http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), timeout=timeout)
+        self.retries, self.backoff = retries, backoff
+
+    async def _do(self, call: _Call) -> Any:
+        for attempt in range(self.retries + 1):
+            try:
+                response = await self.http.request(call.method, call.path, json=call.body)
+                return _decode(call, response)
+            except _RETRYABLE:
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(self.backoff * 2**attempt)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> AsyncTrackerClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
