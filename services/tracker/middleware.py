@@ -6,10 +6,6 @@ import json
 import secrets
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodyLimit:
     def __init__(self, app, max_bytes: int) -> None:
         self.app = app
@@ -19,32 +15,28 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
-        seen = 0
-        started = False
-
-        # A chunked body has no length up front: count it as it arrives.
-        async def counting_receive():
-            nonlocal seen
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                return await self._refuse(send)
+            return await self.app(scope, receive, send)
+        # A chunked body has no length up front: read it (up to the limit) before the app does,
+        # then replay it, so that an oversized one is refused before anything is parsed.
+        messages, seen = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                return await self._refuse(send)
+            if not message.get("more_body", False):
+                break
 
-        async def tracking_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
+        async def replay():
+            return messages.pop(0) if messages else await receive()
 
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._refuse(send)
+        await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
         body = json.dumps(

@@ -1,0 +1,75 @@
+"""Start `spopp tracker serve` as a child process and wait until it is ready.
+
+Used by the tests and the benchmarks, and handy in users' scripts: the tracker runs as a real
+process speaking real HTTP. It is stopped by its own pid, never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from .embedded import free_port
+
+
+class TrackerProcess:
+    def __init__(
+        self,
+        redis_url: str | None,
+        data_dir: Path | None = None,
+        env: dict | None = None,
+        port: int | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "spopp.cli", "tracker", "serve", "--port", str(self.port),
+                "--log-level", "warning"]
+        if redis_url:
+            args += ["--redis-url", redis_url]
+        if data_dir:
+            args += ["--data-dir", str(data_dir)]
+        # Only what the caller passes configures the child, not SPOPP_* left in our environment.
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+        full_env.update(env or {})
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready(timeout)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tracker exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"tracker did not become ready within {timeout} s:\n{self.output()[-3000:]}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(15)
