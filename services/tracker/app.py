@@ -21,7 +21,7 @@ from spopp import __version__
 
 from .config import TrackerSettings
 from .errors import ApiError
-from .metrics import Metrics
+from .metrics import Metrics, MetricsMiddleware
 from .middleware import BearerAuth, BodyLimit
 from .routes import consume, dispatch, export, health, outcomes, policy, requests, runs, tasks, values
 from .store import Store
@@ -77,7 +77,7 @@ def create_app(settings: TrackerSettings | None = None) -> FastAPI:
     for module in V1_ROUTERS:
         app.include_router(module.router, prefix="/v1")
     app.include_router(health.router)
-    app.middleware("http")(app.state.metrics.middleware())
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, token=settings.api_token)
 
