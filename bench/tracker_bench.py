@@ -40,8 +40,13 @@ def load_tasks(client: TrackerClient, run: str, n: int) -> float:
     t0 = time.perf_counter()
     chunk = 10_000
     for lo in range(0, n, chunk):
-        client.put_tasks(run, [{"task_id": f"t{i}", "alpha0": 1.0 + i % 7, "beta0": 1.0 + i % 5}
-                               for i in range(lo, min(n, lo + chunk))])
+        client.put_tasks(
+            run,
+            [
+                {"task_id": f"t{i}", "alpha0": 1.0 + i % 7, "beta0": 1.0 + i % 5}
+                for i in range(lo, min(n, lo + chunk))
+            ],
+        )
         if n > chunk and (lo // chunk) % 20 == 19:
             _progress(f"  loaded {lo + chunk:,} of {n:,} tasks")
     return time.perf_counter() - t0
@@ -74,13 +79,26 @@ class RawLoop:
     def __init__(self, url: str, run: str) -> None:
         self.r = redis.Redis.from_url(url, decode_responses=True)
         self.run, self.p = run, prefix(run)
-        self.scripts = {n: self.r.register_script(_load(n)) for n in ("reserve", "dispatch", "outcomes")}
+        self.scripts = {n: self.r.register_script(_load(n)) for n in ("dispatch", "outcomes")}
+        self.stream = {"start": "", "seed": "", "prior_mass": ""}
+
+    def _dispatch(self, batch: int) -> list:
+        while True:
+            s = self.stream
+            draws = (
+                race_draws(int(s["seed"]), self.run, int(s["start"]), batch) if s["seed"] else [1.0] * batch
+            )
+            head = [self.p, s["start"], s["seed"], s["prior_mass"], "raw", 0, batch, ""]
+            reply = json.loads(self.scripts["dispatch"](args=[*head, *map(num, draws)]))
+            if "stream" in reply:  # the HTTP side moved the stream: same retry as the tracker's
+                self.stream = reply["stream"]
+                continue
+            out = reply["ok"]
+            self.stream = {**s, "start": str(int(s["start"]) + out["draws_used"])}
+            return out["requests"] if isinstance(out["requests"], list) else []
 
     def round(self, batch: int, i: int) -> int:
-        got = json.loads(self.scripts["reserve"](args=[self.p, batch]))["ok"]
-        draws = race_draws(int(got["seed"]), self.run, int(got["start"]), batch)
-        out = json.loads(self.scripts["dispatch"](args=[self.p, "raw", 0, batch, "", *map(num, draws)]))["ok"]
-        reqs = out["requests"] if isinstance(out["requests"], list) else []
+        reqs = self._dispatch(batch)
         args = [x for j, q in enumerate(reqs) for x in (q["request_id"], num((i + j) % 2))]
         if args:
             json.loads(self.scripts["outcomes"](args=[self.p, *args]))
@@ -125,9 +143,11 @@ def run_all(task_counts: list[int], rounds: dict[int, int]) -> list[dict]:
 
 def _line(row: dict) -> str:
     h, w = row["http"], row["raw"]
-    return (f"tasks={row['tasks']:>9,} batch={row['batch']:>3}  http {h['pairs_per_s']:>9,.0f} pairs/s "
-            f"(p50 {h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms)  raw redis-py {w['pairs_per_s']:>9,.0f} pairs/s "
-            f"(p50 {w['p50_ms']:.2f} ms)  http/raw {h['pairs_per_s'] / w['pairs_per_s']:.2f}")
+    return (
+        f"tasks={row['tasks']:>9,} batch={row['batch']:>3}  http {h['pairs_per_s']:>9,.0f} pairs/s "
+        f"(p50 {h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms)  raw redis-py {w['pairs_per_s']:>9,.0f} pairs/s "
+        f"(p50 {w['p50_ms']:.2f} ms)  http/raw {h['pairs_per_s'] / w['pairs_per_s']:.2f}"
+    )
 
 
 def markdown(rows: list[dict], command: str) -> str:
@@ -144,30 +164,40 @@ def markdown(rows: list[dict], command: str) -> str:
     ]
     for r in rows:
         h, w = r["http"], r["raw"]
-        out.append(f"| {r['tasks']:,} | {r['batch']} | {h['pairs_per_s']:,.0f} | {h['p50_ms']:.2f} | {h['p99_ms']:.2f} "
-                   f"| {w['pairs_per_s']:,.0f} | {w['p50_ms']:.2f} | {h['pairs_per_s'] / w['pairs_per_s']:.2f} |")
+        out.append(
+            f"| {r['tasks']:,} | {r['batch']} | {h['pairs_per_s']:,.0f} | {h['p50_ms']:.2f} | {h['p99_ms']:.2f} "
+            f"| {w['pairs_per_s']:,.0f} | {w['p50_ms']:.2f} | {h['pairs_per_s'] / w['pairs_per_s']:.2f} |"
+        )
     small, big = min(r["tasks"] for r in rows), max(r["tasks"] for r in rows)
     out.append("")
     for batch in sorted({r["batch"] for r in rows}):
         a = next(r for r in rows if r["tasks"] == small and r["batch"] == batch)
         b = next(r for r in rows if r["tasks"] == big and r["batch"] == batch)
-        out.append(f"- batch {batch}: pairs/s at {big:,} tasks / at {small:,} tasks = "
-                   f"{b['http']['pairs_per_s'] / a['http']['pairs_per_s']:.2f} (HTTP), "
-                   f"{b['raw']['pairs_per_s'] / a['raw']['pairs_per_s']:.2f} (raw)")
+        out.append(
+            f"- batch {batch}: pairs/s at {big:,} tasks / at {small:,} tasks = "
+            f"{b['http']['pairs_per_s'] / a['http']['pairs_per_s']:.2f} (HTTP), "
+            f"{b['raw']['pairs_per_s'] / a['raw']['pairs_per_s']:.2f} (raw)"
+        )
     loads = {r["tasks"]: r["load_s"] for r in rows}
-    out.append("- loading tasks through `PUT /tasks` (10,000 a call): "
-               + ", ".join(f"{n:,} in {s:.1f} s" for n, s in sorted(loads.items())))
+    out.append(
+        "- loading tasks through `PUT /tasks` (10,000 a call): "
+        + ", ".join(f"{n:,} in {s:.1f} s" for n, s in sorted(loads.items()))
+    )
     return "\n".join(out) + "\n"
 
 
 def write_section(path: Path, section: str) -> None:
     """Replace this benchmark's section of BENCHMARKS.md, keeping the others."""
     head = "## Tracker: dispatch + outcome pairs"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nFigures from `make bench`; each row names its baseline.\n\n"
+    text = (
+        path.read_text()
+        if path.exists()
+        else "# Benchmarks\n\nFigures from `make bench`; each row names its baseline.\n\n"
+    )
     if head in text:
         start = text.index(head)
         nxt = text.find("\n## ", start + len(head))
-        text = text[:start] + section + (text[nxt + 1:] if nxt != -1 else "")
+        text = text[:start] + section + (text[nxt + 1 :] if nxt != -1 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)

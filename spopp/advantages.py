@@ -55,9 +55,7 @@ def _validated(
     if not bool(torch.isfinite(l64).all()) or not bool((l64 == torch.round(l64)).all()):
         raise ValueError("lengths must be finite integer counts of generated action tokens")
     if not bool((l64 > 0).all()):
-        raise ValueError(
-            "lengths must be > 0: every trajectory needs at least one generated action token"
-        )
+        raise ValueError("lengths must be > 0: every trajectory needs at least one generated action token")
     return a64, l64, _out_dtype(a)
 
 

@@ -93,14 +93,21 @@ class _Api:
         return self._do(_Call("GET", f"/v1/runs/{run}", None, Run.model_validate))
 
     def put_tasks(self, run: str, tasks: Iterable[TaskPrior | dict]) -> Any:
-        body = {"tasks": [TaskPrior.model_validate(t).model_dump(mode="json", exclude_none=True) for t in tasks]}
+        body = {
+            "tasks": [TaskPrior.model_validate(t).model_dump(mode="json", exclude_none=True) for t in tasks]
+        }
         return self._do(_Call("PUT", f"/v1/runs/{run}/tasks", body, PutTasksResult.model_validate))
 
     def get_task(self, run: str, task_id: str) -> Any:
         return self._do(_Call("GET", f"/v1/runs/{run}/tasks/{task_id}", None, TaskState.model_validate))
 
     def dispatch(
-        self, run: str, worker_id: str, policy_version: int, max_requests: int = 1, idempotency_key: str | None = None
+        self,
+        run: str,
+        worker_id: str,
+        policy_version: int,
+        max_requests: int = 1,
+        idempotency_key: str | None = None,
     ) -> Any:
         body = {
             "worker_id": worker_id,
@@ -127,7 +134,10 @@ class _Api:
         return self._do(_Call("POST", f"/v1/runs/{run}/values", body, _results(TaskValue, "values")))
 
     def consume(self, run: str, update_id: str, items: Iterable[tuple[str, float, float]]) -> Any:
-        body = {"update_id": update_id, "items": [{"task_id": t, "reward": r, "drift": d} for t, r, d in items]}
+        body = {
+            "update_id": update_id,
+            "items": [{"task_id": t, "reward": r, "drift": d} for t, r, d in items],
+        }
         return self._do(_Call("POST", f"/v1/runs/{run}/consume", body, _results(ConsumeResult, None)))
 
     def publish(self, run: str, version: int, snapshot: str) -> Any:
@@ -167,7 +177,12 @@ class TrackerClient(_Api):
     """Blocking client. `retries` connection attempts, backoff doubling from `backoff` seconds."""
 
     def __init__(
-        self, base_url: str, token: str | None = None, timeout: float = 30.0, retries: int = 5, backoff: float = 0.1
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 5,
+        backoff: float = 0.1,
     ) -> None:
         self.http = httpx.Client(base_url=base_url, headers=_headers(token), timeout=timeout)
         self.retries, self.backoff = retries, backoff
@@ -196,7 +211,12 @@ class AsyncTrackerClient(_Api):
     """The same API for asyncio: every method returns an awaitable."""
 
     def __init__(
-        self, base_url: str, token: str | None = None, timeout: float = 30.0, retries: int = 5, backoff: float = 0.1
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 5,
+        backoff: float = 0.1,
     ) -> None:
         self.http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), timeout=timeout)
         self.retries, self.backoff = retries, backoff

@@ -113,9 +113,7 @@ class EventTimeEvidence:
         return self.a * scale, self.b * scale
 
 
-def spo_retention(
-    drift: float, d_half: float = 0.06, rho_min: float = 0.875, rho_max: float = 0.96
-) -> float:
+def spo_retention(drift: float, d_half: float = 0.06, rho_min: float = 0.875, rho_max: float = 0.96) -> float:
     """SPO's drift-dependent retention rho = clip(2^(-D/d_half), rho_min, rho_max)."""
     d = _finite("drift", drift)
     if d < 0:

@@ -25,9 +25,7 @@ import torch
 from torch import Tensor
 
 
-def _check_hparams(
-    clip_low: float, clip_high: float, dual_clip: float | None, is_cap: float
-) -> None:
+def _check_hparams(clip_low: float, clip_high: float, dual_clip: float | None, is_cap: float) -> None:
     if not 0.0 <= clip_low < 1.0:
         raise ValueError(f"clip_low must lie in [0, 1), got {clip_low!r}")
     if not (math.isfinite(clip_high) and clip_high >= 0.0):

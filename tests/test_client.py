@@ -7,9 +7,8 @@ import httpx
 import pytest
 
 from services.tracker.embedded import free_port
-from spopp.client import TrackerClient, TrackerError
-
 from services.tracker.launcher import TrackerProcess
+from spopp.client import TrackerClient, TrackerError
 
 
 def test_client_retries_until_the_tracker_is_up(redis_server, run_name):
@@ -33,7 +32,10 @@ def test_client_retries_until_the_tracker_is_up(redis_server, run_name):
 def test_client_gives_up_after_its_retries():
     port = free_port()
     t0 = time.monotonic()
-    with TrackerClient(f"http://127.0.0.1:{port}", retries=2, backoff=0.05) as c, pytest.raises(httpx.ConnectError):
+    with (
+        TrackerClient(f"http://127.0.0.1:{port}", retries=2, backoff=0.05) as c,
+        pytest.raises(httpx.ConnectError),
+    ):
         c.get_run("x")
     assert time.monotonic() - t0 >= 0.05 + 0.1
 

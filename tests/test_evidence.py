@@ -102,9 +102,7 @@ def test_outcome_older_than_reference_weighs_less():
     assert ev.value > 0.5
 
 
-@pytest.mark.parametrize(
-    "args", [(0.0, 1.0), (1.0, -1.0), (math.inf, 1.0)]
-)
+@pytest.mark.parametrize("args", [(0.0, 1.0), (1.0, -1.0), (math.inf, 1.0)])
 def test_evidence_rejects_bad_priors(args):
     with pytest.raises(ValueError):
         EventTimeEvidence(*args)

@@ -3,9 +3,8 @@
 import httpx
 import pytest
 
-from spopp.client import TrackerClient, TrackerError
-
 from services.tracker.launcher import TrackerProcess
+from spopp.client import TrackerClient, TrackerError
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 

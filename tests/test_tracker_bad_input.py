@@ -31,41 +31,172 @@ def _send(tracker, method, path, body=None, raw=None, headers=None):
 CASES = [
     # (what, method, path-suffix, body or raw bytes, status, code)
     ("malformed JSON", "POST", "/outcomes", b'{"outcomes": [', 422, "invalid"),
-    ("NaN reward", "POST", "/outcomes", b'{"outcomes": [{"request_id": "REQ2", "reward": NaN}]}', 422, "invalid"),
-    ("reward above 1", "POST", "/outcomes", {"outcomes": [{"request_id": "REQ2", "reward": 1.5}]}, 422, "invalid"),
+    (
+        "NaN reward",
+        "POST",
+        "/outcomes",
+        b'{"outcomes": [{"request_id": "REQ2", "reward": NaN}]}',
+        422,
+        "invalid",
+    ),
+    (
+        "reward above 1",
+        "POST",
+        "/outcomes",
+        {"outcomes": [{"request_id": "REQ2", "reward": 1.5}]},
+        422,
+        "invalid",
+    ),
     ("empty outcomes", "POST", "/outcomes", {"outcomes": []}, 422, "invalid"),
-    ("unknown field", "POST", "/outcomes", {"outcomes": [{"request_id": "REQ2", "reward": 1, "x": 1}]}, 422, "invalid"),
-    ("unknown request", "POST", "/outcomes", {"outcomes": [{"request_id": "nope", "reward": 1}]}, 404, "unknown_request"),
-    ("one unknown in a batch", "POST", "/outcomes",
-     {"outcomes": [{"request_id": "REQ2", "reward": 1}, {"request_id": "nope", "reward": 1}]}, 404, "unknown_request"),
-    ("released in a batch", "POST", "/outcomes",
-     {"outcomes": [{"request_id": "REQ2", "reward": 1}, {"request_id": "REQ1", "reward": 1}]}, 409, "lease_not_live"),
-    ("other reward in a batch", "POST", "/outcomes",
-     {"outcomes": [{"request_id": "REQ3", "reward": 1}, {"request_id": "REQ0", "reward": 0}]}, 409, "outcome_conflict"),
-    ("stale version", "POST", "/dispatch", {"worker_id": "w", "policy_version": 7, "max_requests": 1}, 409, "stale_policy"),
-    ("max_requests 0", "POST", "/dispatch", {"worker_id": "w", "policy_version": 0, "max_requests": 0}, 422, "invalid"),
-    ("max_requests 1025", "POST", "/dispatch", {"worker_id": "w", "policy_version": 0, "max_requests": 1025}, 422, "invalid"),
+    (
+        "unknown field",
+        "POST",
+        "/outcomes",
+        {"outcomes": [{"request_id": "REQ2", "reward": 1, "x": 1}]},
+        422,
+        "invalid",
+    ),
+    (
+        "unknown request",
+        "POST",
+        "/outcomes",
+        {"outcomes": [{"request_id": "nope", "reward": 1}]},
+        404,
+        "unknown_request",
+    ),
+    (
+        "one unknown in a batch",
+        "POST",
+        "/outcomes",
+        {"outcomes": [{"request_id": "REQ2", "reward": 1}, {"request_id": "nope", "reward": 1}]},
+        404,
+        "unknown_request",
+    ),
+    (
+        "released in a batch",
+        "POST",
+        "/outcomes",
+        {"outcomes": [{"request_id": "REQ2", "reward": 1}, {"request_id": "REQ1", "reward": 1}]},
+        409,
+        "lease_not_live",
+    ),
+    (
+        "other reward in a batch",
+        "POST",
+        "/outcomes",
+        {"outcomes": [{"request_id": "REQ3", "reward": 1}, {"request_id": "REQ0", "reward": 0}]},
+        409,
+        "outcome_conflict",
+    ),
+    (
+        "stale version",
+        "POST",
+        "/dispatch",
+        {"worker_id": "w", "policy_version": 7, "max_requests": 1},
+        409,
+        "stale_policy",
+    ),
+    (
+        "max_requests 0",
+        "POST",
+        "/dispatch",
+        {"worker_id": "w", "policy_version": 0, "max_requests": 0},
+        422,
+        "invalid",
+    ),
+    (
+        "max_requests 1025",
+        "POST",
+        "/dispatch",
+        {"worker_id": "w", "policy_version": 0, "max_requests": 1025},
+        422,
+        "invalid",
+    ),
     ("missing worker", "POST", "/dispatch", {"policy_version": 0, "max_requests": 1}, 422, "invalid"),
-    ("negative alpha0", "PUT", "/tasks", {"tasks": [{"task_id": "n", "alpha0": -1, "beta0": 1}]}, 422, "invalid"),
-    ("infinite beta0", "PUT", "/tasks", b'{"tasks": [{"task_id": "n", "alpha0": 1, "beta0": Infinity}]}', 422, "invalid"),
-    ("both prior forms", "PUT", "/tasks", {"tasks": [{"task_id": "n", "alpha0": 1, "beta0": 1, "outcomes": [1]}]}, 422, "invalid"),
+    (
+        "negative alpha0",
+        "PUT",
+        "/tasks",
+        {"tasks": [{"task_id": "n", "alpha0": -1, "beta0": 1}]},
+        422,
+        "invalid",
+    ),
+    (
+        "infinite beta0",
+        "PUT",
+        "/tasks",
+        b'{"tasks": [{"task_id": "n", "alpha0": 1, "beta0": Infinity}]}',
+        422,
+        "invalid",
+    ),
+    (
+        "both prior forms",
+        "PUT",
+        "/tasks",
+        {"tasks": [{"task_id": "n", "alpha0": 1, "beta0": 1, "outcomes": [1]}]},
+        422,
+        "invalid",
+    ),
     ("neither prior form", "PUT", "/tasks", {"tasks": [{"task_id": "n"}]}, 422, "invalid"),
     ("outcome not 0/1", "PUT", "/tasks", {"tasks": [{"task_id": "n", "outcomes": [2]}]}, 422, "invalid"),
-    ("duplicate task ids", "PUT", "/tasks",
-     {"tasks": [{"task_id": "n", "alpha0": 1, "beta0": 1}, {"task_id": "n", "alpha0": 1, "beta0": 1}]}, 422, "duplicate_task"),
-    ("bad task id", "PUT", "/tasks", {"tasks": [{"task_id": "a b", "alpha0": 1, "beta0": 1}]}, 422, "invalid"),
-    ("prior conflict", "PUT", "/tasks",
-     {"tasks": [{"task_id": "new", "alpha0": 1, "beta0": 1}, {"task_id": "q0", "alpha0": 5, "beta0": 5}]}, 409, "prior_conflict"),
-    ("too many tasks", "PUT", "/tasks",
-     {"tasks": [{"task_id": f"m{i}", "alpha0": 1, "beta0": 1} for i in range(10_001)]}, 413, "too_many_tasks"),
+    (
+        "duplicate task ids",
+        "PUT",
+        "/tasks",
+        {"tasks": [{"task_id": "n", "alpha0": 1, "beta0": 1}, {"task_id": "n", "alpha0": 1, "beta0": 1}]},
+        422,
+        "duplicate_task",
+    ),
+    (
+        "bad task id",
+        "PUT",
+        "/tasks",
+        {"tasks": [{"task_id": "a b", "alpha0": 1, "beta0": 1}]},
+        422,
+        "invalid",
+    ),
+    (
+        "prior conflict",
+        "PUT",
+        "/tasks",
+        {"tasks": [{"task_id": "new", "alpha0": 1, "beta0": 1}, {"task_id": "q0", "alpha0": 5, "beta0": 5}]},
+        409,
+        "prior_conflict",
+    ),
+    (
+        "too many tasks",
+        "PUT",
+        "/tasks",
+        {"tasks": [{"task_id": f"m{i}", "alpha0": 1, "beta0": 1} for i in range(10_001)]},
+        413,
+        "too_many_tasks",
+    ),
     ("unknown task", "GET", "/tasks/nope", None, 404, "unknown_task"),
     ("values of unknown task", "POST", "/values", {"task_ids": ["q0", "nope"]}, 404, "unknown_task"),
-    ("consume on spopp", "POST", "/consume", {"update_id": "u", "items": [{"task_id": "q0", "reward": 1, "drift": 0}]},
-     409, "wrong_recipe"),
-    ("consume negative drift", "POST", "/consume",
-     {"update_id": "u", "items": [{"task_id": "q0", "reward": 1, "drift": -1}]}, 422, "invalid"),
-    ("consume unknown task", "POST", "/consume",
-     {"update_id": "u", "items": [{"task_id": "nope", "reward": 1, "drift": 0}]}, 404, "unknown_task"),
+    (
+        "consume on spopp",
+        "POST",
+        "/consume",
+        {"update_id": "u", "items": [{"task_id": "q0", "reward": 1, "drift": 0}]},
+        409,
+        "wrong_recipe",
+    ),
+    (
+        "consume negative drift",
+        "POST",
+        "/consume",
+        {"update_id": "u", "items": [{"task_id": "q0", "reward": 1, "drift": -1}]},
+        422,
+        "invalid",
+    ),
+    (
+        "consume unknown task",
+        "POST",
+        "/consume",
+        {"update_id": "u", "items": [{"task_id": "nope", "reward": 1, "drift": 0}]},
+        404,
+        "unknown_task",
+    ),
     ("policy gap", "POST", "/policy", {"version": 3, "snapshot": "s3"}, 409, "policy_conflict"),
     ("policy version 0", "POST", "/policy", {"version": 0, "snapshot": "s"}, 422, "invalid"),
     ("renew unknown", "POST", "/requests/nope/renew", None, 404, "unknown_request"),
@@ -78,7 +209,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("what,method,suffix,body,status,code", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_refused_and_changes_nothing(tracker, client, live, what, method, suffix, body, status, code):
+def test_bad_input_is_refused_and_changes_nothing(
+    tracker, client, live, what, method, suffix, body, status, code
+):
     run, reqs = live
     suffix = suffix.replace("REQ0", reqs[0].request_id).replace("REQ1", reqs[1].request_id)
     if isinstance(body, bytes):
@@ -102,15 +235,24 @@ def test_bad_input_is_refused_and_changes_nothing(tracker, client, live, what, m
 
 def test_validation_message_names_the_field(tracker, live):
     run, _ = live
-    resp = _send(tracker, "POST", f"/v1/runs/{run}/outcomes", {"outcomes": [{"request_id": "x", "reward": 2}]})
+    resp = _send(
+        tracker, "POST", f"/v1/runs/{run}/outcomes", {"outcomes": [{"request_id": "x", "reward": 2}]}
+    )
     assert resp.json()["detail"]["message"].startswith("outcomes.0.reward")
 
 
 def test_unknown_run_is_404_and_422_comes_first(tracker):
     assert _send(tracker, "GET", "/v1/runs/nope-run").status_code == 404
-    resp = _send(tracker, "POST", "/v1/runs/nope-run/dispatch", {"worker_id": "w", "policy_version": 0, "max_requests": 1})
+    resp = _send(
+        tracker,
+        "POST",
+        "/v1/runs/nope-run/dispatch",
+        {"worker_id": "w", "policy_version": 0, "max_requests": 1},
+    )
     assert resp.status_code == 404 and resp.json()["detail"]["code"] == "unknown_run"
-    resp = _send(tracker, "POST", "/v1/runs/nope-run/outcomes", {"outcomes": [{"request_id": "x", "reward": 9}]})
+    resp = _send(
+        tracker, "POST", "/v1/runs/nope-run/outcomes", {"outcomes": [{"request_id": "x", "reward": 9}]}
+    )
     assert resp.status_code == 422
     assert _send(tracker, "GET", "/v1/runs/nope-run/export").status_code == 404
     assert _send(tracker, "PUT", "/v1/runs/nope-run/tasks", {"tasks": []}).status_code == 404
@@ -118,7 +260,9 @@ def test_unknown_run_is_404_and_422_comes_first(tracker):
 
 def test_404_comes_before_409(tracker, client, live):
     run, reqs = live
-    body = {"outcomes": [{"request_id": reqs[1].request_id, "reward": 1}, {"request_id": "nope", "reward": 1}]}
+    body = {
+        "outcomes": [{"request_id": reqs[1].request_id, "reward": 1}, {"request_id": "nope", "reward": 1}]
+    }
     resp = _send(tracker, "POST", f"/v1/runs/{run}/outcomes", body)
     assert resp.status_code == 404 and resp.json()["detail"]["request_ids"] == ["nope"]
 

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from services.tracker.launcher import TrackerProcess
 from spopp.client import AsyncTrackerClient, TrackerError
 
 
@@ -32,15 +33,21 @@ async def _worker(url, run, wid, rounds, log, held):
                     await c.outcomes(run, reports)
 
 
-def test_64_concurrent_clients_lose_and_duplicate_nothing(tracker, client, make_run):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_64_concurrent_clients_lose_and_duplicate_nothing(redis_server, tracker, client, make_run, processes):
     n_tasks = 40
     run = make_run(tasks=[{"task_id": f"q{i}", "alpha0": 1.0, "beta0": 1.0} for i in range(n_tasks)])
     log, held = [], set()
+    trackers = [tracker] + [TrackerProcess(redis_server.url) for _ in range(processes - 1)]
 
     async def main():
-        await asyncio.gather(*[_worker(tracker.url, run, w, 8, log, held) for w in range(64)])
+        await asyncio.gather(*[_worker(trackers[w % processes].url, run, w, 8, log, held) for w in range(64)])
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        for extra in trackers[1:]:
+            extra.stop()
     reported = [x for x in log if x[0] == "reported"]
     rows = {r["task_id"]: r for r in client.export(run)}
     counts = client.get_run(run).counts

@@ -61,8 +61,10 @@ def test_spo_consume_matches_receipt_order_reference(client, make_run):
     run = make_run(recipe="spo", tasks=[{"task_id": f"q{i}", "alpha0": 2.0, "beta0": 6.0} for i in range(4)])
     ref = {f"q{i}": (2.0, 6.0) for i in range(4)}
     for update in range(6):
-        items = [(f"q{rnd.randrange(4)}", float(rnd.random() < 0.5), rnd.choice([0.0, 0.01, 0.05, 0.3]))
-                 for _ in range(5)]
+        items = [
+            (f"q{rnd.randrange(4)}", float(rnd.random() < 0.5), rnd.choice([0.0, 0.01, 0.05, 0.3]))
+            for _ in range(5)
+        ]
         vals = client.values(run, [t for t, _, _ in items])
         assert [v.value for v in vals] == pytest.approx([ref[t][0] / sum(ref[t]) for t, _, _ in items])
         client.consume(run, f"u{update}", items)

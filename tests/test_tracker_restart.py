@@ -5,9 +5,8 @@ import socket
 
 import pytest
 
-from spopp.client import TrackerClient
-
 from services.tracker.launcher import TrackerProcess
+from spopp.client import TrackerClient
 
 
 def _state(c: TrackerClient, run: str) -> tuple:

@@ -37,14 +37,18 @@ def test_get_run_counts(client, make_run):
 
 def test_put_tasks_both_forms_and_get_task(client, make_run):
     run = make_run(prior_mass=4.0)
-    res = client.put_tasks(run, [{"task_id": "a", "alpha0": 2.0, "beta0": 6.0}, {"task_id": "b", "outcomes": [1, 1, 0]}])
+    res = client.put_tasks(
+        run, [{"task_id": "a", "alpha0": 2.0, "beta0": 6.0}, {"task_id": "b", "outcomes": [1, 1, 0]}]
+    )
     assert (res.created, res.unchanged) == (2, 0)
     a = client.get_task(run, "a")
     assert (a.alpha, a.beta, a.value) == (2.0, 6.0, 0.25)
     assert not a.in_flight and a.dispatches == 0 and a.outcomes == 0
     b = client.get_task(run, "b")
     assert (b.alpha, b.beta) == pytest.approx(jeffreys_init(2, 3, mass=4.0))
-    res = client.put_tasks(run, [{"task_id": "a", "alpha0": 2.0, "beta0": 6.0}, {"task_id": "c", "alpha0": 1, "beta0": 1}])
+    res = client.put_tasks(
+        run, [{"task_id": "a", "alpha0": 2.0, "beta0": 6.0}, {"task_id": "c", "alpha0": 1, "beta0": 1}]
+    )
     assert (res.created, res.unchanged) == (1, 1)
     with pytest.raises(TrackerError) as err:
         client.put_tasks(run, [{"task_id": "a", "alpha0": 3.0, "beta0": 6.0}])
@@ -123,7 +127,9 @@ def test_renew_extends_lease_and_release_returns_task(client, make_run):
 
 
 def test_values_route(client, make_run):
-    run = make_run(tasks=[{"task_id": "a", "alpha0": 1, "beta0": 1}, {"task_id": "b", "alpha0": 1, "beta0": 4}])
+    run = make_run(
+        tasks=[{"task_id": "a", "alpha0": 1, "beta0": 1}, {"task_id": "b", "alpha0": 1, "beta0": 4}]
+    )
     vals = client.values(run, ["b", "a"])
     assert [(v.task_id, v.value) for v in vals] == [("b", 0.2), ("a", 0.5)]
 

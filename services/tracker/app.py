@@ -52,9 +52,7 @@ def _field(loc) -> str:
 
 
 def _validation_message(exc: RequestValidationError) -> JSONResponse:
-    errors = [
-        {"field": _field(e["loc"]), "message": e["msg"], "type": e["type"]} for e in exc.errors()
-    ]
+    errors = [{"field": _field(e["loc"]), "message": e["msg"], "type": e["type"]} for e in exc.errors()]
     first = errors[0] if errors else {"field": "body", "message": "invalid request"}
     detail = {"code": "invalid", "message": f"{first['field']}: {first['message']}", "errors": errors}
     return JSONResponse({"detail": detail}, status_code=422)
@@ -92,7 +90,9 @@ def create_app(settings: TrackerSettings | None = None) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse({"detail": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code)
+        return JSONResponse(
+            {"detail": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code
+        )
 
     @app.exception_handler(RedisConnectionError)
     async def redis_down(request: Request, exc: RedisConnectionError) -> JSONResponse:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,3 +25,9 @@ class TrackerSettings(BaseSettings):
     )
     redis_wait_seconds: float = Field(30.0, gt=0, description="how long start-up waits for Redis")
     log_level: str = Field("info", description="uvicorn log level")
+
+    @field_validator("api_token", "redis_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v):
+        # compose passes `${SPOPP_API_TOKEN:-}` through as an empty string when it is not set.
+        return v or None

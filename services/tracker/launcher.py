@@ -30,8 +30,17 @@ class TrackerProcess:
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "spopp.cli", "tracker", "serve", "--port", str(self.port),
-                "--log-level", "warning"]
+        args = [
+            sys.executable,
+            "-m",
+            "spopp.cli",
+            "tracker",
+            "serve",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+        ]
         if redis_url:
             args += ["--redis-url", redis_url]
         if data_dir:

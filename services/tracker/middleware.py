@@ -40,11 +40,24 @@ class BodyLimit:
 
     async def _refuse(self, send) -> None:
         body = json.dumps(
-            {"detail": {"code": "body_too_large", "message": f"request body exceeds {self.max_bytes} bytes",
-                        "max_bytes": self.max_bytes}}
+            {
+                "detail": {
+                    "code": "body_too_large",
+                    "message": f"request body exceeds {self.max_bytes} bytes",
+                    "max_bytes": self.max_bytes,
+                }
+            }
         ).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -65,8 +78,18 @@ class BearerAuth:
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer" and secrets.compare_digest(given, self.token):
             return await self.app(scope, receive, send)
-        body = json.dumps({"detail": {"code": "unauthorized", "message": "missing or wrong bearer token"}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
-                                (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {"detail": {"code": "unauthorized", "message": "missing or wrong bearer token"}}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"www-authenticate", b"Bearer"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

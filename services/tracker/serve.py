@@ -29,7 +29,9 @@ def serve(settings: TrackerSettings) -> None:
         settings = settings.model_copy(update={"redis_url": embedded.url})
         print(f"spopp tracker: embedded redis on {embedded.url}, AOF under {embedded.data_dir}", flush=True)
     try:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+        uvicorn.run(
+            create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level
+        )
     finally:
         if embedded is not None:
             embedded.stop()

@@ -6,8 +6,10 @@ Exponential-race draws are made here, outside Lua, from a counter range the scri
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+from collections.abc import Callable
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
@@ -20,14 +22,17 @@ from spopp.tracker_api import RunConfig, TaskPrior
 
 from .errors import ApiError
 
-_SCRIPTS = (
-    "put_run put_tasks reserve dispatch outcomes renew release consume policy read_tasks read_run"
-).split()
+_SCRIPTS = ("put_run put_tasks dispatch outcomes renew release consume policy read_tasks read_run").split()
 
 
 def _load(name: str) -> str:
     lua = resources.files(__package__) / "lua"
     return (lua / "common.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+
+
+class _StaleStream(Exception):
+    def __init__(self, stream: dict) -> None:
+        self.stream = stream
 
 
 def prefix(run: str) -> str:
@@ -52,10 +57,18 @@ class Store:
     def __init__(self, client: aioredis.Redis) -> None:
         self.redis = client
         self._scripts = {name: client.register_script(_load(name)) for name in _SCRIPTS}
+        # Where each run's draw stream stood after our last call: only a hint that saves a round
+        # trip. The scripts check it and answer the true position when it is stale.
+        self._streams: dict[str, dict] = {}
+        # Calls that use a run's stream go one at a time per process, so that coroutines of one
+        # process do not invalidate each other's hint; across processes a stale hint is retried.
+        self._locks: dict[str, asyncio.Lock] = {}
 
     async def _call(self, name: str, run: str, *args: Any) -> Any:
         raw = await self._scripts[name](args=[prefix(run), *args])
         reply = json.loads(raw)
+        if "stream" in reply:
+            raise _StaleStream(reply["stream"])
         if "error" in reply:
             err = reply["error"]
             detail = dict(err["detail"])
@@ -102,23 +115,52 @@ class Store:
         }
 
     async def runs(self) -> list[str]:
-        return sorted(m.decode() if isinstance(m, bytes) else m for m in await self.redis.smembers("spopp:runs"))
+        return sorted(
+            m.decode() if isinstance(m, bytes) else m for m in await self.redis.smembers("spopp:runs")
+        )
 
-    async def _reserve(self, run: str, n: int) -> tuple[list[float], float]:
-        got = await self._call("reserve", run, n)
-        return race_draws(int(got["seed"]), run, int(got["start"]), n), float(got["prior_mass"])
+    async def _with_draws(self, script: str, run: str, n: int, args: Callable[[float], list]) -> Any:
+        """Call `script` with n Exp(1) draws from the run's stream, made here, outside Lua.
+
+        `args(prior_mass)` builds the script's arguments before the draws. A stale hint costs
+        one more round trip; a run that moves under heavy contention is retried a few times.
+        """
+        async with self._locks.setdefault(run, asyncio.Lock()):
+            return await self._with_draws_locked(script, run, n, args)
+
+    async def _with_draws_locked(self, script: str, run: str, n: int, args: Callable[[float], list]) -> Any:
+        stream = self._streams.get(run, {"start": "", "seed": "", "prior_mass": ""})
+        for _ in range(32):
+            if stream["seed"]:
+                draws = race_draws(int(stream["seed"]), run, int(stream["start"]), n)
+                mass = float(stream["prior_mass"])
+            else:
+                draws, mass = [1.0] * n, 1.0  # no hint yet: the script answers the stream
+            head = [stream["start"], stream["seed"], stream["prior_mass"]]
+            try:
+                out = await self._call(script, run, *head, *args(mass), *map(num, draws))
+            except _StaleStream as stale:
+                stream = stale.stream
+                continue
+            used = out.pop("draws_used")
+            if stream["seed"]:  # an idempotent replay may answer before the stream is checked
+                self._streams[run] = {**stream, "start": str(int(stream["start"]) + used)}
+            return out
+        raise ApiError(503, "contention", "the run's draw stream kept moving; retry", run=run)
 
     # -- tasks --------------------------------------------------------------------------------
     async def put_tasks(self, run: str, tasks: list[TaskPrior]) -> dict:
-        draws, mass = await self._reserve(run, len(tasks))
-        args: list[str] = []
-        for task, e in zip(tasks, draws, strict=True):
-            if task.outcomes is not None:
-                a0, b0 = jeffreys_init(sum(task.outcomes), len(task.outcomes), mass)
-            else:
-                a0, b0 = task.alpha0, task.beta0
-            args += [task.task_id, num(a0), num(b0), num(e)]
-        return await self._call("put_tasks", run, *args)
+        def args(mass: float) -> list:
+            out: list = [len(tasks)]
+            for task in tasks:
+                if task.outcomes is not None:
+                    a0, b0 = jeffreys_init(sum(task.outcomes), len(task.outcomes), mass)
+                else:
+                    a0, b0 = task.alpha0, task.beta0
+                out += [task.task_id, num(a0), num(b0)]
+            return out
+
+        return await self._with_draws("put_tasks", run, len(tasks), args)
 
     async def read_tasks(self, run: str, task_ids: list[str]) -> list[dict]:
         raw = await self._call("read_tasks", run, *task_ids)
@@ -144,8 +186,8 @@ class Store:
 
     # -- requests -----------------------------------------------------------------------------
     async def dispatch(self, run: str, worker: str, version: int, k: int, idem: str | None) -> dict:
-        draws, _ = await self._reserve(run, k)
-        out = await self._call("dispatch", run, worker, version, k, idem or "", *map(num, draws))
+        args = [worker, version, k, idem or ""]
+        out = await self._with_draws("dispatch", run, k, lambda _: args)
         return {
             "policy_version": out["policy_version"],
             "snapshot": out["snapshot"] or None,

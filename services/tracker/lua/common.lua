@@ -65,6 +65,17 @@ local function expire(rid, req, clock, floor)
   redis.call('HINCRBY', RUN, 'expirations', 1)
 end
 
+-- The sampler's draw stream: the caller computed its Exp(1) draws for counters start, start+1, ...
+-- of (seed, run) from a hint it holds. If the hint is stale (another process used the stream, or
+-- the run is not what the caller thinks), answer the true position so the caller can redo its
+-- draws; the counter only ever advances by the draws a successful call used, so a refused call
+-- leaves the stream, like everything else, unchanged.
+local function stale_stream(start, seed, mass)
+  local f = redis.call('HMGET', RUN, 'draws', 'seed', 'prior_mass')
+  if f[1] == start and f[2] == seed and f[3] == mass then return nil end
+  return cjson.encode({ stream = { start = f[1], seed = f[2], prior_mass = f[3] } })
+end
+
 local function need_run()
   if redis.call('EXISTS', RUN) == 0 then
     return fail(404, 'unknown_run', 'no such run')

@@ -1,9 +1,10 @@
--- ARGV: prefix, worker_id, policy_version, max_requests, idempotency_key, then max_requests draws.
+-- ARGV: prefix, stream start, seed, prior mass, worker_id, policy_version, max_requests,
+-- idempotency_key, then max_requests draws; the j-th task popped keeps draw j for its return.
 -- Reclaims expired leases, then pops the smallest race keys; the race clock moves to the last.
 local missing = need_run()
 if missing then return missing end
-local worker, version, k, idem = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local fingerprint = worker .. '\31' .. ARGV[3] .. '\31' .. ARGV[4]
+local worker, version, k, idem = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+local fingerprint = worker .. '\31' .. ARGV[6] .. '\31' .. ARGV[7]
 local idem_key = P .. 'idem:' .. idem
 if idem ~= '' then
   local stored = redis.call('HMGET', idem_key, 'fp', 'resp')
@@ -11,7 +12,9 @@ if idem ~= '' then
     if stored[1] ~= fingerprint then
       return fail(409, 'idempotency_conflict', 'idempotency key reused with another body')
     end
-    return ok(cjson.decode(stored[2]))
+    local resp = cjson.decode(stored[2])
+    resp.draws_used = 0
+    return ok(resp)
   end
 end
 local current = hnum(RUN, 'version')
@@ -20,6 +23,8 @@ if version ~= current then
   return fail(409, 'stale_policy', 'policy version is not current: drain and reload',
     { policy_version = current, snapshot = snapshot })
 end
+local stale = stale_stream(ARGV[2], ARGV[3], ARGV[4])
+if stale then return stale end
 local now = now_ms()
 local clock, floor = hnum(RUN, 'clock'), hnum(RUN, 'floor')
 local expired = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now, 'LIMIT', 0, 4096)
@@ -38,7 +43,7 @@ for i = 1, #popped, 2 do
   local value = fmt(a / (a + b))
   local rid = 'r' .. redis.call('HINCRBY', RUN, 'reqseq', 1)
   redis.call('HSET', req_key(rid), 'task', tid, 'ver', version, 'value', value, 'exp', exp,
-    'state', 'leased', 'worker', worker, 'E', ARGV[5 + (i + 1) / 2])
+    'state', 'leased', 'worker', worker, 'E', ARGV[8 + (i + 1) / 2])
   redis.call('ZADD', LEASES, exp, rid)
   redis.call('HSET', tk, 'req', rid)
   redis.call('HINCRBY', tk, 'dispatches', 1)
@@ -46,8 +51,10 @@ for i = 1, #popped, 2 do
 end
 redis.call('HSET', RUN, 'clock', fmt(clock))
 redis.call('HINCRBY', RUN, 'dispatches', #out)
+redis.call('HINCRBY', RUN, 'draws', #out)
 local resp = { policy_version = version, snapshot = snapshot, requests = out }
 if idem ~= '' then
   redis.call('HSET', idem_key, 'fp', fingerprint, 'resp', cjson.encode(resp))
 end
+resp.draws_used = #out
 return ok(resp)

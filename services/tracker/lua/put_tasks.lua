@@ -1,11 +1,16 @@
--- ARGV: prefix, then (task_id, alpha0, beta0, E) per task. All-or-nothing: conflicts first.
+-- ARGV: prefix, stream start, seed, prior mass, n, then (task_id, alpha0, beta0) per task, then n
+-- draws: the j-th new task enters the race with draw j. All-or-nothing: conflicts first.
 local missing = need_run()
 if missing then return missing end
-local n = (#ARGV - 1) / 4
+local n = tonumber(ARGV[5])
+local D = 6 + 3 * n
+-- The hint first: outcome-form priors were computed with the prior mass it names.
+local stale = stale_stream(ARGV[2], ARGV[3], ARGV[4])
+if stale then return stale end
 local conflicts = {}
 local fresh = {}
 for i = 0, n - 1 do
-  local tid, a0, b0 = ARGV[2 + 4 * i], tonumber(ARGV[3 + 4 * i]), tonumber(ARGV[4 + 4 * i])
+  local tid, a0, b0 = ARGV[6 + 3 * i], tonumber(ARGV[7 + 3 * i]), tonumber(ARGV[8 + 3 * i])
   local tk = task_key(tid)
   local old = redis.call('HMGET', tk, 'a0', 'b0')
   if old[1] then
@@ -20,12 +25,12 @@ if #conflicts > 0 then
   return fail(409, 'prior_conflict', 'tasks exist with another prior', { task_ids = conflicts })
 end
 local clock, floor = hnum(RUN, 'clock'), hnum(RUN, 'floor')
-for _, i in ipairs(fresh) do
-  local tid = ARGV[2 + 4 * i]
-  local tk = task_key(tid)
-  redis.call('HSET', tk, 'a0', ARGV[3 + 4 * i], 'b0', ARGV[4 + 4 * i], 'a', ARGV[3 + 4 * i],
-    'b', ARGV[4 + 4 * i], 'zr', '0', 'dispatches', 0, 'outcomes', 0)
+for j, i in ipairs(fresh) do
+  local tid, a0, b0 = ARGV[6 + 3 * i], ARGV[7 + 3 * i], ARGV[8 + 3 * i]
+  redis.call('HSET', task_key(tid), 'a0', a0, 'b0', b0, 'a', a0, 'b', b0, 'zr', '0',
+    'dispatches', 0, 'outcomes', 0)
   redis.call('SADD', TASKS, tid)
-  make_idle(tid, tonumber(ARGV[5 + 4 * i]), clock, floor)
+  make_idle(tid, tonumber(ARGV[D + j - 1]), clock, floor)
 end
-return ok({ created = #fresh, unchanged = n - #fresh })
+redis.call('HINCRBY', RUN, 'draws', #fresh)
+return ok({ created = #fresh, unchanged = n - #fresh, draws_used = #fresh })

@@ -13,4 +13,6 @@ router = APIRouter(tags=["dispatch"])
 
 @router.post("/runs/{run}/dispatch", response_model=Dispatched)
 async def dispatch(run: RunName, body: DispatchBody, store: StoreDep) -> dict:
-    return await store.dispatch(run, body.worker_id, body.policy_version, body.max_requests, body.idempotency_key)
+    return await store.dispatch(
+        run, body.worker_id, body.policy_version, body.max_requests, body.idempotency_key
+    )

@@ -1,0 +1,35 @@
+"""Static checks of what cannot run here (no Docker engine): compose and Dockerfiles agree with the code."""
+
+from pathlib import Path
+
+import yaml
+
+from services.tracker.config import TrackerSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_compose_tracker_settings_are_real_settings():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    tracker = compose["services"]["tracker"]
+    assert (ROOT / tracker["build"]["dockerfile"]).exists()
+    fields = set(TrackerSettings.model_fields)
+    for name in tracker["environment"]:
+        assert name.startswith("SPOPP_") and name[6:].lower() in fields, name
+    assert "--appendonly" in compose["services"]["redis"]["command"]
+
+
+def test_unset_token_from_compose_means_no_auth(monkeypatch):
+    monkeypatch.setenv("SPOPP_API_TOKEN", "")
+    assert TrackerSettings().api_token is None
+    monkeypatch.setenv("SPOPP_API_TOKEN", "x" * 20)
+    assert TrackerSettings().api_token == "x" * 20
+
+
+def test_short_token_is_refused(monkeypatch):
+    import pydantic
+    import pytest
+
+    monkeypatch.setenv("SPOPP_API_TOKEN", "short")
+    with pytest.raises(pydantic.ValidationError):
+        TrackerSettings()
