@@ -61,6 +61,13 @@ def _summary(latencies: list[float], pairs: int, elapsed: float) -> dict:
     }
 
 
+REPEATS = 3
+
+
+def _median(results: list[dict]) -> dict:
+    return sorted(results, key=lambda x: x["pairs_per_s"])[len(results) // 2]
+
+
 def bench_http(client: TrackerClient, run: str, batch: int, rounds: int) -> dict:
     latencies, pairs = [], 0
     t0 = time.perf_counter()
@@ -128,13 +135,24 @@ def run_all(task_counts: list[int], rounds: dict[int, int]) -> list[dict]:
                     load_s = load_tasks(client, run, n)
                     raw = RawLoop(server.url, run)
                     for batch, r in rounds.items():
-                        # warm both paths, then alternate so drift in the machine hits both alike
+                        # Warm both paths, then alternate repeats so that drift in a busy 2-core
+                        # machine hits both alike; report each side's median repeat.
                         bench_http(client, run, batch, 5)
                         bench_raw(raw, batch, 5)
-                        _progress(f"  {n:,} tasks, batch {batch}: {r} rounds each")
-                        h = bench_http(client, run, batch, r)
-                        w = bench_raw(raw, batch, r)
-                        rows.append({"tasks": n, "batch": batch, "http": h, "raw": w, "load_s": load_s})
+                        _progress(f"  {n:,} tasks, batch {batch}: {REPEATS} x {r} rounds each")
+                        hs, ws = [], []
+                        for _ in range(REPEATS):
+                            hs.append(bench_http(client, run, batch, r))
+                            ws.append(bench_raw(raw, batch, r))
+                        rows.append(
+                            {
+                                "tasks": n,
+                                "batch": batch,
+                                "http": _median(hs),
+                                "raw": _median(ws),
+                                "load_s": load_s,
+                            }
+                        )
                         print(_line(rows[-1]), flush=True)
         finally:
             tracker.stop()
@@ -157,7 +175,8 @@ def markdown(rows: list[dict], command: str) -> str:
         f"Command: `{command}` on {platform.machine()}, {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d')}. One pair = one request dispatched and its outcome reported; "
         "latency is one dispatch call plus one outcomes call. `raw` runs the tracker's own Lua scripts "
-        "over redis-py with no HTTP, in the same run against the same Redis.",
+        "over redis-py with no HTTP, in the same run against the same Redis. Each figure is the median "
+        f"of {REPEATS} alternating repeats. Client, tracker and Redis share the machine's 2 cores.",
         "",
         "| tasks | batch | HTTP pairs/s | HTTP p50 ms | HTTP p99 ms | raw pairs/s | raw p50 ms | HTTP/raw |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

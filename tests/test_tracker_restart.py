@@ -77,3 +77,25 @@ def test_embedded_redis_keeps_state_across_tracker_restart(tmp_path, run_name):
     port = int(re.search(r"embedded redis on redis://127\.0\.0\.1:(\d+)", second.output()).group(1))
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_tracker_waits_for_redis_that_starts_late(tmp_path, run_name):
+    """In compose the tracker may come up before Redis: it retries until Redis answers."""
+    import threading
+
+    from services.tracker.embedded import EmbeddedRedis, free_port
+
+    port = free_port()
+    server = EmbeddedRedis(tmp_path, port=port, appendonly=False)
+    timer = threading.Timer(1.5, server.start)
+    timer.start()
+    try:
+        proc = TrackerProcess(f"redis://127.0.0.1:{port}/0")
+        try:
+            with TrackerClient(proc.url) as c:
+                assert c.put_run(run_name, {"recipe": "spopp"}).policy_version == 0
+        finally:
+            proc.stop()
+    finally:
+        timer.join()
+        server.stop()

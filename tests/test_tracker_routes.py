@@ -145,6 +145,9 @@ def test_consume_applies_spo_update_in_order_once(client, make_run):
     assert res[1].value == pytest.approx(a2 / (a2 + b2))
     again = client.consume(run, "u1", [("a", 1.0, 0.0), ("a", 0.0, 0.06)])
     assert again == res
+    with pytest.raises(TrackerError) as err:  # the same update_id with other items
+        client.consume(run, "u1", [("a", 1.0, 0.0)])
+    assert err.value.status == 409 and err.value.code == "idempotency_conflict"
     t = client.get_task(run, "a")
     assert (t.alpha, t.beta) == pytest.approx((a2, b2), rel=1e-15)
     assert client.get_run(run).counts.consumed_updates == 1

@@ -15,8 +15,15 @@ if redis.call('HGET', RUN, 'recipe') ~= 'spo' then
   return fail(409, 'wrong_recipe', 'consume applies to spo runs only; spopp places evidence at outcomes')
 end
 local done_key = P .. 'consumed'
+local fingerprint = table.concat(ARGV, '\31', 3)
 local prior = redis.call('HGET', done_key, ARGV[2])
-if prior then return ok(cjson.decode(prior)) end
+if prior then
+  prior = cjson.decode(prior)
+  if prior.fp ~= fingerprint then
+    return fail(409, 'idempotency_conflict', 'update_id reused with other items', { update_id = ARGV[2] })
+  end
+  return ok(prior.results)
+end
 local d_half, rmin, rmax = hnum(RUN, 'd_half'), hnum(RUN, 'rho_min'), hnum(RUN, 'rho_max')
 local clock, floor = hnum(RUN, 'clock'), hnum(RUN, 'floor')
 local results = {}
@@ -36,6 +43,6 @@ for i = 0, n - 1 do
   end
   table.insert(results, { task_id = tid, rho = fmt(rho), alpha = fmt(a), beta = fmt(b), value = fmt(a / (a + b)) })
 end
-redis.call('HSET', done_key, ARGV[2], cjson.encode(results))
+redis.call('HSET', done_key, ARGV[2], cjson.encode({ fp = fingerprint, results = results }))
 redis.call('HINCRBY', RUN, 'consumed', 1)
 return ok(results)
