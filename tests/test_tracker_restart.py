@@ -82,20 +82,24 @@ def test_embedded_redis_keeps_state_across_tracker_restart(tmp_path, run_name):
 def test_tracker_waits_for_redis_that_starts_late(tmp_path, run_name):
     """In compose the tracker may come up before Redis: it retries until Redis answers."""
     import threading
+    import time
 
     from services.tracker.embedded import EmbeddedRedis, free_port
 
     port = free_port()
-    server = EmbeddedRedis(tmp_path, port=port, appendonly=False)
-    timer = threading.Timer(1.5, server.start)
-    timer.start()
-    try:
-        proc = TrackerProcess(f"redis://127.0.0.1:{port}/0")
+    got = {}
+    # The tracker's launcher blocks until ready, so it waits in a thread; Redis starts here, in
+    # the main thread, because its death signal follows the thread that started it.
+    waiter = threading.Thread(
+        target=lambda: got.setdefault("proc", TrackerProcess(f"redis://127.0.0.1:{port}/0"))
+    )
+    waiter.start()
+    time.sleep(1.5)
+    with EmbeddedRedis(tmp_path, port=port, appendonly=False):
+        waiter.join()
+        proc = got["proc"]
         try:
             with TrackerClient(proc.url) as c:
                 assert c.put_run(run_name, {"recipe": "spopp"}).policy_version == 0
         finally:
             proc.stop()
-    finally:
-        timer.join()
-        server.stop()

@@ -35,7 +35,8 @@ def find_redis_server() -> str:
 
 def _die_with_parent() -> None:
     # Linux: SIGTERM the child when its parent dies, even by SIGKILL, so that no orphaned Redis
-    # keeps the AOF folder and its port. Elsewhere this is a no-op.
+    # keeps the AOF folder and its port. Elsewhere this is a no-op. The signal follows the
+    # *thread* that started the child: start the server from a thread that outlives it.
     try:
         import ctypes
 
