@@ -82,6 +82,20 @@ class _Call:
 class _Api:
     """The API, written once: each method returns what its transport makes of a `_Call`."""
 
+    _http_class: type = httpx.Client
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 5,
+        backoff: float = 0.1,
+    ) -> None:
+        """`retries` more attempts after a connection error, backoff doubling from `backoff` s."""
+        self.http = self._http_class(base_url=base_url, headers=_headers(token), timeout=timeout)
+        self.retries, self.backoff = retries, backoff
+
     def _do(self, call: _Call) -> Any:  # pragma: no cover - defined by the transports
         raise NotImplementedError
 
@@ -174,18 +188,9 @@ def _decode(call: _Call, response: httpx.Response) -> Any:
 
 
 class TrackerClient(_Api):
-    """Blocking client. `retries` connection attempts, backoff doubling from `backoff` seconds."""
+    """Blocking client."""
 
-    def __init__(
-        self,
-        base_url: str,
-        token: str | None = None,
-        timeout: float = 30.0,
-        retries: int = 5,
-        backoff: float = 0.1,
-    ) -> None:
-        self.http = httpx.Client(base_url=base_url, headers=_headers(token), timeout=timeout)
-        self.retries, self.backoff = retries, backoff
+    _http_class = httpx.Client
 
     def _do(self, call: _Call) -> Any:
         for attempt in range(self.retries + 1):
@@ -210,16 +215,7 @@ class TrackerClient(_Api):
 class AsyncTrackerClient(_Api):
     """The same API for asyncio: every method returns an awaitable."""
 
-    def __init__(
-        self,
-        base_url: str,
-        token: str | None = None,
-        timeout: float = 30.0,
-        retries: int = 5,
-        backoff: float = 0.1,
-    ) -> None:
-        self.http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), timeout=timeout)
-        self.retries, self.backoff = retries, backoff
+    _http_class = httpx.AsyncClient
 
     async def _do(self, call: _Call) -> Any:
         for attempt in range(self.retries + 1):

@@ -6,6 +6,14 @@ import json
 import secrets
 
 
+async def send_error(send, status: int, detail: dict, headers: list | None = None) -> None:
+    """Answer from inside a middleware with the API's error body {"detail": {...}}."""
+    body = json.dumps({"detail": detail}).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": head + (headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
 class BodyLimit:
     def __init__(self, app, max_bytes: int) -> None:
         self.app = app
@@ -39,26 +47,10 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps(
-            {
-                "detail": {
-                    "code": "body_too_large",
-                    "message": f"request body exceeds {self.max_bytes} bytes",
-                    "max_bytes": self.max_bytes,
-                }
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
+        message = f"request body exceeds {self.max_bytes} bytes"
+        await send_error(
+            send, 413, {"code": "body_too_large", "message": message, "max_bytes": self.max_bytes}
         )
-        await send({"type": "http.response.body", "body": body})
 
 
 class BearerAuth:
@@ -78,18 +70,5 @@ class BearerAuth:
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer" and secrets.compare_digest(given, self.token):
             return await self.app(scope, receive, send)
-        body = json.dumps(
-            {"detail": {"code": "unauthorized", "message": "missing or wrong bearer token"}}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"www-authenticate", b"Bearer"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        detail = {"code": "unauthorized", "message": "missing or wrong bearer token"}
+        await send_error(send, 401, detail, [(b"www-authenticate", b"Bearer")])

@@ -1,0 +1,1 @@
+"""The rollout service: engines, the multi-turn agent loop, environments and the worker loop."""

@@ -1,0 +1,1 @@
+"""Generation engines behind one small interface (`base.Engine`), one module per implementation."""

@@ -1,0 +1,1 @@
+"""Environments behind one small interface (`base.Environment`), one module per implementation."""
