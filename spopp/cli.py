@@ -16,6 +16,8 @@ tracker_app = typer.Typer(
     help="The tracker: prompt evidence, leases, sampler and policy clock.", no_args_is_help=True
 )
 app.add_typer(tracker_app, name="tracker")
+rollout_app = typer.Typer(help="Rollout replicas: engine, agent loop, environments.", no_args_is_help=True)
+app.add_typer(rollout_app, name="rollout")
 
 
 @tracker_app.command("serve")
@@ -46,6 +48,68 @@ def tracker_serve(
         host=host, port=port, redis_url=redis_url, data_dir=data_dir, log_level=log_level
     )
     serve(settings)
+
+
+def _given(**options) -> dict:
+    """Flags the user gave; the rest come from SPOPP_* variables or the settings' defaults."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+@rollout_app.command("serve")
+def rollout_serve(
+    model: Annotated[Path, typer.Option(help="model folder of policy version 0")],
+    tracker: Annotated[str | None, typer.Option(help="tracker URL")] = None,
+    learner: Annotated[str | None, typer.Option(help="learner URL")] = None,
+    run: Annotated[str | None, typer.Option(help="run name at the tracker")] = None,
+    engine: Annotated[str | None, typer.Option(help="vllm | transformers")] = None,
+    env: Annotated[str | None, typer.Option(help="environment: math-tir")] = None,
+    tasks: Annotated[Path | None, typer.Option(help="task file (JSONL or parquet)")] = None,
+    generated_tasks: Annotated[int | None, typer.Option(help="N generated arithmetic tasks")] = None,
+    worker_id: Annotated[str | None, typer.Option(help="name of this replica")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="episodes in flight")] = None,
+    drain: Annotated[str | None, typer.Option(help="finish | abort, on a new policy")] = None,
+    max_turns: Annotated[int | None, typer.Option(help="turns per episode")] = None,
+    max_tokens_per_turn: Annotated[int | None, typer.Option(help="tokens per model turn")] = None,
+    max_total_tokens: Annotated[int | None, typer.Option(help="tokens per episode, prompt included")] = None,
+    temperature: Annotated[float | None, typer.Option(help="sampling temperature")] = None,
+    seed: Annotated[int | None, typer.Option(help="base of per-episode seeds")] = None,
+    host: Annotated[str | None, typer.Option(help="address of /healthz and /metrics")] = None,
+    port: Annotated[int | None, typer.Option(help="port of /healthz and /metrics")] = None,
+    max_episodes: Annotated[
+        int | None, typer.Option(help="stop after N episodes (tests, smoke runs)")
+    ] = None,
+) -> None:
+    """Run a rollout replica: dispatch from the tracker, run episodes, report, push trajectories."""
+    import asyncio
+    import logging
+
+    from services.rollout.config import RolloutSettings
+    from services.rollout.serve import serve
+
+    settings = RolloutSettings(
+        **_given(
+            model=model,
+            tracker=tracker,
+            learner=learner,
+            run=run,
+            engine=engine,
+            env=env,
+            tasks=tasks,
+            generated_tasks=generated_tasks,
+            worker_id=worker_id,
+            concurrency=concurrency,
+            drain=drain,
+            max_turns=max_turns,
+            max_tokens_per_turn=max_tokens_per_turn,
+            max_total_tokens=max_total_tokens,
+            temperature=temperature,
+            seed=seed,
+            host=host,
+            port=port,
+        )
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(settings, max_episodes=max_episodes))
 
 
 if __name__ == "__main__":

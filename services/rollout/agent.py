@@ -1,0 +1,115 @@
+"""The multi-turn agent loop: one episode of an engine against an environment.
+
+The trajectory is one flat token sequence. Tokens the engine generated carry mask 1 and the
+engine's own log-probs; everything else (prompt, observations, tool output, the template's
+turn markers) carries mask 0. Budgets: turns, tokens per turn, total tokens; an episode cut by
+a budget gets reward 0 and says which budget cut it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+
+from .chat import ChatRenderer
+from .engines.base import Engine, SamplingConfig
+from .envs.base import Environment, Task
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_turns: int = 8
+    max_tokens_per_turn: int = 1024
+    max_total_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if min(self.max_turns, self.max_tokens_per_turn, self.max_total_tokens) < 1:
+            raise ValueError(f"every budget must be >= 1, got {self}")
+
+
+@dataclass
+class Episode:
+    token_ids: list[int]
+    action_mask: list[int]
+    rollout_logprobs: list[float]
+    reward: float
+    num_turns: int
+    finish_reason: str
+    prompt_tokens: int
+    info: dict = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.action_mask)
+
+
+class _Sequence:
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+
+    def add(self, ids: list[int], logprobs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [1 if logprobs is not None else 0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+async def run_episode(
+    engine: Engine,
+    env: Environment,
+    task: Task,
+    budget: Budget,
+    sampling: SamplingConfig,
+    renderer: ChatRenderer | None = None,
+) -> Episode:
+    renderer = renderer or ChatRenderer(engine.tokenizer)
+    seq = _Sequence()
+    t0 = time.perf_counter()
+    gen_s = env_s = 0.0
+    seq.add(renderer.prompt(env.reset(task)))
+    prompt_tokens = len(seq.ids)
+    # Reward stays 0 unless the environment ends the episode: a cut answer earns nothing.
+    reward, finish, turns, info = 0.0, "max_turns", 0, {}
+    stop = tuple(dict.fromkeys(sampling.stop + env.stop))
+    while turns < budget.max_turns:
+        room = budget.max_total_tokens - len(seq.ids)
+        if room < 1:
+            finish = "max_total_tokens"
+            break
+        per_turn = min(budget.max_tokens_per_turn, room)
+        s = time.perf_counter()
+        gen = await engine.generate(seq.ids, replace(sampling, max_tokens=per_turn, stop=stop))
+        gen_s += time.perf_counter() - s
+        turns += 1
+        seq.add(gen.token_ids, gen.logprobs)
+        if gen.finish_reason == "length":
+            finish = "max_tokens_per_turn" if per_turn == budget.max_tokens_per_turn else "max_total_tokens"
+            break
+        s = time.perf_counter()
+        text = engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        result = await asyncio.to_thread(env.step, text)
+        env_s += time.perf_counter() - s
+        info = result.info
+        if result.done:
+            reward, finish = float(result.reward), str(info.get("finish", "done"))
+            seq.add(renderer.close_turn(gen.token_ids))
+            break
+        more = renderer.close_turn(gen.token_ids) + renderer.continuation(result.messages)
+        if len(seq.ids) + len(more) >= budget.max_total_tokens:
+            finish = "max_total_tokens"
+            break
+        seq.add(more)
+    return Episode(
+        token_ids=seq.ids,
+        action_mask=seq.mask,
+        rollout_logprobs=seq.logprobs,
+        reward=reward,
+        num_turns=turns,
+        finish_reason=finish,
+        prompt_tokens=prompt_tokens,
+        info=info,
+        timings={"generate_s": gen_s, "env_s": env_s, "total_s": time.perf_counter() - t0},
+    )

@@ -1,0 +1,88 @@
+"""`spopp rollout serve`: one replica = engine + worker loop + a small /healthz and /metrics app."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import generate_latest
+
+from .config import RolloutSettings
+from .envs.base import Environment, Task
+from .worker import Worker
+
+log = logging.getLogger("spopp.rollout")
+
+
+def load_task_table(s: RolloutSettings) -> dict[str, Task]:
+    from .tasks import generate_arithmetic_tasks, load_tasks
+
+    if s.tasks is not None:
+        tasks = load_tasks(s.tasks)
+    elif s.generated_tasks:
+        tasks = generate_arithmetic_tasks(s.generated_tasks, seed=s.task_seed)
+    else:
+        raise ValueError("give --tasks FILE or --generated-tasks N")
+    return {t.task_id: t for t in tasks}
+
+
+def env_factory(s: RolloutSettings):
+    if s.env == "math-tir":
+        from .envs.math_tir import MathTIREnv
+        from .sandbox import SandboxConfig, check_sandbox
+
+        check_sandbox(SandboxConfig())  # fail at start-up, not in the first episode
+
+        def make() -> Environment:
+            return MathTIREnv(SandboxConfig())
+
+        return make
+    raise ValueError(f"unknown environment {s.env!r}")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal capture: SIGTERM must drain the worker, not just stop HTTP."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def health_app(worker: Worker) -> FastAPI:
+    app = FastAPI(title="spopp rollout")
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok", "policy_version": worker.version, "in_flight": len(worker.inflight)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(worker.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def serve(s: RolloutSettings, max_episodes: int | None = None) -> None:
+    from .engines.factory import make_engine
+
+    tasks = load_task_table(s)
+    make_env = env_factory(s)
+    engine = make_engine(s.engine, s.model, **s.engine_options)
+    worker = Worker(s, engine, make_env, tasks)
+    server = _Server(uvicorn.Config(health_app(worker), host=s.host, port=s.port, log_level="warning"))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(worker.shutdown()))
+    http = asyncio.create_task(server.serve())
+    log.info("rollout %s: run %s, %d tasks, engine %s", s.worker_id, s.run, len(tasks), s.engine)
+    try:
+        await worker.run(max_episodes=max_episodes)
+    finally:
+        server.should_exit = True
+        await http
+        await worker.close()
+        await engine.close()

@@ -1,0 +1,220 @@
+"""The rollout worker loop: dispatch → episode → outcome to the tracker → trajectory to the learner.
+
+Up to `concurrency` episodes run at once on one engine (which batches their generations). When
+the tracker answers a dispatch with 409, a newer policy is out: the worker stops dispatching,
+drains (`finish`: in-flight episodes complete and report; `abort`: their leases are released),
+swaps in the new snapshot's weights and goes on. Leases of long episodes are renewed. The
+replica keeps nothing the system needs: killed at any moment, its leases expire at the tracker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+from spopp.client import AsyncTrackerClient, StalePolicy, TrackerError
+from spopp.tracker_api import Lease
+from spopp.trajectory import Trajectory
+
+from .agent import Budget, Episode, run_episode
+from .chat import ChatRenderer
+from .config import RolloutSettings
+from .engines.base import Engine, SamplingConfig
+from .envs.base import Environment, Task
+from .metrics import RolloutMetrics
+
+log = logging.getLogger("spopp.rollout")
+
+
+def snapshot_path(uri: str) -> Path:
+    """`file:///abs/dir` or a plain path; other schemes need a fetcher we do not have yet."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return Path(parsed.path if parsed.scheme else uri)
+    raise ValueError(f"unsupported snapshot URI {uri!r}: use a path on shared storage or file://")
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        engine: Engine,
+        make_env: Callable[[], Environment],
+        tasks: dict[str, Task],
+        metrics: RolloutMetrics | None = None,
+    ) -> None:
+        self.s = settings
+        self.engine = engine
+        self.make_env = make_env
+        self.tasks = tasks
+        self.metrics = metrics or RolloutMetrics()
+        self.tracker = AsyncTrackerClient(settings.tracker, token=settings.token)
+        self.learner = httpx.AsyncClient(base_url=settings.learner, timeout=60.0)
+        self.renderer = ChatRenderer(engine.tokenizer)
+        self.budget = Budget(settings.max_turns, settings.max_tokens_per_turn, settings.max_total_tokens)
+        self.sampling = SamplingConfig(
+            max_tokens=settings.max_tokens_per_turn,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+        )
+        self.version: int | None = None
+        self.snapshot: str | None = None
+        self.inflight: dict[asyncio.Task, Lease] = {}
+        self.stopping = asyncio.Event()
+        self._episodes = 0
+
+    # -- policy -------------------------------------------------------------------------------
+    async def sync_policy(self) -> None:
+        """Load the tracker's current snapshot if it is not the one the engine holds."""
+        policy = await self.tracker.policy(self.s.run)
+        await self._switch(policy.version, policy.snapshot)
+
+    async def _switch(self, version: int, snapshot: str | None) -> None:
+        if version == self.version:
+            return
+        if snapshot and version > 0:
+            t0 = time.perf_counter()
+            await self.engine.load_weights(snapshot_path(snapshot))
+            self.metrics.reload_seconds.observe(time.perf_counter() - t0)
+            self.metrics.reloads.inc()
+            log.info("policy v%d loaded from %s in %.2f s", version, snapshot, time.perf_counter() - t0)
+        self.version, self.snapshot = version, snapshot
+        self.metrics.policy_version.set(version)
+
+    async def _drain(self) -> None:
+        if not self.inflight:
+            return
+        log.info("draining %d episodes (%s)", len(self.inflight), self.s.drain)
+        if self.s.drain == "abort":
+            for task in self.inflight:
+                task.cancel()
+        await asyncio.gather(*self.inflight, return_exceptions=True)
+
+    # -- the loop -----------------------------------------------------------------------------
+    async def run(self, max_episodes: int | None = None) -> None:
+        await self.sync_policy()
+        while not self.stopping.is_set():
+            if max_episodes is not None and self._episodes >= max_episodes:
+                break
+            free = self.s.concurrency - len(self.inflight)
+            got: list[Lease] = []
+            if free > 0:
+                try:
+                    d = await self.tracker.dispatch(self.s.run, self.s.worker_id, self.version, free)
+                    got = d.requests
+                except StalePolicy as stale:
+                    await self._drain()
+                    await self._switch(stale.policy_version, stale.snapshot)
+                    continue
+            for lease in got:
+                task = asyncio.create_task(self._episode(lease))
+                self.inflight[task] = lease
+                task.add_done_callback(self._finished)
+            self.metrics.in_flight.set(len(self.inflight))
+            if self.inflight:
+                # Wake as soon as one episode ends (to refill its slot), or poll for idle tasks.
+                await asyncio.wait(
+                    list(self.inflight), timeout=self.s.poll_seconds, return_when=asyncio.FIRST_COMPLETED
+                )
+            else:
+                await asyncio.sleep(self.s.poll_seconds)
+        await self._drain()
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.inflight.pop(task, None)
+        self._episodes += 1
+        if not task.cancelled() and task.exception() is not None:
+            log.error("episode failed: %r", task.exception())
+
+    async def shutdown(self) -> None:
+        self.stopping.set()
+
+    async def close(self) -> None:
+        await self.tracker.aclose()
+        await self.learner.aclose()
+
+    # -- one episode --------------------------------------------------------------------------
+    async def _episode(self, lease: Lease) -> None:
+        task = self.tasks.get(lease.task_id)
+        if task is None:
+            log.error("tracker dispatched unknown task %s: releasing it", lease.task_id)
+            await self.tracker.release(self.s.run, lease.request_id)
+            return
+        renewer = asyncio.create_task(self._renew(lease))
+        env = self.make_env()
+        try:
+            # Per-episode seed from (seed, request): reproducible across processes, unlike hash().
+            seed = zlib.crc32(f"{self.s.seed}:{lease.request_id}".encode())
+            ep = await run_episode(
+                self.engine, env, task, self.budget, replace(self.sampling, seed=seed), self.renderer
+            )
+        except asyncio.CancelledError:
+            await asyncio.shield(self._release(lease))
+            raise
+        except Exception:
+            await self._release(lease)
+            raise
+        finally:
+            renewer.cancel()
+            env.close()
+        self.metrics.observe_episode(ep)
+        [result] = await self.tracker.outcomes(self.s.run, [(lease.request_id, ep.reward)])
+        await self._post(lease, ep, result.value, result.advantage)
+
+    async def _release(self, lease: Lease) -> None:
+        try:
+            await self.tracker.release(self.s.run, lease.request_id)
+        except (TrackerError, httpx.HTTPError) as exc:  # the lease expires by itself anyway
+            log.warning("release of %s failed: %s", lease.request_id, exc)
+
+    async def _renew(self, lease: Lease) -> None:
+        run = await self.tracker.get_run(self.s.run)
+        period = max(0.05, run.config.lease_seconds * self.s.renew_fraction)
+        while True:
+            await asyncio.sleep(period)
+            await self.tracker.renew(self.s.run, lease.request_id)
+
+    async def _post(self, lease: Lease, ep: Episode, value: float, advantage: float | None) -> None:
+        body = Trajectory(
+            run=self.s.run,
+            request_id=lease.request_id,
+            task_id=lease.task_id,
+            policy_version=lease.policy_version,
+            token_ids=ep.token_ids,
+            action_mask=ep.action_mask,
+            rollout_logprobs=ep.rollout_logprobs,
+            reward=ep.reward,
+            value=value,
+            advantage=advantage,
+            num_turns=ep.num_turns,
+            finish_reason=ep.finish_reason,
+            timings=ep.timings,
+        ).model_dump(mode="json")
+        for attempt in range(8):
+            try:
+                r = await self.learner.post("/v1/trajectories", json=body)
+            except httpx.TransportError as exc:
+                log.warning("learner unreachable (%s), retry %d", exc, attempt + 1)
+                await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
+                continue
+            if r.status_code == 409:
+                # An old version's episode: SPO++ already has its outcome, the learner has moved on.
+                self.metrics.drained.inc()
+            elif r.status_code >= 500:
+                await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
+                continue
+            elif r.status_code >= 400:
+                log.error("learner refused %s: %s %s", lease.request_id, r.status_code, r.text[:500])
+            self.metrics.posted.labels(str(r.status_code)).inc()
+            return
+        log.error("gave up posting %s to the learner", lease.request_id)
+        self.metrics.posted.labels("unreachable").inc()
