@@ -100,7 +100,26 @@ class Worker:
         await asyncio.gather(*self.inflight, return_exceptions=True)
 
     # -- the loop -----------------------------------------------------------------------------
+    def check_prompts(self) -> None:
+        """Fail at start-up when a task's opening alone fills the token budget: such a task could
+        never get an answer, and its leases would only bounce between tracker and replica."""
+        too_long = []
+        for task in self.tasks.values():
+            env = self.make_env()
+            try:
+                n = len(self.renderer.prompt(env.reset(task)))
+            finally:
+                env.close()
+            if n >= self.budget.max_total_tokens:
+                too_long.append(f"{task.task_id} ({n} tokens)")
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} task prompts leave no room under max_total_tokens="
+                f"{self.budget.max_total_tokens}: {', '.join(too_long[:5])}; raise the budget or drop them"
+            )
+
     async def run(self, max_episodes: int | None = None) -> None:
+        self.check_prompts()
         await self.sync_policy()
         while not self.stopping.is_set():
             if max_episodes is not None and self._episodes >= max_episodes:
@@ -166,6 +185,10 @@ class Worker:
         finally:
             renewer.cancel()
             env.close()
+        if ep.generated_tokens == 0:  # nothing to learn from and no answer to judge
+            log.error("task %s: no room to generate (%s); releasing", lease.task_id, ep.finish_reason)
+            await self._release(lease)
+            return
         self.metrics.observe_episode(ep)
         [result] = await self.tracker.outcomes(self.s.run, [(lease.request_id, ep.reward)])
         await self._post(lease, ep, result.value, result.advantage)

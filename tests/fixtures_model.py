@@ -1,0 +1,46 @@
+"""Session fixture `tiny_model`: the folder of spopp.tiny_model's model, built once per session.
+
+With SPOPP_TEST_CACHE set, the folder is kept there across sessions, under a key that changes
+when the builder's source or the transformers version does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import spopp.tiny_model
+
+
+def _cache_key() -> str:
+    import transformers
+
+    src = Path(spopp.tiny_model.__file__).read_bytes()
+    return hashlib.sha256(src + transformers.__version__.encode()).hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    cache = os.environ.get("SPOPP_TEST_CACHE")
+    if not cache:
+        return spopp.tiny_model.build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
+    target = Path(cache) / f"tiny-model-{_cache_key()}"
+    if not target.is_dir():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build aside and rename, so a concurrent or interrupted session never sees half a folder.
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
+        try:
+            spopp.tiny_model.build_tiny_model(staging / "model")
+            try:
+                (staging / "model").rename(target)
+            except OSError:
+                if not target.is_dir():  # lost a race to an equal folder otherwise
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,133 @@
+"""A real tracker + Redis + one rollout replica (the real CLI) on the tiny model, against a learner sink.
+
+Checks the whole loop: trajectories arrive tagged with their version; a new policy makes the
+replica drain, reload and tag later trajectories with the new version (whose log-probs are the
+new weights'); a replica killed mid-episode loses nothing at the tracker: its leases expire.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from learner_sink import LearnerSink
+from transformers import AutoModelForCausalLM
+
+from services.rollout.tasks import generate_arithmetic_tasks
+from services.tracker.embedded import free_port
+from spopp.tiny_model import perturb_weights
+
+N_TASKS = 8
+
+
+def _replica(tiny_model, tracker, sink, run, port, log):
+    args = [
+        sys.executable,
+        "-m",
+        "spopp.cli",
+        "rollout",
+        "serve",
+        "--model",
+        str(tiny_model),
+        "--tracker",
+        tracker.url,
+        "--learner",
+        sink.url,
+        "--run",
+        run,
+        "--engine",
+        "transformers",
+        "--env",
+        "math-tir",
+        "--generated-tasks",
+        str(N_TASKS),
+        "--concurrency",
+        "4",
+        "--max-turns",
+        "3",
+        "--max-tokens-per-turn",
+        "48",
+        "--max-total-tokens",
+        "900",
+        "--port",
+        str(port),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    return subprocess.Popen(args, env={**env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _logprobs(model_dir, traj):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([traj.token_ids])).logits[0], -1)
+    return [
+        float(logp[i - 1, traj.token_ids[i]]) for i in range(1, len(traj.token_ids)) if traj.action_mask[i]
+    ]
+
+
+def _metric(url, name):
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.slow
+def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, client, run_name, tmp_path):
+    tasks = generate_arithmetic_tasks(N_TASKS, seed=0)
+    client.put_run(run_name, {"recipe": "spopp", "lease_seconds": 3, "base_snapshot": str(tiny_model)})
+    client.put_tasks(run_name, [{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in tasks])
+    port = free_port()
+    replica_url = f"http://127.0.0.1:{port}"
+    with LearnerSink() as sink:
+        log = open(tmp_path / "replica.log", "w+")
+        proc = _replica(tiny_model, tracker, sink, run_name, port, log)
+        try:
+            first = sink.wait_for(6, timeout=180, version=0)
+            assert {t.task_id for t in first} <= {t.task_id for t in tasks}
+            assert all(t.run == run_name and t.value is not None for t in first)
+            # A new policy: different weights in a snapshot folder on "shared storage".
+            snap = perturb_weights(tiny_model, tmp_path / "snapshots" / "v000001", scale=0.5, seed=1)
+            sink.version = 1
+            client.publish(run_name, 1, f"file://{snap}")
+            later = sink.wait_for(4, timeout=180, version=1)
+            health = httpx.get(replica_url + "/healthz").json()
+            assert health["policy_version"] == 1
+            assert _metric(replica_url, "spopp_rollout_weight_reloads_total") == 1.0
+            assert _metric(replica_url, "spopp_rollout_drained_episodes_total") == len(sink.refused)
+            # The version-1 trajectories were sampled from the new weights, not the old ones.
+            traj = later[0]
+            sampled = [
+                lp
+                for i, (lp, m) in enumerate(zip(traj.rollout_logprobs, traj.action_mask, strict=True))
+                if m and i
+            ]
+            new, old = _logprobs(snap, traj), _logprobs(tiny_model, traj)
+            assert sampled == pytest.approx(new, abs=2e-4)
+            assert new != pytest.approx(old, abs=2e-4)
+            # Kill the replica while it holds leases: they expire and the tasks come back.
+            deadline = time.monotonic() + 60
+            while client.get_run(run_name).counts.in_flight == 0:
+                assert time.monotonic() < deadline, "replica never held a lease"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            assert client.get_run(run_name).counts.in_flight > 0
+            time.sleep(3.5)
+            counts = client.get_run(run_name).counts
+            assert counts.in_flight == 0
+            got = client.dispatch(run_name, "other", 1, N_TASKS).requests
+            assert len(got) == N_TASKS
+            assert client.get_run(run_name).counts.expirations > 0
+        except BaseException:
+            log.seek(0)
+            print("replica output (tail):\n" + log.read()[-4000:])
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
