@@ -19,6 +19,25 @@ def test_compose_tracker_settings_are_real_settings():
     assert "--appendonly" in compose["services"]["redis"]["command"]
 
 
+def test_compose_rollout_settings_are_real_settings():
+    from services.rollout.config import RolloutSettings
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    rollout = compose["services"]["rollout"]
+    assert (ROOT / rollout["build"]["dockerfile"]).exists()
+    fields = set(RolloutSettings.model_fields)
+    for name in rollout["environment"]:
+        assert name.startswith("SPOPP_ROLLOUT_") and name[14:].lower() in fields, name
+    # The command's flags are flags of `spopp rollout serve`.
+    from typer.testing import CliRunner
+
+    from spopp.cli import app
+
+    help_text = CliRunner().invoke(app, ["rollout", "serve", "--help"], env={"COLUMNS": "200"}).output
+    for flag in (a for a in rollout["command"] if a.startswith("--")):
+        assert flag in help_text, flag
+
+
 def test_unset_token_from_compose_means_no_auth(monkeypatch):
     monkeypatch.setenv("SPOPP_API_TOKEN", "")
     assert TrackerSettings().api_token is None
