@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 import torch
-from learner_sink import LearnerSink
 from transformers import AutoModelForCausalLM
 
+from services.rollout.sink import LearnerSink
 from services.rollout.tasks import generate_arithmetic_tasks
 from services.tracker.embedded import free_port
 from spopp.tiny_model import perturb_weights

@@ -1,7 +1,8 @@
-"""A small HTTP sink standing in for the learner in rollout tests: validates and keeps trajectories.
+"""A trajectory sink that stands in for the learner: rollout tests, benchmarks and dry runs.
 
-It answers like the learner will: 409 for a policy version other than its current one, 422 for a
-record that fails the schema. It runs under a real uvicorn server on a free port.
+It answers like the learner: 409 for a policy version other than its current one, 422 for a
+record that fails the schema; it keeps what it accepts. It runs a real uvicorn server on a free
+port in a background thread.
 """
 
 from __future__ import annotations
