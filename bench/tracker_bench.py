@@ -205,9 +205,8 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of BENCHMARKS.md, keeping the others."""
-    head = "## Tracker: dispatch + outcome pairs"
+def write_section(path: Path, section: str, head: str = "## Tracker: dispatch + outcome pairs") -> None:
+    """Replace one benchmark's section of BENCHMARKS.md (the one starting with `head`), keeping the others."""
     text = (
         path.read_text()
         if path.exists()

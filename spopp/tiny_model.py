@@ -7,7 +7,6 @@ near-ties, which makes engines comparable token by token.
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 from pathlib import Path
@@ -28,24 +27,25 @@ _THINK = ["", "Let me compute it.\n", "I will use python.\n", "Let me run the co
 _ANSWER = ["The answer is \\boxed{{{v}}}.", "\\boxed{{{v}}}", "So {e} = {v}, the answer is \\boxed{{{v}}}."]
 
 
-def _expression(rng: random.Random) -> str:
-    n = lambda: str(rng.randint(1, 999))  # noqa: E731
+def _expression(rng: random.Random) -> tuple[str, int]:
+    """A random arithmetic expression and its value."""
+    a, b, c = (rng.randint(1, 999) for _ in range(3))
     form = rng.randrange(5)
     if form == 0:
-        return f"{n()}*{n()}+{n()}"
+        return f"{a}*{b}+{c}", a * b + c
     if form == 1:
-        return f"{n()}+{n()}"
+        return f"{a}+{b}", a + b
     if form == 2:
-        return f"{n()}-{n()}"
+        return f"{a}-{b}", a - b
     if form == 3:
-        return f"({n()}+{n()})*{rng.randint(2, 20)}"
-    return f"{n()}*{n()}"
+        k = rng.randint(2, 20)
+        return f"({a}+{b})*{k}", (a + b) * k
+    return f"{a}*{b}", a * b
 
 
 def sample_chat(rng: random.Random) -> list[dict]:
     """One arithmetic conversation: question, code, tool output, boxed answer."""
-    e = _expression(rng)
-    v = eval(e)  # our own generated arithmetic, never user input
+    e, v = _expression(rng)
     messages = [{"role": "system", "content": _SYSTEM}] if rng.random() < 0.5 else []
     messages += [
         {"role": "user", "content": rng.choice(_ASK).format(e=e)},
@@ -99,7 +99,8 @@ def build_tiny_model(
 ) -> Path:
     """Write tokenizer, config, generation config and safetensors weights to `out_dir`.
 
-    Deterministic given the arguments: same seed, same files' contents.
+    `vocab_size` caps the BPE vocabulary (the corpus may support fewer tokens; the embedding has
+    one row per actual token). Deterministic given the arguments. About 20 s on one CPU thread.
     """
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -146,7 +147,9 @@ def build_tiny_model(
     return out
 
 
-def _sft(model, tok, corpus: list[str], rng: random.Random, *, steps: int, batch_size: int, lr: float) -> float:
+def _sft(
+    model, tok, corpus: list[str], rng: random.Random, *, steps: int, batch_size: int, lr: float
+) -> float:
     """Next-token training on random windows of the concatenated corpus.
 
     Packed windows waste no compute on padding and need no attention mask, which keeps the
@@ -191,8 +194,3 @@ def perturb_weights(src_dir: str | Path, dst_dir: str | Path, scale: float = 0.0
             out[name] = (t + scale * t.abs().mean() * noise).contiguous()
         save_file(out, dst / f.name, metadata={"format": "pt"})
     return dst
-
-
-def describe(model_dir: str | Path) -> dict:
-    """Config summary of a model folder (for logs)."""
-    return json.loads((Path(model_dir) / "config.json").read_text())

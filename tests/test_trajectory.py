@@ -8,9 +8,19 @@ from pydantic import ValidationError
 from spopp.trajectory import Trajectory
 
 GOOD = dict(
-    run="r", request_id="r1", task_id="t", policy_version=3, token_ids=[5, 6, 7, 8], action_mask=[0, 0, 1, 1],
-    rollout_logprobs=[0.0, 0.0, -0.5, -1.25], reward=1.0, value=0.25, advantage=0.75, num_turns=1,
-    finish_reason="done", timings={"total_s": 0.5},
+    run="r",
+    request_id="r1",
+    task_id="t",
+    policy_version=3,
+    token_ids=[5, 6, 7, 8],
+    action_mask=[0, 0, 1, 1],
+    rollout_logprobs=[0.0, 0.0, -0.5, -1.25],
+    reward=1.0,
+    value=0.25,
+    advantage=0.75,
+    num_turns=1,
+    finish_reason="done",
+    timings={"total_s": 0.5},
 )
 
 

@@ -107,7 +107,8 @@ class TransformersEngine(Engine):
         loop = asyncio.get_running_loop()
         request = _Request(list(map(int, prompt_ids)), sampling, loop.create_future())
         self._pending.append(request)
-        # The dispatcher belongs to the loop that started it; a new loop gets its own.
+        # The engine serves one event loop at a time; a new loop (e.g. a later asyncio.run) gets a
+        # new dispatcher, and requests left over from a finished loop are dropped.
         if self._dispatcher is None or self._dispatcher.done() or self._dispatcher.get_loop() is not loop:
             self._dispatcher = loop.create_task(self._dispatch())
         return await request.future
@@ -158,7 +159,7 @@ class TransformersEngine(Engine):
             timings = {
                 "queue_s": started - row.request.submitted,
                 "engine_s": elapsed,
-                "batch_size": len(rows),
+                "batch_size": float(len(rows)),
             }
             out.append(Generation(row.token_ids, row.logprobs, row.finish_reason, text, timings))
         return out

