@@ -24,7 +24,7 @@ from spopp.tiny_model import perturb_weights
 N_TASKS = 8
 
 
-def _replica(tiny_model, tracker, sink, run, port, log):
+def _replica(tiny_model, tracker, sink, run, port, log, *extra):
     args = [
         sys.executable,
         "-m",
@@ -55,6 +55,7 @@ def _replica(tiny_model, tracker, sink, run, port, log):
         "900",
         "--port",
         str(port),
+        *extra,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
     return subprocess.Popen(args, env={**env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
@@ -123,6 +124,59 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
             got = client.dispatch(run_name, "other", 1, N_TASKS).requests
             assert len(got) == N_TASKS
             assert client.get_run(run_name).counts.expirations > 0
+        except BaseException:
+            log.seek(0)
+            print("replica output (tail):\n" + log.read()[-4000:])
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def _wait(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
+    tiny_model, tracker, client, run_name, tmp_path
+):
+    tasks = generate_arithmetic_tasks(N_TASKS, seed=0)
+    client.put_run(run_name, {"recipe": "spopp", "lease_seconds": 60})
+    client.put_tasks(run_name, [{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in tasks])
+    port = free_port()
+    with LearnerSink() as sink:
+        log = open(tmp_path / "replica.log", "w+")
+        proc = _replica(tiny_model, tracker, sink, run_name, port, log, "--drain", "abort")
+        try:
+            sink.wait_for(3, timeout=180, version=0)
+            # Publish while episodes are in flight; abort releases their leases at once (long
+            # leases here, so nothing comes back by expiry). Episodes are short: try a few times.
+            for version in range(1, 6):
+                _wait(lambda: client.get_run(run_name).counts.in_flight > 0, 60, "a lease in flight")
+                snap = perturb_weights(tiny_model, tmp_path / f"v{version:06d}", scale=0.1, seed=version)
+                sink.version = version
+                client.publish(run_name, version, str(snap))
+                _wait(
+                    lambda v=version: (
+                        httpx.get(f"http://127.0.0.1:{port}/healthz").json()["policy_version"] == v
+                    ),
+                    60,
+                    "the reload",
+                )
+                if client.get_run(run_name).counts.releases > 0:
+                    break
+            assert client.get_run(run_name).counts.releases > 0
+            assert client.get_run(run_name).counts.expirations == 0
+            # SIGTERM: the replica stops dispatching, releases what it holds (abort) and exits 0.
+            _wait(lambda: client.get_run(run_name).counts.in_flight > 0, 60, "a lease in flight")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+            assert client.get_run(run_name).counts.in_flight == 0
         except BaseException:
             log.seek(0)
             print("replica output (tail):\n" + log.read()[-4000:])
