@@ -5,6 +5,7 @@ replica drain, reload and tag later trajectories with the new version (whose log
 new weights'); a replica killed mid-episode loses nothing at the tracker: its leases expire.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,7 +25,10 @@ from spopp.tiny_model import perturb_weights
 N_TASKS = 8
 
 
-def _replica(tiny_model, tracker, sink, run, port, log, *extra):
+@contextlib.contextmanager
+def replica(tiny_model, tracker, sink, run, port, log_path, *extra):
+    """The real CLI in a subprocess; its output is printed when the test fails, and it is
+    killed (by pid) if still running at the end."""
     args = [
         sys.executable,
         "-m",
@@ -58,7 +62,19 @@ def _replica(tiny_model, tracker, sink, run, port, log, *extra):
         *extra,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
-    return subprocess.Popen(args, env={**env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    log = open(log_path, "w+")
+    proc = subprocess.Popen(args, env={**env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    except BaseException:
+        log.seek(0)
+        print("replica output (tail):\n" + log.read()[-4000:])
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
 
 
 def _logprobs(model_dir, traj):
@@ -85,9 +101,7 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
     port = free_port()
     replica_url = f"http://127.0.0.1:{port}"
     with LearnerSink() as sink:
-        log = open(tmp_path / "replica.log", "w+")
-        proc = _replica(tiny_model, tracker, sink, run_name, port, log)
-        try:
+        with replica(tiny_model, tracker, sink, run_name, port, tmp_path / "replica.log") as proc:
             first = sink.wait_for(6, timeout=180, version=0)
             assert {t.task_id for t in first} <= {t.task_id for t in tasks}
             assert all(t.run == run_name and t.value is not None for t in first)
@@ -111,10 +125,7 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
             assert sampled == pytest.approx(new, abs=2e-4)
             assert new != pytest.approx(old, abs=2e-4)
             # Kill the replica while it holds leases: they expire and the tasks come back.
-            deadline = time.monotonic() + 60
-            while client.get_run(run_name).counts.in_flight == 0:
-                assert time.monotonic() < deadline, "replica never held a lease"
-                time.sleep(0.05)
+            _wait(lambda: client.get_run(run_name).counts.in_flight > 0, 60, "a lease in flight")
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
             assert client.get_run(run_name).counts.in_flight > 0
@@ -124,14 +135,6 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
             got = client.dispatch(run_name, "other", 1, N_TASKS).requests
             assert len(got) == N_TASKS
             assert client.get_run(run_name).counts.expirations > 0
-        except BaseException:
-            log.seek(0)
-            print("replica output (tail):\n" + log.read()[-4000:])
-            raise
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
 
 
 def _wait(predicate, timeout, what):
@@ -150,9 +153,9 @@ def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
     client.put_tasks(run_name, [{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in tasks])
     port = free_port()
     with LearnerSink() as sink:
-        log = open(tmp_path / "replica.log", "w+")
-        proc = _replica(tiny_model, tracker, sink, run_name, port, log, "--drain", "abort")
-        try:
+        with replica(
+            tiny_model, tracker, sink, run_name, port, tmp_path / "replica.log", "--drain", "abort"
+        ) as proc:
             sink.wait_for(3, timeout=180, version=0)
             # Publish while episodes are in flight; abort releases their leases at once (long
             # leases here, so nothing comes back by expiry). Episodes are short: try a few times.
@@ -177,11 +180,3 @@ def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
             assert client.get_run(run_name).counts.in_flight == 0
-        except BaseException:
-            log.seek(0)
-            print("replica output (tail):\n" + log.read()[-4000:])
-            raise
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
