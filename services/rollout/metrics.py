@@ -28,6 +28,11 @@ class RolloutMetrics:
         self.posted = Counter(
             "spopp_rollout_trajectories_posted", "trajectory POSTs by answer", ["status"], registry=r
         )
+        self.learner_retries = Counter(
+            "spopp_rollout_learner_retries",
+            "trajectory POSTs retried (learner unreachable or 5xx)",
+            registry=r,
+        )
         self.reloads = Counter("spopp_rollout_weight_reloads", "snapshots loaded", registry=r)
         self.reload_seconds = Histogram("spopp_rollout_reload_seconds", "weight swap time", registry=r)
         self.policy_version = Gauge(

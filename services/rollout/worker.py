@@ -227,12 +227,14 @@ class Worker:
                 r = await self.learner.post("/v1/trajectories", json=body)
             except httpx.TransportError as exc:
                 log.warning("learner unreachable (%s), retry %d", exc, attempt + 1)
+                self.metrics.learner_retries.inc()
                 await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
                 continue
             if r.status_code == 409:
                 # An old version's episode: SPO++ already has its outcome, the learner has moved on.
                 self.metrics.drained.inc()
             elif r.status_code >= 500:
+                self.metrics.learner_retries.inc()
                 await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
                 continue
             elif r.status_code >= 400:

