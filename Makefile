@@ -6,6 +6,8 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE := 1
+# DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: setup system test bench lint clean
 
@@ -14,7 +16,7 @@ setup: $(STAMP) system
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[tracker,math,rollout,vllm,dev]'
+	$(PIP) install -q -e '.[tracker,math,rollout,vllm,learner,dev]'
 	@# PyPI's torchvision/torchaudio/torchcodec that vLLM pulls in are CUDA-linked and break
 	@# `import vllm` and transformers beside the CPU torch: nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

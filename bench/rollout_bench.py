@@ -59,7 +59,7 @@ async def raw_generate(engine, prompts, sampling, concurrency) -> tuple[int, flo
 
 
 async def service_generate(engine, settings, tasks, episodes) -> tuple[int, float]:
-    with LearnerSink() as sink:
+    with LearnerSink(settings.run) as sink:
         worker = Worker(
             settings.model_copy(update={"learner": sink.url}),
             engine,
@@ -70,7 +70,7 @@ async def service_generate(engine, settings, tasks, episodes) -> tuple[int, floa
         await worker.run(max_episodes=episodes)
         elapsed = time.perf_counter() - t0
         await worker.close()
-        return sum(t.action_tokens for t in sink.accepted), elapsed
+        return sum(t.action_tokens for t in sink.trajectories()), elapsed
 
 
 def build_100m(tiny: Path, out: Path) -> Path:

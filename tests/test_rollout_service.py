@@ -100,7 +100,7 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
     client.put_tasks(run_name, [{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in tasks])
     port = free_port()
     replica_url = f"http://127.0.0.1:{port}"
-    with LearnerSink() as sink:
+    with LearnerSink(run_name) as sink:
         with replica(tiny_model, tracker, sink, run_name, port, tmp_path / "replica.log") as proc:
             first = sink.wait_for(6, timeout=180, version=0)
             assert {t.task_id for t in first} <= {t.task_id for t in tasks}
@@ -113,7 +113,7 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
             health = httpx.get(replica_url + "/healthz").json()
             assert health["policy_version"] == 1
             assert _metric(replica_url, "spopp_rollout_weight_reloads_total") == 1.0
-            assert _metric(replica_url, "spopp_rollout_drained_episodes_total") == len(sink.refused)
+            assert _metric(replica_url, "spopp_rollout_drained_episodes_total") == sink.refused_stale
             # The version-1 trajectories were sampled from the new weights, not the old ones.
             traj = later[0]
             sampled = [
@@ -152,7 +152,7 @@ def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
     client.put_run(run_name, {"recipe": "spopp", "lease_seconds": 60})
     client.put_tasks(run_name, [{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in tasks])
     port = free_port()
-    sink = LearnerSink()
+    sink = LearnerSink(run_name)
     with replica(
         tiny_model, tracker, sink, run_name, port, tmp_path / "replica.log", "--drain", "abort"
     ) as proc:

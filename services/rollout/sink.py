@@ -1,65 +1,63 @@
 """A trajectory sink that stands in for the learner: rollout tests, benchmarks and dry runs.
 
-It answers like the learner: 409 for a policy version other than its current one, 422 for a
-record that fails the schema; it keeps what it accepts. It runs a real uvicorn server on a free
-port in a background thread.
+It is the learner's own intake (buffer and HTTP route) with room for every trajectory and no
+training: it answers exactly as the learner does (409 for another policy version, 422 for
+another run or a malformed record) and keeps what it accepts.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 
-import uvicorn
-from fastapi import FastAPI, HTTPException
-
-from services.tracker.embedded import free_port
+from services.learner.ingest import TrajectoryBuffer, ingest_app
+from spopp.asgi import ThreadedServer
 from spopp.trajectory import Trajectory
 
 
 class LearnerSink:
-    def __init__(self) -> None:
-        self.version = 0
+    def __init__(self, run: str, max_body_bytes: int = 64 * 1024 * 1024) -> None:
+        self.buffer = TrajectoryBuffer(run, capacity=1 << 62)
         self.accepted: list[Trajectory] = []
-        self.refused: list[Trajectory] = []
-        self._lock = threading.Lock()
-        app = FastAPI()
+        self._server = ThreadedServer(ingest_app(self.buffer, max_body_bytes))
+        self.url = self._server.url
 
-        @app.post("/v1/trajectories")
-        def receive(t: Trajectory) -> dict:
-            with self._lock:
-                if t.policy_version != self.version:
-                    self.refused.append(t)
-                    raise HTTPException(409, {"code": "stale_policy", "policy_version": self.version})
-                self.accepted.append(t)
-                return {"accepted": len(self.accepted)}
+    @property
+    def version(self) -> int:
+        return self.buffer.version
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+    @version.setter
+    def version(self, v: int) -> None:
+        self._drain()
+        self.buffer.advance(v)
+
+    @property
+    def refused_stale(self) -> int:
+        return self.buffer.refused["stale"]
+
+    def trajectories(self) -> list[Trajectory]:
+        """Everything accepted so far, in arrival order."""
+        self._drain()
+        return list(self.accepted)
+
+    def _drain(self) -> None:
+        n = len(self.buffer)
+        if n:
+            self.accepted += self.buffer.take(n)
 
     def __enter__(self) -> LearnerSink:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("learner sink did not start")
-            time.sleep(0.02)
+        self._server.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        self._server.stop()
 
     def wait_for(self, n: int, timeout: float, version: int | None = None) -> list[Trajectory]:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                got = [t for t in self.accepted if version is None or t.policy_version == version]
+        while True:
+            self._drain()
+            got = [t for t in self.accepted if version is None or t.policy_version == version]
             if len(got) >= n:
                 return got
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(got)} of {n} trajectories (version {version}) within {timeout} s")
             time.sleep(0.1)
-        raise TimeoutError(f"{len(got)} of {n} trajectories (version {version}) within {timeout} s")

