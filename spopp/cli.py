@@ -16,6 +16,8 @@ tracker_app = typer.Typer(
     help="The tracker: prompt evidence, leases, sampler and policy clock.", no_args_is_help=True
 )
 app.add_typer(tracker_app, name="tracker")
+learner_app = typer.Typer(help="The learner: DeepSpeed updates, snapshots.", no_args_is_help=True)
+app.add_typer(learner_app, name="learner")
 rollout_app = typer.Typer(help="Rollout replicas: engine, agent loop, environments.", no_args_is_help=True)
 app.add_typer(rollout_app, name="rollout")
 
@@ -110,6 +112,43 @@ def rollout_serve(
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(settings, max_episodes=max_episodes))
+
+
+@learner_app.command("run")
+def learner_run(
+    config: Annotated[Path, typer.Option(help="learner YAML (see deploy/learner.example.yaml)")],
+    nproc: Annotated[int, typer.Option(help="processes on this node (relaunches under torchrun)")] = 1,
+    max_updates: Annotated[int | None, typer.Option(help="stop after N updates")] = None,
+) -> None:
+    """Train on the first trajectories of each policy version; publish snapshots to the tracker."""
+    import logging
+    import os
+    import sys
+
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        # One process per rank under torchrun, which also sets one torch thread per process.
+        args = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "spopp.cli",
+            "learner",
+            "run",
+            "--config",
+            str(config),
+        ]
+        if max_updates is not None:
+            args += ["--max-updates", str(max_updates)]
+        os.execv(sys.executable, [sys.executable, *args])
+    from services.learner.config import LearnerConfig
+    from services.learner.trainer import Learner
+
+    overrides = {"max_updates": max_updates} if max_updates is not None else {}
+    cfg = LearnerConfig.from_yaml(config, **overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    Learner(cfg).run()
 
 
 if __name__ == "__main__":

@@ -52,3 +52,25 @@ def test_short_token_is_refused(monkeypatch):
     monkeypatch.setenv("SPOPP_API_TOKEN", "short")
     with pytest.raises(pydantic.ValidationError):
         TrackerSettings()
+
+
+def test_learner_example_config_loads_and_bad_configs_say_why(tmp_path):
+    import pydantic
+    import pytest
+
+    from services.learner.config import LearnerConfig
+
+    cfg = LearnerConfig.from_yaml(ROOT / "deploy" / "learner.example.yaml")
+    assert (cfg.batch_size, cfg.mini_batches, cfg.lr, cfg.weight_decay) == (128, 4, 1e-6, 0.1)
+    bad = tmp_path / "bad.yaml"
+    for text, needle in [
+        ("run: r\nmodel: m\nbatch_size: 10\nmini_batches: 4\n", "split into 4 mini-batches"),
+        ("run: r\nmodel: m\nzero_stage: 5\n", "zero_stage"),
+        ("run: r\nmodel: m\nlearning_rate: 1\n", "learning_rate"),
+        ("run: r\nmodel: m\neval_every: 5\n", "eval_tasks"),
+        ("- a list\n", "mapping"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises((pydantic.ValidationError, ValueError)) as err:
+            LearnerConfig.from_yaml(bad)
+        assert needle in str(err.value)

@@ -1,0 +1,44 @@
+"""Per-update metrics: JSON lines and TensorBoard, written by rank 0, plus a terminal progress bar."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, log_dir: Path, total: int | None = None, tensorboard: bool = True) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.path = log_dir / "metrics.jsonl"
+        self._file = self.path.open("a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(log_dir / "tb"))
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="update", dynamic_ncols=True)
+
+    def write(self, step: int, record: dict) -> None:
+        record = {"step": step, "time": time.time(), **record}
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, int | float) and key not in ("step", "time"):
+                    self._tb.add_scalar(key, value, step)
+        if self._bar is not None:
+            self._bar.update(1)
+            shown = {k: record[k] for k in ("reward_mean", "clip_fraction", "tokens_per_s") if k in record}
+            self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()})
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()

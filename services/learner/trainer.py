@@ -1,0 +1,179 @@
+"""The learner's loop, on every rank: batch → advantages → update → (SPO) consume → publish.
+
+Rank 0 owns the I/O: the trajectory intake, the tracker client and the logs. Each batch is the
+first B trajectories of the current policy version, broadcast to every rank; every
+`updates_per_publish` updates the weights are gathered into a snapshot folder and the tracker's
+policy clock advances, which makes the rollouts drain and reload.
+
+SPO++ takes the advantages frozen at dispatch (reward - value, from the trajectory); SPO reads
+the batch's values from the tracker before the update and, after it, hands the tracker the
+rewards and drifts in receipt order (/consume).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from spopp.advantages import normalize_advantages
+from spopp.client import TrackerClient
+
+from .config import LearnerConfig
+from .engine import build_engine, init_distributed
+from .ingest import TrajectoryBuffer, ingest_app
+from .logprobs import token_logprobs
+from .logs import MetricsLog
+from .snapshot import publish_snapshot
+from .spo import SpoDriftCache
+from .update import run_update
+
+log = logging.getLogger("spopp.learner")
+_WAIT = "wait"  # broadcast while rank 0 still waits for a batch, so other ranks' collectives stay alive
+
+
+def _broadcast(obj):
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig) -> None:
+        self.cfg = cfg
+        init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.engine, self.tokenizer = build_engine(cfg, cfg.model)
+        self.step = 0
+        self.spo = SpoDriftCache() if cfg.recipe == "spo" else None
+        self.buffer = TrajectoryBuffer(cfg.run, capacity=cfg.batch_size * cfg.updates_per_publish)
+        self.tracker = self.server = self.metrics = None
+        version = None
+        if self.rank == 0:
+            self.tracker = TrackerClient(cfg.tracker, token=cfg.tracker_token)
+            run = self.tracker.get_run(cfg.run)
+            if run.config.recipe != cfg.recipe:
+                raise ValueError(
+                    f"run {cfg.run!r} is a {run.config.recipe} run; this learner is configured for "
+                    f"{cfg.recipe}"
+                )
+            version = run.policy_version
+            self.metrics = MetricsLog(cfg.log_dir, total=cfg.max_updates)
+        self.version = _broadcast(version)
+        self.buffer.advance(self.version)
+
+    # -- intake ------------------------------------------------------------------------------
+    def serve(self) -> str | None:
+        """Rank 0 starts POST /v1/trajectories; answers its URL."""
+        if self.rank != 0:
+            return None
+        from spopp.asgi import ThreadedServer
+
+        self.server = ThreadedServer(
+            ingest_app(self.buffer, self.cfg.max_body_bytes), self.cfg.host, self.cfg.port
+        ).start()
+        log.info("learner intake on %s (run %s, version %d)", self.server.url, self.cfg.run, self.version)
+        return self.server.url
+
+    def _next_batch(self) -> tuple[list, float]:
+        t0 = time.perf_counter()
+        while True:
+            batch = self.buffer.take(self.cfg.batch_size, timeout=30.0) if self.rank == 0 else None
+            batch = _broadcast(batch if batch is not None else _WAIT)
+            if batch != _WAIT:
+                return batch, time.perf_counter() - t0
+
+    # -- one update --------------------------------------------------------------------------
+    def _advantages(self, batch: list) -> list[float]:
+        if self.cfg.recipe == "spopp":
+            return [float(t.advantage) for t in batch]
+        values = None
+        if self.rank == 0:  # SPO reads the values before the update
+            got = self.tracker.values(self.cfg.run, [t.task_id for t in batch])
+            values = [v.value for v in got]
+        values = _broadcast(values)
+        return [t.reward - v for t, v in zip(batch, values, strict=True)]
+
+    def _logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Token log-probs of whole sequences under the current weights (SPO's drift)."""
+        model = self.engine.module
+        out = []
+        size = self.cfg.micro_batch_size
+        with torch.no_grad():
+            for lo in range(0, len(sequences), size):
+                chunk = sequences[lo : lo + size]
+                width = max(map(len, chunk))
+                ids = torch.zeros(len(chunk), width, dtype=torch.long)
+                mask = torch.zeros(len(chunk), width, dtype=torch.long)
+                for i, s in enumerate(chunk):
+                    ids[i, : len(s)] = torch.tensor(s)
+                    mask[i, : len(s)] = 1
+                lp = token_logprobs(model, ids.to(self.engine.device), mask.to(self.engine.device)).cpu()
+                out += [lp[i, : len(s) - 1].tolist() for i, s in enumerate(chunk)]
+        return out
+
+    def update_once(self) -> dict:
+        batch, waited = self._next_batch()
+        raw = self._advantages(batch)
+        lengths = [t.action_tokens for t in batch]
+        adv = normalize_advantages(
+            torch.tensor(raw, dtype=torch.float64), torch.tensor(lengths), measure=self.cfg.normalization
+        )
+        stats = run_update(self.engine, batch, adv.tolist(), self.cfg)
+        if self.spo is not None:
+            drifts = self.spo.after_update(batch, self._logprobs)
+            if self.rank == 0:
+                items = [(t.task_id, t.reward, d) for t, d in zip(batch, drifts, strict=True)]
+                self.tracker.consume(self.cfg.run, f"{self.cfg.run}-u{self.step + 1}", items)
+            stats["drift_mean"] = sum(drifts) / len(drifts)
+        self.step += 1
+        rewards = [t.reward for t in batch]
+        stats.update(
+            policy_version=self.version,
+            reward_mean=sum(rewards) / len(rewards),
+            success_rate=sum(r >= 1.0 for r in rewards) / len(rewards),
+            response_tokens_mean=sum(lengths) / len(lengths),
+            advantage_raw_mean=sum(raw) / len(raw),
+            batch_wait_s=waited,
+        )
+        if self.step % self.cfg.updates_per_publish == 0:
+            stats["publish_s"] = self.publish()
+        if self.metrics is not None:
+            self.metrics.write(self.step, stats)
+        return stats
+
+    def publish(self) -> float:
+        """Snapshot the weights as the next version, then advance the tracker's clock."""
+        t0 = time.perf_counter()
+        version = self.version + 1
+        path = publish_snapshot(
+            self.engine, self.cfg.model, self.cfg.snapshots, version, keep=self.cfg.keep_snapshots
+        )
+        if self.rank == 0:
+            self.tracker.publish(self.cfg.run, version, str(Path(path).resolve()))
+        self.version = version
+        self.buffer.advance(version)
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        return time.perf_counter() - t0
+
+    def run(self) -> None:
+        self.serve()
+        try:
+            while self.cfg.max_updates is None or self.step < self.cfg.max_updates:
+                self.update_once()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tracker is not None:
+            self.tracker.close()
