@@ -26,7 +26,7 @@ N_TASKS = 8
 
 
 @contextlib.contextmanager
-def replica(tiny_model, tracker, sink, run, port, log_path, *extra):
+def replica(tiny_model, tracker, sink, run, port, log_path, *extra, env_extra=None):
     """The real CLI in a subprocess; its output is printed when the test fails, and it is
     killed (by pid) if still running at the end."""
     args = [
@@ -63,7 +63,8 @@ def replica(tiny_model, tracker, sink, run, port, log_path, *extra):
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
     log = open(log_path, "w+")
-    proc = subprocess.Popen(args, env={**env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    env = {**env, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield proc
     except BaseException:
@@ -86,6 +87,15 @@ def _logprobs(model_dir, traj):
     ]
 
 
+def _renewals(tracker):
+    text = httpx.get(tracker.url + "/metrics").text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("spopp_tracker_requests_total") and "/renew" in line and 'status="200"' in line
+    )
+
+
 def _metric(url, name):
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -101,7 +111,12 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
     port = free_port()
     replica_url = f"http://127.0.0.1:{port}"
     with LearnerSink(run_name) as sink:
-        with replica(tiny_model, tracker, sink, run_name, port, tmp_path / "replica.log") as proc:
+        renews_before = _renewals(tracker)
+        # Renew leases every 5% of their 3 s: long enough episodes keep theirs alive.
+        fast_renew = {"SPOPP_ROLLOUT_RENEW_FRACTION": "0.05"}
+        with replica(
+            tiny_model, tracker, sink, run_name, port, tmp_path / "replica.log", env_extra=fast_renew
+        ) as proc:
             first = sink.wait_for(6, timeout=180, version=0)
             assert {t.task_id for t in first} <= {t.task_id for t in tasks}
             assert all(t.run == run_name and t.value is not None for t in first)
@@ -110,6 +125,7 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
             sink.version = 1
             client.publish(run_name, 1, f"file://{snap}")
             later = sink.wait_for(4, timeout=180, version=1)
+            assert _renewals(tracker) > renews_before
             health = httpx.get(replica_url + "/healthz").json()
             assert health["policy_version"] == 1
             assert _metric(replica_url, "spopp_rollout_weight_reloads_total") == 1.0
