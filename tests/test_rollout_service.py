@@ -200,3 +200,17 @@ def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
             assert client.get_run(run_name).counts.in_flight == 0
+
+
+def test_replica_with_the_wrong_task_file_stops_with_a_clear_error(
+    tiny_model, tracker, client, run_name, tmp_path
+):
+    other = generate_arithmetic_tasks(4, seed=123)  # not what the replica generates
+    client.put_run(run_name, {"recipe": "spopp"})
+    client.put_tasks(run_name, [{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in other])
+    with LearnerSink(run_name) as sink:
+        with replica(tiny_model, tracker, sink, run_name, free_port(), tmp_path / "replica.log") as proc:
+            assert proc.wait(120) != 0
+        output = " ".join((tmp_path / "replica.log").read_text().split())  # rich wraps long lines
+    assert "not in this replica's tasks" in output
+    assert client.get_run(run_name).counts.in_flight == 0  # what it had leased went back

@@ -70,6 +70,7 @@ class Worker:
         self.snapshot: str | None = None
         self.inflight: dict[asyncio.Task, Lease] = {}
         self.stopping = asyncio.Event()
+        self.fatal: Exception | None = None
         self._episodes = 0
 
     # -- policy -------------------------------------------------------------------------------
@@ -147,6 +148,8 @@ class Worker:
             else:
                 await asyncio.sleep(self.s.poll_seconds)
         await self._drain()
+        if self.fatal is not None:
+            raise self.fatal
 
     def _finished(self, task: asyncio.Task) -> None:
         self.inflight.pop(task, None)
@@ -165,8 +168,14 @@ class Worker:
     async def _episode(self, lease: Lease) -> None:
         task = self.tasks.get(lease.task_id)
         if task is None:
-            log.error("tracker dispatched unknown task %s: releasing it", lease.task_id)
-            await self.tracker.release(self.s.run, lease.request_id)
+            # The replica's task file does not match the run's tasks: a configuration error that
+            # no retry fixes, so stop rather than bounce leases back and forth.
+            await self._release(lease)
+            self.fatal = ValueError(
+                f"the tracker dispatched task {lease.task_id!r}, which is not in this replica's tasks: "
+                "give the replica the task file the run was registered from"
+            )
+            self.stopping.set()
             return
         renewer = asyncio.create_task(self._renew(lease))
         env = self.make_env()

@@ -1,0 +1,116 @@
+"""The learner's DeepSpeed engine: process group, model, optimizer and ZeRO configuration.
+
+The optimizer is a plain torch.optim.AdamW handed to deepspeed.initialize rather than named in the
+config: DeepSpeed's own "AdamW" builds FusedAdam (a CUDA extension) and CPU offload builds CPUAdam,
+both compiled at start-up, while ZeRO partitions a torch optimizer just as well. DeepSpeed's
+dataloader, scheduler and loss scaling are not used: run_update feeds micro-batches itself, so the
+batch settings here only tell DeepSpeed how many backward calls make one optimizer step.
+
+Launch: under torchrun (or deepspeed) every rank finds RANK, WORLD_SIZE, ... in its environment.
+A bare `python` process is a world of one: the same variables are filled in with a free local
+port, so tests and single-process runs need no launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from pathlib import Path
+from typing import Any
+
+from .batch import accumulation_steps
+from .config import LearnerConfig
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join (or create) the process group; returns (rank, world_size). Idempotent.
+
+    gloo on CPU, NCCL on CUDA. Without a launcher's environment, this process becomes rank 0 of a
+    world of one (the variables are only filled where unset, so a launcher's values always win).
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        # DeepSpeed picks its accelerator once, at first use; say it rather than rely on detection.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+
+    import deepspeed
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def seed_everything(seed: int) -> None:
+    """Python, NumPy (when installed) and torch generators on every device."""
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % (1 << 32))
+
+
+def deepspeed_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config dict for `cfg` on `world_size` ranks."""
+    gas = accumulation_steps(cfg.batch_size, cfg.mini_batches, world_size, cfg.micro_batch_size)
+    return {
+        # train_batch_size is left out: DeepSpeed derives it as micro * gas * world, which with a
+        # short last micro-batch may exceed the real B; nothing here reads it.
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        # 0 disables clipping in DeepSpeed.
+        "gradient_clipping": float(cfg.grad_clip or 0.0),
+        "bf16": {"enabled": cfg.dtype == "bf16"},
+        "fp16": {"enabled": False},
+        # ZeRO refuses optimizers it has not been tested with unless told; AdamW is elementwise,
+        # so partitioning it is exact.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(cfg: LearnerConfig, model_dir: str | Path | None = None) -> tuple[Any, Any]:
+    """(DeepSpeed engine, tokenizer) for the weights in `model_dir` (default: cfg.model).
+
+    Every rank calls this with the same arguments. The model is loaded in the training dtype
+    (bf16 or fp32); with bf16, DeepSpeed keeps fp32 master weights in the optimizer.
+    """
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, world = init_distributed()
+    seed_everything(cfg.seed)
+    path = Path(model_dir if model_dir is not None else cfg.model)
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # Caching key/values is for generation; in training it only costs memory.
+    model.config.use_cache = False
+    model.train()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world))
+    return engine, tokenizer

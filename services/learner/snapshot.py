@@ -1,0 +1,200 @@
+"""Publishing the policy: full weights as an ordinary Hugging Face folder, atomically, newest K kept.
+
+Layout under `root`:
+
+    v000007/                   one published policy version, never modified once it exists
+      model.safetensors        full weights in the training dtype, tied aliases left out
+      config.json, generation_config.json, tokenizer files   copied from the base model folder
+      manifest.json            version, sha256 and size of each weights file, base model, time
+    v000008.tmp/               being written (or left by a crash; removed by the next publish)
+    v000003.del/               being deleted (renamed first, so no half-deleted vNNNNNN exists)
+
+A consumer that sees `vNNNNNN/` sees it complete: the folder is written and fsynced under a
+`.tmp` name and then renamed, which is atomic on one file system. Publishing a version whose
+folder already exists succeeds only when the existing manifest names the same weights (the
+re-publish of a learner that crashed after the rename); anything else is an error rather than a
+silent change of a version replicas may already have loaded.
+
+Tied weights (lm_head = embed_tokens) are stored once, under the name the module registered
+first, which is what save_pretrained writes; loaders re-tie from the config. Writing safetensors
+directly avoids building a second model object on rank 0 just to call save_pretrained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+WEIGHTS_FILE = "model.safetensors"
+MANIFEST = "manifest.json"
+_FINAL = re.compile(r"^v(\d{6,})$")
+# What a model folder needs besides its weights; copied when the base folder has them.
+_AUX_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def _zero_stage(engine: Any) -> int:
+    return int(engine.zero_optimization_stage()) if engine.zero_optimization() else 0
+
+
+def gather_state_dict(engine: Any) -> dict[str, Any] | None:
+    """The full state dict on CPU in the training dtype on rank 0, None on other ranks.
+
+    Every rank must call it: under ZeRO-3 the parameters are partitioned and gathering them is a
+    collective. Stages 0-2 keep whole parameters on every rank, so rank 0 reads its own module.
+    """
+    import torch.distributed as dist
+
+    if _zero_stage(engine) == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()
+        return state if dist.get_rank() == 0 else None
+    if dist.get_rank() != 0:
+        return None
+    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
+
+
+def tied_aliases(module: Any) -> set[str]:
+    """Parameter names that share their tensor with a parameter registered earlier."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.add(name)
+        seen.add(id(p))
+    return aliases
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # A directory's entries (new names, renames) are durable only once the directory is synced.
+    _fsync_file(path)
+
+
+def _clean_leftovers(root: Path) -> None:
+    """Remove folders of interrupted publishes and deletions."""
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith("v") and p.suffix in (".tmp", ".del"):
+            shutil.rmtree(p)
+
+
+def list_snapshots(root: str | Path) -> list[tuple[int, Path]]:
+    """Published (complete) snapshots under root as (version, path), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _FINAL.match(p.name))]
+    return sorted(found)
+
+
+def prune_snapshots(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` snapshots; returns the deleted paths."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    doomed = [p for _, p in list_snapshots(root)[:-keep]]
+    for p in doomed:
+        # Rename first: a reader never finds a vNNNNNN folder with files missing.
+        trash = p.with_name(p.name + ".del")
+        p.rename(trash)
+        shutil.rmtree(trash)
+    return doomed
+
+
+def _write_folder(state: dict[str, Any], aliases: set[str], model_dir: Path, tmp: Path, version: int) -> dict:
+    from safetensors.torch import save_file
+
+    tmp.mkdir()
+    # Clones: tied or otherwise shared storage would make safetensors refuse the dict, and a
+    # tensor that is a view into a bigger buffer would be written with its whole buffer.
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items() if k not in aliases}
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    for name in _AUX_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, tmp / name)
+    weights = tmp / WEIGHTS_FILE
+    manifest = {
+        "version": version,
+        "files": {WEIGHTS_FILE: {"sha256": _sha256(weights), "bytes": weights.stat().st_size}},
+        "base_model": str(model_dir.resolve()),
+        "created_at": datetime.now(UTC).isoformat(),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    for f in tmp.iterdir():
+        _fsync_file(f)
+    _fsync_dir(tmp)
+    return manifest
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return a.get("version") == b.get("version") and a.get("files") == b.get("files")
+
+
+def publish_snapshot(
+    engine: Any, model_dir: str | Path, root: str | Path, version: int, *, keep: int
+) -> Path | None:
+    """Write the engine's weights as snapshot `version` under `root`; every rank calls it.
+
+    Returns the snapshot folder on rank 0 and None elsewhere. `model_dir` is the base model folder
+    (config, generation config and tokenizer are copied from it). Raises FileExistsError when
+    `root/vNNNNNN` exists with different weights, ValueError on a negative version or keep < 1.
+    """
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    state = gather_state_dict(engine)  # collective under ZeRO-3: before any rank-0-only branch
+    if state is None:
+        return None
+    model_dir, root = Path(model_dir), Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(root)
+    name = f"v{version:06d}"
+    final, tmp = root / name, root / f"{name}.tmp"
+    try:
+        manifest = _write_folder(state, tied_aliases(engine.module), model_dir, tmp, version)
+        if final.exists():
+            existing = json.loads((final / MANIFEST).read_text()) if (final / MANIFEST).is_file() else {}
+            if not _same_weights(existing, manifest):
+                raise FileExistsError(f"{final} already exists with other weights")
+            shutil.rmtree(tmp)
+        else:
+            os.rename(tmp, final)
+            _fsync_dir(root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    prune_snapshots(root, keep)
+    return final

@@ -1,0 +1,179 @@
+"""One policy update: B trajectories, M optimizer steps, data-parallel over the ranks.
+
+Every rank holds all B trajectories (rank 0 broadcast them). The update is one epoch over M
+contiguous mini-batches; within a mini-batch each rank runs its equal share as micro-batches and
+DeepSpeed reduces the gradients across ranks before the step.
+
+Target gradient per mini-batch: grad of sum over its action tokens of the per-token loss, divided
+by N = the action tokens of the WHOLE mini-batch (all ranks). Each micro-batch's loss is already
+its token-sum / N (policy_loss with token_count=N), so summing micro-batch gradients over
+micro-batches and ranks gives exactly the target. DeepSpeed instead averages: engine.backward
+divides the loss by gradient_accumulation_steps, and the reduction across ranks divides by
+world_size. The loss handed to engine.backward is therefore multiplied by
+world_size * gradient_accumulation_steps, which turns both averages back into sums (checked
+against a single-process PyTorch reference in tests/test_learner_update.py). Gradient clipping
+then sees the true mini-batch gradient, as in the reference.
+
+old_logp (the learner's log-probs before this update) is computed for all of this rank's
+micro-batches before the first step, under no_grad, on the very same padded micro-batches as
+the training pass: the first mini-batch then has ratio exactly 1 and later ones measure only the
+effect of the earlier steps, not padding-dependent kernel noise.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from spopp.loss import policy_loss
+
+from .batch import Batch, TrajectoryLike, action_tokens, collate, micro_batches, mini_batches, rank_share
+from .config import LearnerConfig
+from .logprobs import token_logprobs
+
+# Token-weighted statistics of policy_loss that are averaged over the whole update.
+_MEAN_STATS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "is_weight_mean", "is_capped_fraction")
+
+# Called with (engine, mini-batch index) on every rank after the mini-batch's last backward and
+# before its optimizer step, when the reduced gradients are in place (tests read them here).
+BeforeStep = Callable[[Any, int], None]
+
+
+def _plan(n: int, cfg: LearnerConfig, rank: int, world: int, gas: int) -> list[tuple[slice, list[slice]]]:
+    """Per mini-batch: (its slice of the B trajectories, this rank's micro-batch slices)."""
+    plan = []
+    for part in mini_batches(n, cfg.mini_batches):
+        micro = micro_batches(rank_share(part, rank, world), cfg.micro_batch_size)
+        if len(micro) != gas:
+            raise ValueError(
+                f"{len(micro)} micro-batches per rank per mini-batch but the engine accumulates {gas}: "
+                "build the engine with the same batch_size, mini_batches and micro_batch_size"
+            )
+        plan.append((part, micro))
+    return plan
+
+
+def _own_grad_norm(engine: Any) -> float | None:
+    """The global gradient norm where DeepSpeed does not keep one, else None.
+
+    Without ZeRO and in fp32, DeepSpeed clips with torch's clip_grad_norm_ and discards the
+    norm; there every rank holds the full, already reduced gradient in .grad, so it is read
+    before the step. (ZeRO and bf16 optimizers record it themselves.)
+    """
+    if engine.zero_optimization() or engine.bfloat16_enabled():
+        return None
+    grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def run_update(
+    engine: Any,
+    trajs: Sequence[TrajectoryLike],
+    advantages: Sequence[float] | torch.Tensor,
+    cfg: LearnerConfig,
+    *,
+    before_step: BeforeStep | None = None,
+) -> dict[str, float]:
+    """Run one update (cfg.mini_batches optimizer steps) on `trajs`; every rank calls it alike.
+
+    `advantages` are the per-trajectory, already normalised advantages, aligned with `trajs`.
+    Returns stats identical on every rank: loss (mean over mini-batches of the mini-batch loss),
+    clip_fraction, dual_clip_fraction, approx_kl, is_weight_mean, is_capped_fraction (token
+    means over the update), is_weight_max, grad_norm (pre-clip, mean over mini-batches), lr,
+    tokens, tokens_per_s, update_seconds.
+    """
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
+    if adv.numel() != len(trajs):
+        raise ValueError(f"{len(trajs)} trajectories but {adv.numel()} advantages")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gas = int(engine.gradient_accumulation_steps())
+    plan = _plan(len(trajs), cfg, rank, world, gas)
+    device = engine.device
+    engine.train()
+
+    # (a) Collate once and take old_logp with the weights as they are before any step.
+    batches: list[list[tuple[Batch, torch.Tensor]]] = []
+    with torch.no_grad():
+        for _, micro in plan:
+            row = []
+            for s in micro:
+                b = collate(trajs[s], adv[s]).to(device)
+                row.append((b, token_logprobs(engine, b.input_ids, b.attention_mask)))
+            batches.append(row)
+
+    # (b) One optimizer step per mini-batch.
+    sums = torch.zeros(2 + len(_MEAN_STATS), dtype=torch.float64)  # loss, tokens, stat * tokens
+    w_max = torch.zeros(1, dtype=torch.float64)
+    grad_norms: list[float] = []
+    # Undo DeepSpeed's mean over accumulation steps (engine.backward) and over ranks (reduction).
+    scale = float(world * gas)
+    for m, ((part, _), row) in enumerate(zip(plan, batches, strict=True)):
+        # Every rank holds the whole mini-batch, so each computes the same global N locally.
+        n_tokens = action_tokens(trajs[part])
+        # A mini-batch without action tokens contributes zero loss; 1 avoids dividing by zero.
+        denom = max(n_tokens, 1)
+        steps_before = engine.global_steps
+        own_norm: float | None = None
+        for i, (b, old) in enumerate(row):
+            logp = token_logprobs(engine, b.input_ids, b.attention_mask)
+            loss, st = policy_loss(
+                logp,
+                old,
+                b.advantages,
+                b.loss_mask,
+                rollout_logp=b.rollout_logp,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                dual_clip=cfg.dual_clip,
+                is_cap=cfg.is_cap,
+                token_count=denom,
+            )
+            engine.backward(loss * scale)
+            sums[0] += float(loss.detach())
+            sums[1] += st["tokens"]
+            for k, name in enumerate(_MEAN_STATS):
+                sums[2 + k] += st[name] * st["tokens"]
+            w_max[0] = max(float(w_max[0]), st["is_weight_max"])
+            if i == len(row) - 1:
+                if not engine.is_gradient_accumulation_boundary():
+                    raise RuntimeError(
+                        "DeepSpeed's accumulation boundary is out of step with the mini-batches"
+                    )
+                if before_step is not None:
+                    before_step(engine, m)
+                own_norm = _own_grad_norm(engine)
+            # DeepSpeed's step() is called after every backward: it counts micro-steps and only
+            # reduces, clips and steps the optimizer at the accumulation boundary.
+            engine.step()
+        if engine.global_steps != steps_before + 1:
+            raise RuntimeError(
+                f"mini-batch {m} made {engine.global_steps - steps_before} optimizer steps, not 1"
+            )
+        norm = engine.get_global_grad_norm() if own_norm is None else own_norm
+        if norm is not None:
+            grad_norms.append(float(norm))
+
+    # (c) Statistics over all ranks: sums add up, the maximum is a maximum.
+    sums_dev, max_dev = sums.to(device), w_max.to(device)
+    dist.all_reduce(sums_dev, op=dist.ReduceOp.SUM)
+    dist.all_reduce(max_dev, op=dist.ReduceOp.MAX)
+    sums, w_max = sums_dev.cpu(), max_dev.cpu()
+    tokens = float(sums[1])
+    elapsed = time.perf_counter() - started
+    stats = {"loss": float(sums[0]) / len(plan)}
+    for k, name in enumerate(_MEAN_STATS):
+        stats[name] = float(sums[2 + k]) / tokens if tokens else 0.0
+    stats["is_weight_max"] = float(w_max[0])
+    stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
+    stats["lr"] = float(engine.get_lr()[0])
+    stats["tokens"] = tokens
+    stats["update_seconds"] = elapsed
+    stats["tokens_per_s"] = tokens / elapsed if elapsed > 0 else math.nan
+    return stats

@@ -1,0 +1,228 @@
+"""run_update against a plain PyTorch reference, for ZeRO 0/1/2/3, one and two processes, micro-batches.
+
+The reference is written out here without the learner's code: one unpadded forward per
+trajectory, the whole mini-batch's tokens in a single policy_loss call (token_count = its own
+mask sum), loss.backward(), clip_grad_norm_, torch AdamW. run_update must reproduce its gradient
+before every optimizer step, its pre-clip gradient norm, its statistics and the parameters after
+the update, to a relative error of 1e-5 in fp32.
+
+Gradients are compared directly because Adam hides their scale: its first update is about
+lr * sign(g), so a loss off by a constant factor (e.g. DeepSpeed's averaging over ranks or
+accumulation steps left in place) would still move the parameters by nearly the right amount.
+With two mini-batches the second step's ratios differ from 1 and the gradient clipping binds at
+different norms, so the parameter comparison also covers the old log-probs and the clipping.
+
+The parameter change is checked twice. Against AdamW replayed on the gradients DeepSpeed itself
+reported, to 1e-5: that isolates clipping and the optimizer step. Against the independent
+reference, end to end, to 3e-4: gradient elements of size ~eps (1e-8, e.g. rarely used embedding
+rows) carry relative fp32 noise of 1e-2 from the different batching, and Adam's g / (|g| + eps)
+passes that noise to the update, so the whole-tensor error lands near 1e-5..1e-4 even though the
+gradients agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from learner_worker import dist_env_restored, launch, make_batch, run_task
+
+from spopp.loss import policy_loss
+
+RTOL = 1e-5
+END_TO_END_RTOL = 3e-4
+BASE = {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 0.3, "dual_clip": 2.0, "seed": 0}
+# (mini_batches, micro_batch_size) per world size, with B = 8. One process: 8 -> micro-batches of
+# 3, 3, 2 (a short last one) and 2 x (2, 2). Two processes: 4 per rank as 2 x 2, and 2 x (1, 1).
+SPLITS = {1: [(1, 3), (2, 2)], 2: [(1, 2), (2, 1)]}
+STAGES = [0, 1, 2, 3]
+
+
+def _cfg(stage: int, mini: int, micro: int) -> dict:
+    return {**BASE, "zero_stage": stage, "batch_size": 8, "mini_batches": mini, "micro_batch_size": micro}
+
+
+def reference_update(model_dir, trajs, advantages, cfg: dict) -> dict:
+    """The update in plain PyTorch: gradients and pre-clip norms per step, final weights, stats."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(
+        params.values(), lr=cfg["lr"], betas=cfg["betas"], weight_decay=cfg["weight_decay"]
+    )
+
+    def logp(t):
+        ids = torch.tensor([t.token_ids])
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+
+    with torch.no_grad():
+        old = [logp(t) for t in trajs]
+    per = len(trajs) // cfg["mini_batches"]
+    grads, norms, losses = [], [], []
+    sums = {"clip_fraction": 0.0, "approx_kl": 0.0, "is_weight_mean": 0.0, "is_capped_fraction": 0.0}
+    tokens = 0.0
+    for m in range(cfg["mini_batches"]):
+        idx = range(m * per, (m + 1) * per)
+        cat = lambda xs: torch.cat(list(xs))  # noqa: E731
+        loss, st = policy_loss(
+            cat(logp(trajs[i]) for i in idx),
+            cat(old[i] for i in idx),
+            cat(torch.full((len(trajs[i].token_ids) - 1,), float(advantages[i])) for i in idx),
+            cat(torch.tensor(trajs[i].action_mask[1:]) for i in idx),
+            rollout_logp=cat(torch.tensor(trajs[i].rollout_logprobs[1:]) for i in idx),
+            clip_low=0.2,
+            clip_high=0.28,
+            dual_clip=cfg["dual_clip"],
+            is_cap=2.0,
+        )
+        opt.zero_grad()
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in params.items()})
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params.values(), cfg["grad_clip"])))
+        opt.step()
+        losses.append(float(loss.detach()))
+        tokens += st["tokens"]
+        for k in sums:
+            sums[k] += st[k] * st["tokens"]
+    stats = {k: v / tokens for k, v in sums.items()}
+    stats.update(loss=sum(losses) / len(losses), tokens=tokens, grad_norm=sum(norms) / len(norms))
+    return {
+        "grads": grads,
+        "norms": norms,
+        "state": {n: p.detach().clone() for n, p in params.items()},
+        "stats": stats,
+    }
+
+
+def replay_optimizer(initial: dict, grads: list[dict]) -> dict:
+    """AdamW with the reference's settings and clipping, stepped on given gradients."""
+    params = {n: initial[n].clone().requires_grad_(True) for n in grads[0]}
+    opt = torch.optim.AdamW(
+        params.values(), lr=BASE["lr"], betas=BASE["betas"], weight_decay=BASE["weight_decay"]
+    )
+    for g in grads:
+        for n, p in params.items():
+            p.grad = g[n].clone()
+        torch.nn.utils.clip_grad_norm_(params.values(), BASE["grad_clip"])
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+_dist_env = pytest.fixture(scope="module", autouse=True)(dist_env_restored)
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model):
+    return make_batch(tiny_model, n=8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def initial(tiny_model):
+    from safetensors.torch import load_file
+
+    return load_file(tiny_model / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model, batch):
+    trajs, adv = batch
+    splits = {s for v in SPLITS.values() for s in v}
+    return {s: reference_update(tiny_model, trajs, adv, _cfg(1, *s)) for s in splits}
+
+
+def check_against_reference(result: dict, ref: dict, initial: dict) -> None:
+    # Gradients of every mini-batch, before clipping and the step.
+    assert len(result["grads"]) == len(ref["grads"])
+    for got, want in zip(result["grads"], ref["grads"], strict=True):
+        assert set(got) == set(want)
+        for name in want:
+            assert rel_err(got[name], want[name]) <= RTOL, name
+    # Parameter change over the whole update: optimizer and clipping exactly, end to end loosely.
+    state, replayed = result["state"], replay_optimizer(initial, result["grads"])
+    for name, after in ref["state"].items():
+        before = initial[name]
+        assert rel_err(state[name] - before, replayed[name] - before) <= RTOL, name
+        assert rel_err(state[name] - before, after - before) <= END_TO_END_RTOL, name
+    s, r = result["stats"], ref["stats"]
+    assert s["tokens"] == r["tokens"]
+    assert s["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL)
+    for k in ("loss", "clip_fraction", "approx_kl", "is_weight_mean", "is_capped_fraction"):
+        assert s[k] == pytest.approx(r[k], rel=1e-4, abs=1e-7), k
+    assert s["lr"] == BASE["lr"]
+
+
+def test_reference_is_a_meaningful_target(references, batch):
+    """The batch exercises what the comparison is meant to catch."""
+    trajs, adv = batch
+    assert min(adv) < 0 < max(adv)
+    assert len({len(t.token_ids) for t in trajs}) > 4
+    # Clipping binds at least once, and the second mini-batch is off-policy.
+    assert max(max(r["norms"]) for r in references.values()) > BASE["grad_clip"]
+    two = references[(2, 2)]["stats"]
+    assert two["approx_kl"] > 1e-6 and two["clip_fraction"] > 0
+    assert 0 < two["is_capped_fraction"] < 1
+    # The two splits are different updates (otherwise comparing both would add nothing).
+    a, b = references[(1, 3)]["state"], references[(2, 2)]["state"]
+    assert max(rel_err(a[n], b[n]) for n in a) > 1e-4
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("split", SPLITS[1], ids=lambda s: f"M{s[0]}-micro{s[1]}")
+def test_single_process_matches_reference(tiny_model, batch, references, initial, stage, split):
+    trajs, adv = batch
+    result = run_task(tiny_model, trajs, adv, {"cfg": _cfg(stage, *split), "grads": True})
+    check_against_reference(result, references[split], initial)
+    if split[0] == 1:
+        # old_logp and the training forward see the same micro-batches: the ratio is exactly 1.
+        assert result["stats"]["approx_kl"] == 0.0 and result["stats"]["clip_fraction"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tiny_model, batch, tmp_path_factory):
+    """One torchrun launch with 2 ranks runs every (stage, split) task."""
+    trajs, adv = batch
+    tasks = [
+        {"name": f"z{stage}-M{mini}-micro{micro}", "cfg": _cfg(stage, mini, micro), "grads": True}
+        for stage in STAGES
+        for mini, micro in SPLITS[2]
+    ]
+    job = {
+        "model": str(tiny_model),
+        "trajectories": [t.model_dump() for t in trajs],
+        "advantages": adv,
+        "tasks": tasks,
+    }
+    return launch(job, tmp_path_factory.mktemp("learner-2proc"), nproc=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("split", SPLITS[2], ids=lambda s: f"M{s[0]}-micro{s[1]}")
+def test_two_processes_match_reference(two_process_results, references, initial, stage, split):
+    name = f"z{stage}-M{split[0]}-micro{split[1]}"
+    rank0, rank1 = (r[name] for r in two_process_results)
+    assert (rank0["world_size"], rank1["world_size"]) == (2, 2)
+    check_against_reference(rank0, references[split], initial)
+    # Statistics are reduced over ranks: both report the same numbers.
+    timing = {"update_seconds", "tokens_per_s"}
+    assert {k: v for k, v in rank1["stats"].items() if k not in timing} == {
+        k: v for k, v in rank0["stats"].items() if k not in timing
+    }
+    assert rank1["state"] is None
+
+
+def test_uneven_split_is_refused(tiny_model, batch):
+    from services.learner.batch import accumulation_steps, rank_share
+
+    with pytest.raises(ValueError, match="split evenly over 3 ranks"):
+        rank_share(slice(0, 8), 0, 3)
+    with pytest.raises(ValueError, match="equal mini-batches"):
+        accumulation_steps(8, 3, 1, 2)
+    assert accumulation_steps(8, 2, 2, 3) == 1 and accumulation_steps(8, 1, 1, 3) == 3
