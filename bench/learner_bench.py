@@ -1,0 +1,226 @@
+"""Learner throughput: one update under DeepSpeed (1 and 2 processes) against a plain PyTorch loop.
+
+The same model, the same batch of B synthetic trajectories (random tokens, a prompt part with
+mask 0 and a response part with mask 1), the same mini- and micro-batching and the same loss
+(`spopp.loss.policy_loss` with the mini-batch's token count). Tokens/s counts every token of
+the batch (prompt included) per second of update: old-logp pass, forward, backward, steps.
+Also the time to gather and publish a snapshot. Each DeepSpeed run is its own torchrun launch.
+
+    python -m bench.learner_bench [--quick] [--out BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HEAD = "## Learner: one update under DeepSpeed against plain PyTorch"
+
+
+def synthetic_batch(vocab: int, n: int, seed: int = 0):
+    import torch
+
+    from spopp.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = int(torch.randint(24, 48, (1,), generator=g))
+        resp = int(torch.randint(32, 96, (1,), generator=g))
+        ids = torch.randint(5, vocab, (prompt + resp,), generator=g).tolist()
+        out.append(
+            Trajectory(
+                run="bench",
+                request_id=f"r{i}",
+                task_id=f"t{i}",
+                policy_version=0,
+                token_ids=ids,
+                action_mask=[0] * prompt + [1] * resp,
+                rollout_logprobs=[0.0] * prompt + (-torch.rand(resp, generator=g) * 3 - 2).tolist(),
+                reward=float(i % 2),
+                num_turns=1,
+                finish_reason="done",
+            )
+        )
+    adv = [1.0 if i % 2 else -1.0 for i in range(n)]
+    return out, adv
+
+
+def _config(model: Path, stage: int, batch: int, snapshots: Path):
+    from services.learner.config import LearnerConfig
+
+    return LearnerConfig(
+        run="bench",
+        model=model,
+        snapshots=snapshots,
+        zero_stage=stage,
+        batch_size=batch,
+        mini_batches=2,
+        micro_batch_size=4,
+        lr=1e-5,
+    )
+
+
+def worker(model: Path, stage: int, batch: int, repeats: int, out: Path) -> None:
+    """One DeepSpeed run (under torchrun): warm-up, timed updates, a timed publish."""
+    import torch.distributed as dist
+
+    from services.learner.engine import build_engine
+    from services.learner.snapshot import publish_snapshot
+    from services.learner.update import run_update
+
+    cfg = _config(model, stage, batch, out.parent / f"snap-{stage}-{os.environ.get('WORLD_SIZE', '1')}")
+    engine, tok = build_engine(cfg)
+    trajs, adv = synthetic_batch(len(tok), batch)
+    tokens = sum(len(t.token_ids) for t in trajs)
+    run_update(engine, trajs, adv, cfg)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run_update(engine, trajs, adv, cfg)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    publish_snapshot(engine, model, cfg.snapshots, 1, keep=1)
+    publish_s = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        out.write_text(
+            json.dumps({"update_s": statistics.median(times), "tokens": tokens, "publish_s": publish_s})
+        )
+
+
+def plain_torch(model: Path, batch: int, repeats: int) -> dict:
+    """The reference loop: the same work with torch.optim.AdamW and no DeepSpeed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.learner.batch import collate, micro_batches, mini_batches
+    from services.learner.logprobs import token_logprobs
+    from spopp.loss import policy_loss
+
+    tok = AutoTokenizer.from_pretrained(model)
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-5, weight_decay=0.1)
+    trajs, adv = synthetic_batch(len(tok), batch)
+
+    def update():
+        with torch.no_grad():  # old log-probs: the weights before this update's first step
+            old = {}
+            for mb in micro_batches(slice(0, batch), 4):
+                b = collate(trajs[mb], adv[mb])
+                old[mb.start] = token_logprobs(net, b.input_ids, b.attention_mask)
+        for part in mini_batches(batch, 2):
+            n_tok = sum(sum(t.action_mask[1:]) for t in trajs[part])
+            for mb in micro_batches(part, 4):
+                b = collate(trajs[mb], adv[mb])
+                with torch.no_grad():
+                    old_lp = token_logprobs(net, b.input_ids, b.attention_mask)
+                lp = token_logprobs(net, b.input_ids, b.attention_mask)
+                loss, _ = policy_loss(
+                    lp, old_lp, b.advantages, b.loss_mask, rollout_logp=b.rollout_logp, token_count=n_tok
+                )
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+
+    update()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        update()
+        times.append(time.perf_counter() - t0)
+    return {"update_s": statistics.median(times), "tokens": sum(len(t.token_ids) for t in trajs)}
+
+
+def launch(model: Path, stage: int, nproc: int, batch: int, repeats: int, workdir: Path) -> dict:
+    out = workdir / f"ds-{stage}-{nproc}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "bench.learner_bench",
+        "--worker",
+        str(model),
+        str(stage),
+        str(batch),
+        str(repeats),
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--worker", nargs=5, metavar=("MODEL", "STAGE", "BATCH", "REPEATS", "OUT"), help=argparse.SUPPRESS
+    )
+    args = ap.parse_args()
+    if args.worker:
+        model, stage, batch, repeats, out = args.worker
+        worker(Path(model), int(stage), int(batch), int(repeats), Path(out))
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from spopp.tiny_model import build_tiny_model
+
+    batch, repeats = (8, 2) if args.quick else (16, 5)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model(Path(tmp) / "tiny")
+        base = plain_torch(model, batch, repeats)
+        print(f"plain torch: {base['tokens'] / base['update_s']:,.0f} tok/s", file=sys.stderr, flush=True)
+        for nproc in (1, 2):
+            for stage in (1, 2, 3):
+                r = launch(model, stage, nproc, batch, repeats, Path(tmp))
+                rows.append({"nproc": nproc, "stage": stage, **r})
+                print(
+                    f"ZeRO {stage}, {nproc} proc: {r['tokens'] / r['update_s']:,.0f} tok/s, "
+                    f"publish {r['publish_s'] * 1e3:.0f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    base_tps = base["tokens"] / base["update_s"]
+    lines = [
+        HEAD,
+        "",
+        f"Command: `{'make bench' if not args.quick else 'python -m bench.learner_bench --quick'}` on "
+        f"{platform.machine()}, Python {platform.python_version()}, one torch thread per process, fp32, "
+        f"{time.strftime('%Y-%m-%d')}. Tiny model (0.35 M parameters), B = {batch} synthetic trajectories of "
+        f"56-144 tokens, 2 mini-batches, micro-batch 4; median of {repeats} updates after a warm-up. "
+        f"Baseline: a plain PyTorch loop doing the same work in the same run: {base_tps:,.0f} tok/s.",
+        "",
+        "| processes | ZeRO stage | update s | tokens/s | vs plain torch | publish ms |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        tps = r["tokens"] / r["update_s"]
+        lines.append(
+            f"| {r['nproc']} | {r['stage']} | {r['update_s']:.3f} | {tps:,.0f} | {tps / base_tps:.2f} | "
+            f"{r['publish_s'] * 1e3:.0f} |"
+        )
+    section = "\n".join(lines) + "\n"
+    print(section)
+    if args.out:
+        from bench.tracker_bench import write_section
+
+        write_section(args.out, section, HEAD)
+
+
+if __name__ == "__main__":
+    main()
