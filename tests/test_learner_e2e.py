@@ -5,41 +5,19 @@ trains on the replica's trajectories, publishes snapshots that the tracker annou
 replica reloads; SPO's evidence moves only through /consume.
 """
 
-import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 import yaml
+from procs import cli, running
 
 from services.rollout.tasks import generate_arithmetic_tasks
 from services.tracker.embedded import free_port
 
 N_TASKS = 12
-
-
-@contextlib.contextmanager
-def process(args, log_path, env=None):
-    log = open(log_path, "w+")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
-    proc = subprocess.Popen(
-        args, env={**base, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        yield proc
-    except BaseException:
-        log.seek(0)
-        print(f"{args[3:6]} output (tail):\n" + log.read()[-5000:])
-        raise
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        log.close()
 
 
 @pytest.mark.slow
@@ -72,48 +50,17 @@ def test_three_services_train_publish_and_reload(
         "keep_snapshots": 2,
     }
     (tmp_path / "learner.yaml").write_text(yaml.safe_dump(cfg))
-    learner_args = [
-        sys.executable,
-        "-m",
-        "spopp.cli",
-        "learner",
-        "run",
-        "--config",
-        str(tmp_path / "learner.yaml"),
-    ]
-    replica_args = [
-        sys.executable,
-        "-m",
-        "spopp.cli",
-        "rollout",
-        "serve",
-        "--model",
-        str(tiny_model),
-        "--tracker",
-        tracker.url,
-        "--learner",
-        f"http://127.0.0.1:{learner_port}",
-        "--run",
-        run_name,
-        "--engine",
-        "transformers",
-        "--generated-tasks",
-        str(N_TASKS),
-        "--concurrency",
-        "4",
-        "--max-turns",
-        "2",
-        "--max-tokens-per-turn",
-        "32",
-        "--max-total-tokens",
-        "900",
-        "--port",
-        str(replica_port),
-    ]
+    learner_args = cli("learner", "run", "--config", str(tmp_path / "learner.yaml"))
+    replica_args = cli(
+        "rollout", "serve", "--model", str(tiny_model), "--tracker", tracker.url,
+        "--learner", f"http://127.0.0.1:{learner_port}", "--run", run_name, "--engine", "transformers",
+        "--generated-tasks", str(N_TASKS), "--concurrency", "4", "--max-turns", "2", "--max-tokens-per-turn", "32",
+        "--max-total-tokens", "900", "--port", str(replica_port),
+    )  # fmt: skip
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))}
     with (
-        process(learner_args, tmp_path / "learner.log", env) as learner,
-        process(replica_args, tmp_path / "replica.log") as replica,
+        running(learner_args, tmp_path / "learner.log", env) as learner,
+        running(replica_args, tmp_path / "replica.log") as replica,
     ):
         # The replica's generated task ids are the ones registered above.
         assert learner.wait(600) == 0

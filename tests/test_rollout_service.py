@@ -5,16 +5,13 @@ replica drain, reload and tag later trajectories with the new version (whose log
 new weights'); a replica killed mid-episode loses nothing at the tracker: its leases expire.
 """
 
-import contextlib
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 import torch
+from procs import cli, running
 from transformers import AutoModelForCausalLM
 
 from services.rollout.sink import LearnerSink
@@ -25,57 +22,15 @@ from spopp.tiny_model import perturb_weights
 N_TASKS = 8
 
 
-@contextlib.contextmanager
 def replica(tiny_model, tracker, sink, run, port, log_path, *extra, env_extra=None):
-    """The real CLI in a subprocess; its output is printed when the test fails, and it is
-    killed (by pid) if still running at the end."""
-    args = [
-        sys.executable,
-        "-m",
-        "spopp.cli",
-        "rollout",
-        "serve",
-        "--model",
-        str(tiny_model),
-        "--tracker",
-        tracker.url,
-        "--learner",
-        sink.url,
-        "--run",
-        run,
-        "--engine",
-        "transformers",
-        "--env",
-        "math-tir",
-        "--generated-tasks",
-        str(N_TASKS),
-        "--concurrency",
-        "4",
-        "--max-turns",
-        "3",
-        "--max-tokens-per-turn",
-        "48",
-        "--max-total-tokens",
-        "900",
-        "--port",
-        str(port),
-        *extra,
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
-    log = open(log_path, "w+")
-    env = {**env, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    except BaseException:
-        log.seek(0)
-        print("replica output (tail):\n" + log.read()[-4000:])
-        raise
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+    """`spopp rollout serve` on the tiny model with generated tasks, as a context manager."""
+    args = cli(
+        "rollout", "serve", "--model", str(tiny_model), "--tracker", tracker.url, "--learner", sink.url,
+        "--run", run, "--engine", "transformers", "--env", "math-tir", "--generated-tasks", str(N_TASKS),
+        "--concurrency", "4", "--max-turns", "3", "--max-tokens-per-turn", "48", "--max-total-tokens", "900",
+        "--port", str(port), *extra,
+    )  # fmt: skip
+    return running(args, log_path, env_extra)
 
 
 def _logprobs(model_dir, traj):
