@@ -119,6 +119,16 @@ def learner_run(
     config: Annotated[Path, typer.Option(help="learner YAML (see deploy/learner.example.yaml)")],
     nproc: Annotated[int, typer.Option(help="processes on this node (relaunches under torchrun)")] = 1,
     max_updates: Annotated[int | None, typer.Option(help="stop after N updates")] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="continue from the newest checkpoint under the config's `checkpoints` (weights, "
+            "optimizer, step, policy version, RNG, buffered trajectories); with no checkpoint there, "
+            "start fresh. Fails if the tracker's policy is ahead of the checkpoint (publishes after "
+            "it); checkpoint_every = updates_per_publish avoids that",
+        ),
+    ] = False,
 ) -> None:
     """Train on the first trajectories of each policy version; publish snapshots to the tracker."""
     import logging
@@ -141,6 +151,8 @@ def learner_run(
         ]
         if max_updates is not None:
             args += ["--max-updates", str(max_updates)]
+        if resume:
+            args.append("--resume")
         os.execv(sys.executable, [sys.executable, *args])
     from services.learner.config import LearnerConfig
     from services.learner.trainer import Learner
@@ -148,7 +160,7 @@ def learner_run(
     overrides = {"max_updates": max_updates} if max_updates is not None else {}
     cfg = LearnerConfig.from_yaml(config, **overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    Learner(cfg).run()
+    Learner(cfg, resume=resume).run()
 
 
 if __name__ == "__main__":

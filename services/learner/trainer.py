@@ -22,6 +22,7 @@ import torch.distributed as dist
 from spopp.advantages import normalize_advantages
 from spopp.client import TrackerClient
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import LearnerConfig
 from .engine import build_engine, init_distributed
 from .ingest import TrajectoryBuffer, ingest_app
@@ -43,8 +44,24 @@ def _broadcast(obj):
     return box[0]
 
 
+class ResumeError(RuntimeError):
+    """The checkpoint and the tracker's policy disagree; resuming would fork the run."""
+
+
 class Learner:
-    def __init__(self, cfg: LearnerConfig) -> None:
+    """`resume=True` loads the newest complete checkpoint under `cfg.checkpoints` (weights,
+    optimizer, step, policy version, RNG, SPO cache, buffered trajectories); with none there it
+    starts fresh from `cfg.model` (logged as a warning).
+
+    A checkpoint is written after every `checkpoint_every`-th update, after that update's publish,
+    so the version it holds is the published one. Updates published after the last checkpoint are
+    lost to a crash: on resume, if the tracker's policy is ahead of the checkpoint, ResumeError.
+    checkpoint_every = updates_per_publish checkpoints right after every publish, which leaves only
+    the moment between a publish and its checkpoint; with updates_per_publish x k (k > 1) a crash
+    after any of the k - 1 unchecked publishes needs the recovery the error describes.
+    """
+
+    def __init__(self, cfg: LearnerConfig, resume: bool = False) -> None:
         self.cfg = cfg
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -66,6 +83,69 @@ class Learner:
             self.metrics = MetricsLog(cfg.log_dir, total=cfg.max_updates)
         self.version = _broadcast(version)
         self.buffer.advance(self.version)
+        self.resumed_from: str | None = None
+        if resume:
+            self._resume(tracker_version=self.version)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _resume(self, tracker_version: int) -> None:
+        t0 = time.perf_counter()
+        state = load_checkpoint(self.engine, self.cfg.checkpoints)
+        if state is None:
+            log.warning("--resume: no checkpoint under %s; starting fresh", self.cfg.checkpoints)
+            return
+        where = Path(self.cfg.checkpoints) / state["tag"]
+        if state["version"] != tracker_version:
+            current = None
+            if self.rank == 0:
+                try:
+                    current = self.tracker.policy(self.cfg.run).snapshot
+                except Exception:  # the message matters more than the detail
+                    current = None
+            current = current or f"{self.cfg.snapshots}/v{tracker_version:06d}"
+            if tracker_version > state["version"]:
+                why = (
+                    "versions were published after the last checkpoint and their training state is "
+                    "lost; resuming would publish a different policy under version numbers the "
+                    f"rollouts already used. To recover, start a new run whose model is the current "
+                    f"snapshot ({current}), the tracker's current policy. To avoid it, set "
+                    "checkpoint_every = updates_per_publish (every publish is checkpointed right "
+                    "after it); with checkpoint_every = updates_per_publish x k, k > 1, a crash "
+                    "after an unchecked publish lands here."
+                )
+            else:
+                why = "the tracker is behind the checkpoint: wrong run, or wrong tracker?"
+            raise ResumeError(
+                f"checkpoint {where} holds policy version {state['version']} (update {state['step']}) "
+                f"but the tracker's run {self.cfg.run!r} is at version {tracker_version}: {why}"
+            )
+        self.step = state["step"]
+        self.version = state["version"]
+        self.buffer.restore(state["buffer"])
+        if self.spo is not None and state.get("spo") is not None:
+            self.spo.restore(state["spo"])
+        self.resumed_from = str(where)
+        log.info(
+            "resumed from %s: update %d, policy version %d (%.2fs)",
+            where,
+            self.step,
+            self.version,
+            time.perf_counter() - t0,
+        )
+
+    def checkpoint(self) -> float:
+        t0 = time.perf_counter()
+        state = None
+        if self.rank == 0:
+            state = {
+                "step": self.step,
+                "version": self.version,
+                "run": self.cfg.run,
+                "spo": self.spo.state() if self.spo is not None else None,
+                "buffer": self.buffer.state(),
+            }
+        save_checkpoint(self.engine, self.cfg.checkpoints, self.step, state)
+        return time.perf_counter() - t0
 
     # -- intake ------------------------------------------------------------------------------
     def serve(self) -> str | None:
@@ -143,6 +223,8 @@ class Learner:
         )
         if self.step % self.cfg.updates_per_publish == 0:
             stats["publish_s"] = self.publish()
+        if self.step % self.cfg.checkpoint_every == 0:  # after the publish: it saves that version
+            stats["checkpoint_s"] = self.checkpoint()
         if self.metrics is not None:
             self.metrics.write(self.step, stats)
         return stats

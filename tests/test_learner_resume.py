@@ -1,0 +1,200 @@
+"""Checkpoints and `spopp learner run --resume`: a killed learner continues bit for bit.
+
+No rollout replica: a driver thread POSTs a fixed, pre-generated stream of trajectories (the same
+for every run) for whichever policy version the tracker announces. Run A trains N updates without
+interruption; run B is SIGKILLed right after its checkpoint at update 2 and resumed. On CPU the
+updates are deterministic, so both end on identical weights, and B publishes every version once.
+"""
+
+import json
+import os
+import re
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import yaml
+from procs import cli, running
+from safetensors.torch import load_file
+
+from services.learner.checkpoint import latest_tag, load_checkpoint
+from services.tracker.embedded import free_port
+
+B, N, KILL_AFTER = 4, 4, 2
+
+
+def _stream(tokenizer, run: str, version: int) -> list[dict]:
+    """The B trajectories of `version`: deterministic tokens, rewards, advantages and log-probs."""
+    out = []
+    for i in range(B):
+        prompt = tokenizer.encode(f"Task {i}: what is {i} + {version}?", add_special_tokens=False)
+        answer = tokenizer.encode(f" The answer is {i + version + (i % 2)}.", add_special_tokens=False)
+        reward = float(i % 2 == 0)
+        out.append(
+            {
+                "run": run,
+                "request_id": f"r-v{version}-{i}",
+                "task_id": f"task-{i}",
+                "policy_version": version,
+                "token_ids": prompt + answer,
+                "action_mask": [0] * len(prompt) + [1] * len(answer),
+                "rollout_logprobs": [0.0] * len(prompt) + [-1.0 - 0.01 * k for k in range(len(answer))],
+                "reward": reward,
+                "value": 0.5,
+                "advantage": reward - 0.5,
+                "num_turns": 1,
+                "finish_reason": "stop",
+            }
+        )
+    return out
+
+
+class Driver(threading.Thread):
+    """Posts the fixed stream of each version the tracker announces, below `gate` (None: all)."""
+
+    def __init__(self, client, tokenizer, run: str, learner_url: str, gate: int | None = None):
+        super().__init__(daemon=True)
+        self.client, self.tokenizer, self.run_name, self.url = client, tokenizer, run, learner_url
+        self.gate = gate
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=10) as http:
+            while not self.stop.is_set():
+                try:
+                    version = self.client.policy(self.run_name).version
+                except Exception:
+                    time.sleep(0.2)
+                    continue
+                if self.gate is None or version < self.gate:
+                    for t in _stream(self.tokenizer, self.run_name, version):
+                        try:
+                            r = http.post(f"{self.url}/v1/trajectories", json=t)
+                        except httpx.TransportError:
+                            break  # the learner is (re)starting: retry from the tracker's version
+                        if r.status_code == 409 and r.json()["detail"]["code"] == "stale_policy":
+                            break
+                time.sleep(0.2)
+
+
+def _config(tmp: Path, tracker, tiny_model, run: str) -> tuple[Path, int]:
+    port = free_port()
+    cfg = {
+        "run": run,
+        "tracker": tracker.url,
+        "model": str(tiny_model),
+        "port": port,
+        "snapshots": str(tmp / "snapshots"),
+        "checkpoints": str(tmp / "ckpt"),
+        "log_dir": str(tmp / "logs"),
+        "batch_size": B,
+        "mini_batches": 2,
+        "micro_batch_size": 2,
+        "lr": 1e-3,
+        "zero_stage": 1,
+        "max_updates": N,
+        "checkpoint_every": 1,
+        "updates_per_publish": 1,
+        "keep_snapshots": 2,
+    }
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "learner.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp / "learner.yaml", port
+
+
+def _records(tmp: Path) -> list[dict]:
+    path = tmp / "logs" / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _weights(tmp: Path, version: int) -> dict[str, torch.Tensor]:
+    folder = tmp / "snapshots" / f"v{version:06d}"
+    files = sorted(folder.glob("*.safetensors"))
+    assert files, f"no weights in {folder}"
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_no_checkpoint_means_none(tmp_path):
+    assert load_checkpoint(None, tmp_path / "missing") is None
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("step00000003\n")  # names a folder that is not there
+    assert latest_tag(tmp_path / "ckpt") is None
+    assert load_checkpoint(None, tmp_path / "ckpt") is None
+
+
+@pytest.mark.slow
+def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))}
+    runs = {}
+    for name in ("a", "b"):
+        run = f"t-{name}-{uuid.uuid4().hex[:10]}"
+        client.put_run(run, {"recipe": "spopp", "lease_seconds": 30, "base_snapshot": str(tiny_model)})
+        config, port = _config(tmp_path / name, tracker, tiny_model, run)
+        runs[name] = (run, config, port)
+
+    (run_a, config_a, port_a), (run_b, config_b, port_b) = runs["a"], runs["b"]
+    drive_a = Driver(client, tokenizer, run_a, f"http://127.0.0.1:{port_a}")
+    drive_b = Driver(client, tokenizer, run_b, f"http://127.0.0.1:{port_b}", gate=KILL_AFTER)
+    drive_a.start(), drive_b.start()
+    try:
+        with (
+            running(cli("learner", "run", "--config", str(config_a)), tmp_path / "a.log", env) as learner_a,
+            running(cli("learner", "run", "--config", str(config_b)), tmp_path / "b1.log", env) as learner_b,
+        ):
+            # B: kill right after the checkpoint of update KILL_AFTER is complete (and logged).
+            deadline = time.monotonic() + 240
+            while not any(r["step"] == KILL_AFTER for r in _records(tmp_path / "b")):
+                assert learner_b.poll() is None, "learner B exited early"
+                assert time.monotonic() < deadline, "learner B did not reach the kill point"
+                time.sleep(0.1)
+            assert latest_tag(tmp_path / "b" / "ckpt") == f"step{KILL_AFTER:08d}"
+            learner_b.kill()
+            learner_b.wait(10)
+            assert client.policy(run_b).version == KILL_AFTER
+            assert learner_a.wait(300) == 0
+        drive_b.gate = None
+        t0 = time.monotonic()
+        resume_b = cli("learner", "run", "--config", str(config_b), "--resume")
+        with running(resume_b, tmp_path / "b2.log", env) as learner_b:
+            assert learner_b.wait(300) == 0
+        print(f"resumed leg of B: {time.monotonic() - t0:.1f}s")
+    finally:
+        drive_a.stop.set(), drive_b.stop.set()
+
+    # Same weights, bit for bit; the tracker at N for both.
+    assert client.policy(run_a).version == N and client.policy(run_b).version == N
+    wa, wb = _weights(tmp_path / "a", N), _weights(tmp_path / "b", N)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+    # B: every update logged once, every version published once, the second leg began at KILL_AFTER+1.
+    rec_a, rec_b = _records(tmp_path / "a"), _records(tmp_path / "b")
+    assert [r["step"] for r in rec_b] == list(range(1, N + 1))
+    assert [r["policy_version"] for r in rec_b] == list(range(N))
+    assert all("publish_s" in r and "checkpoint_s" in r for r in rec_b)
+    for ra, rb in zip(rec_a, rec_b, strict=True):
+        assert ra["reward_mean"] == rb["reward_mean"]
+    log_b2 = (tmp_path / "b2.log").read_text()
+    assert f"update {KILL_AFTER}, policy version {KILL_AFTER}" in log_b2
+    ckpts = sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir() if p.is_dir())
+    assert ckpts == [f"step{N - 1:08d}", f"step{N:08d}"]  # the newest two
+    print("checkpoint_s:", [round(r["checkpoint_s"], 3) for r in rec_b])
+
+    # The tracker ahead of the checkpoint (a publish the checkpoint never saw): a clear refusal.
+    client.publish(run_a, N + 1, str((tmp_path / "a" / "snapshots" / f"v{N:06d}").resolve()))
+    with running(cli("learner", "run", "--config", str(config_a), "--resume"), tmp_path / "a2.log", env) as p:
+        assert p.wait(120) != 0
+    out = " ".join(re.sub(r"\n(\[rank0\]: )?", " ", (tmp_path / "a2.log").read_text()).split())
+    assert "ResumeError" in out and f"is at version {N + 1}" in out
+    assert "published after the last checkpoint" in out and "checkpoint_every = updates_per_publish" in out
