@@ -21,9 +21,12 @@ N_TASKS = 12
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,measure,dual_clip", [("spopp", "token", 2.0), ("spo", "trajectory", 10.0)])
+@pytest.mark.parametrize(
+    "recipe,measure,dual_clip,nproc",
+    [("spopp", "token", 2.0, 1), ("spo", "trajectory", 10.0, 1), ("spopp", "token", 2.0, 2)],
+)
 def test_three_services_train_publish_and_reload(
-    tiny_model, tracker, client, run_name, tmp_path, recipe, measure, dual_clip
+    tiny_model, tracker, client, run_name, tmp_path, recipe, measure, dual_clip, nproc
 ):
     tasks = generate_arithmetic_tasks(N_TASKS, seed=0)  # the replica's --generated-tasks
     client.put_run(run_name, {"recipe": recipe, "lease_seconds": 30, "base_snapshot": str(tiny_model)})
@@ -50,7 +53,8 @@ def test_three_services_train_publish_and_reload(
         "keep_snapshots": 2,
     }
     (tmp_path / "learner.yaml").write_text(yaml.safe_dump(cfg))
-    learner_args = cli("learner", "run", "--config", str(tmp_path / "learner.yaml"))
+    # nproc 2: the CLI relaunches itself under torchrun; rank 0 serves the intake.
+    learner_args = cli("learner", "run", "--config", str(tmp_path / "learner.yaml"), "--nproc", str(nproc))
     replica_args = cli(
         "rollout", "serve", "--model", str(tiny_model), "--tracker", tracker.url,
         "--learner", f"http://127.0.0.1:{learner_port}", "--run", run_name, "--engine", "transformers",
@@ -74,6 +78,7 @@ def test_three_services_train_publish_and_reload(
     records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["policy_version"] for r in records] == [0, 1, 2]
+    assert all(r["world_size"] == nproc for r in records)
     for key in ("reward_mean", "clip_fraction", "approx_kl", "grad_norm", "tokens_per_s", "batch_wait_s"):
         assert all(key in r for r in records), key
     snaps = sorted(p.name for p in (tmp_path / "snapshots").iterdir())

@@ -215,6 +215,7 @@ class Learner:
         rewards = [t.reward for t in batch]
         stats.update(
             policy_version=self.version,
+            world_size=self.world,
             reward_mean=sum(rewards) / len(rewards),
             success_rate=sum(r >= 1.0 for r in rewards) / len(rewards),
             response_tokens_mean=sum(lengths) / len(lengths),
