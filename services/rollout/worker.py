@@ -71,6 +71,7 @@ class Worker:
         self.inflight: dict[asyncio.Task, Lease] = {}
         self.stopping = asyncio.Event()
         self.fatal: Exception | None = None
+        self.lease_seconds = 900.0
         self._episodes = 0
 
     # -- policy -------------------------------------------------------------------------------
@@ -121,6 +122,8 @@ class Worker:
 
     async def run(self, max_episodes: int | None = None) -> None:
         self.check_prompts()
+        # A run's configuration never changes: read its lease length once, not per episode.
+        self.lease_seconds = (await self.tracker.get_run(self.s.run)).config.lease_seconds
         await self.sync_policy()
         while not self.stopping.is_set():
             if max_episodes is not None and self._episodes >= max_episodes:
@@ -209,8 +212,7 @@ class Worker:
             log.warning("release of %s failed: %s", lease.request_id, exc)
 
     async def _renew(self, lease: Lease) -> None:
-        run = await self.tracker.get_run(self.s.run)
-        period = max(0.05, run.config.lease_seconds * self.s.renew_fraction)
+        period = max(0.05, self.lease_seconds * self.s.renew_fraction)
         while True:
             await asyncio.sleep(period)
             await self.tracker.renew(self.s.run, lease.request_id)
