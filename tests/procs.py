@@ -7,6 +7,9 @@ import contextlib
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import yaml
 
 
 def cli(*args: str) -> list[str]:
@@ -31,3 +34,19 @@ def running(args: list[str], log_path, env: dict | None = None):
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+def learner_config(tmp: Path, tracker_url: str, model, run: str, **settings) -> tuple[Path, int]:
+    """A learner YAML under `tmp` (snapshots, checkpoints and logs beside it) on a free port."""
+    from services.tracker.embedded import free_port
+
+    port = free_port()
+    cfg = {
+        "run": run, "tracker": tracker_url, "model": str(model), "port": port,
+        "snapshots": str(tmp / "snapshots"), "checkpoints": str(tmp / "ckpt"), "log_dir": str(tmp / "logs"),
+        "batch_size": 8, "mini_batches": 2, "micro_batch_size": 2, "zero_stage": 1, "keep_snapshots": 2,
+        **settings,
+    }  # fmt: skip
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "learner.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp / "learner.yaml", port

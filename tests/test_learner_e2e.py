@@ -11,8 +11,7 @@ import time
 
 import httpx
 import pytest
-import yaml
-from procs import cli, running
+from procs import cli, learner_config, running
 
 from services.rollout.tasks import generate_arithmetic_tasks
 from services.tracker.embedded import free_port
@@ -31,30 +30,14 @@ def test_three_services_train_publish_and_reload(
     tasks = generate_arithmetic_tasks(N_TASKS, seed=0)  # the replica's --generated-tasks
     client.put_run(run_name, {"recipe": recipe, "lease_seconds": 30, "base_snapshot": str(tiny_model)})
     client.put_tasks(run_name, [{"task_id": t.task_id, "outcomes": [1, 0, 0, 0, 1, 0, 0, 0]} for t in tasks])
-    learner_port, replica_port = free_port(), free_port()
     updates = 3
-    cfg = {
-        "run": run_name,
-        "tracker": tracker.url,
-        "model": str(tiny_model),
-        "port": learner_port,
-        "snapshots": str(tmp_path / "snapshots"),
-        "checkpoints": str(tmp_path / "ckpt"),
-        "log_dir": str(tmp_path / "logs"),
-        "recipe": recipe,
-        "normalization": measure,
-        "dual_clip": dual_clip,
-        "batch_size": 8,
-        "mini_batches": 2,
-        "micro_batch_size": 2,
-        "lr": 1e-4,
-        "zero_stage": 1,
-        "max_updates": updates,
-        "keep_snapshots": 2,
-    }
-    (tmp_path / "learner.yaml").write_text(yaml.safe_dump(cfg))
+    config, learner_port = learner_config(
+        tmp_path, tracker.url, tiny_model, run_name, recipe=recipe, normalization=measure, dual_clip=dual_clip,
+        lr=1e-4, max_updates=updates,
+    )  # fmt: skip
+    replica_port = free_port()
     # nproc 2: the CLI relaunches itself under torchrun; rank 0 serves the intake.
-    learner_args = cli("learner", "run", "--config", str(tmp_path / "learner.yaml"), "--nproc", str(nproc))
+    learner_args = cli("learner", "run", "--config", str(config), "--nproc", str(nproc))
     replica_args = cli(
         "rollout", "serve", "--model", str(tiny_model), "--tracker", tracker.url,
         "--learner", f"http://127.0.0.1:{learner_port}", "--run", run_name, "--engine", "transformers",

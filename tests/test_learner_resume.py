@@ -17,12 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import yaml
-from procs import cli, running
+from procs import cli, learner_config, running
 from safetensors.torch import load_file
 
 from services.learner.checkpoint import latest_tag, load_checkpoint
-from services.tracker.embedded import free_port
 
 B, N, KILL_AFTER = 4, 4, 2
 
@@ -82,28 +80,10 @@ class Driver(threading.Thread):
 
 
 def _config(tmp: Path, tracker, tiny_model, run: str) -> tuple[Path, int]:
-    port = free_port()
-    cfg = {
-        "run": run,
-        "tracker": tracker.url,
-        "model": str(tiny_model),
-        "port": port,
-        "snapshots": str(tmp / "snapshots"),
-        "checkpoints": str(tmp / "ckpt"),
-        "log_dir": str(tmp / "logs"),
-        "batch_size": B,
-        "mini_batches": 2,
-        "micro_batch_size": 2,
-        "lr": 1e-3,
-        "zero_stage": 1,
-        "max_updates": N,
-        "checkpoint_every": 1,
-        "updates_per_publish": 1,
-        "keep_snapshots": 2,
-    }
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "learner.yaml").write_text(yaml.safe_dump(cfg))
-    return tmp / "learner.yaml", port
+    return learner_config(
+        tmp, tracker.url, tiny_model, run, batch_size=B, lr=1e-3, max_updates=N, checkpoint_every=1,
+        updates_per_publish=1,
+    )  # fmt: skip
 
 
 def _records(tmp: Path) -> list[dict]:
