@@ -67,7 +67,9 @@ def test_learner_example_config_loads_and_bad_configs_say_why(tmp_path):
         ("run: r\nmodel: m\nbatch_size: 10\nmini_batches: 4\n", "split into 4 mini-batches"),
         ("run: r\nmodel: m\nzero_stage: 5\n", "zero_stage"),
         ("run: r\nmodel: m\nlearning_rate: 1\n", "learning_rate"),
-        ("run: r\nmodel: m\neval_every: 5\n", "eval_tasks"),
+        ("run: r\nmodel: m\neval: {every: 5}\n", "tasks"),
+        ("run: r\nmodel: m\nupdates_per_publish: 2\neval: {every: 3, tasks: t.jsonl}\n", "multiple of"),
+        ("run: r\nmodel: m\neval: {every: 2, tasks: t.jsonl, greedy: false, samples: 0}\n", "greedy"),
         ("- a list\n", "mapping"),
     ]:
         bad.write_text(text)

@@ -14,6 +14,40 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class EvalConfig(BaseModel):
+    """Scoring held-out tasks with the policy just published, greedy and sampled.
+
+    The episodes run the rollout's own agent loop and environment on rank 0, on an engine that
+    loads each snapshot in turn. Sampled episodes use fixed seeds per (task, sample), the same at
+    every evaluation, so consecutive points differ by the weights rather than by sampling noise.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    every: int = Field(..., ge=1, description="updates between evaluations")
+    tasks: Path = Field(..., description="held-out tasks (JSONL/parquet: prompt, answer, task_id)")
+    max_tasks: int | None = Field(None, ge=1, description="score only the first N tasks of the file")
+    at_start: bool = Field(True, description="also score the initial policy (version 0) before update 1")
+    env: Literal["math-tir"] = "math-tir"
+    engine: Literal["transformers", "vllm"] = Field("transformers", description="generation engine")
+    engine_options: dict = Field(default_factory=dict, description="extra engine arguments")
+    greedy: bool = Field(True, description="one temperature-0 episode per task")
+    samples: int = Field(4, ge=0, description="sampled episodes per task (avg@k, pass@k); 0: none")
+    temperature: float = Field(1.0, gt=0.0, description="temperature of the sampled episodes")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_turns: int = Field(8, ge=1)
+    max_tokens_per_turn: int = Field(1024, ge=1)
+    max_total_tokens: int = Field(4096, ge=1)
+    concurrency: int = Field(32, ge=1, description="episodes in flight")
+    seed: int = Field(0, ge=0, description="base of the sampled episodes' seeds")
+
+    @model_validator(mode="after")
+    def _something(self) -> EvalConfig:
+        if not self.greedy and self.samples == 0:
+            raise ValueError("eval needs greedy: true or samples >= 1")
+        return self
+
+
 class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -60,15 +94,18 @@ class LearnerConfig(BaseModel):
     seed: int = Field(0, ge=0)
 
     # -- evaluation ----------------------------------------------------------------------------
-    eval_every: int = Field(0, ge=0, description="updates between evaluations (0: never)")
-    eval_tasks: Path | None = Field(None, description="held-out tasks (JSONL/parquet)")
+    eval: EvalConfig | None = Field(None, description="held-out evaluation; null: none")
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:
         if self.batch_size % self.mini_batches:
             raise ValueError(f"batch_size {self.batch_size} must split into {self.mini_batches} mini-batches")
-        if self.eval_every and self.eval_tasks is None:
-            raise ValueError("eval_every needs eval_tasks")
+        if self.eval is not None and self.eval.every % self.updates_per_publish:
+            # Evaluation scores a published snapshot, so it can only fall on a publish.
+            raise ValueError(
+                f"eval.every ({self.eval.every}) must be a multiple of updates_per_publish "
+                f"({self.updates_per_publish})"
+            )
         return self
 
     @classmethod

@@ -7,6 +7,9 @@ import sys
 import time
 from pathlib import Path
 
+# Shown beside the progress bar: the newest value of each.
+_SHOWN = ("reward_mean", "clip_fraction", "tokens_per_s", "eval/greedy/success_rate")
+
 
 class MetricsLog:
     def __init__(self, log_dir: Path, total: int | None = None, tensorboard: bool = True) -> None:
@@ -19,12 +22,15 @@ class MetricsLog:
 
             self._tb = SummaryWriter(str(log_dir / "tb"))
         self._bar = None
+        self._shown: dict[str, float] = {}
         if sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, unit="update", dynamic_ncols=True)
 
-    def write(self, step: int, record: dict) -> None:
+    def write(self, step: int, record: dict, advance: bool = True) -> None:
+        """One record. `advance=False` for records that are not an update of their own (an
+        evaluation logged at the update it scored): the progress bar does not move."""
         record = {"step": step, "time": time.time(), **record}
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
@@ -32,9 +38,10 @@ class MetricsLog:
                 if isinstance(value, int | float) and key not in ("step", "time"):
                     self._tb.add_scalar(key, value, step)
         if self._bar is not None:
-            self._bar.update(1)
-            shown = {k: record[k] for k in ("reward_mean", "clip_fraction", "tokens_per_s") if k in record}
-            self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()})
+            if advance:
+                self._bar.update(1)
+            self._shown.update({k: record[k] for k in _SHOWN if k in record})
+            self._bar.set_postfix({k.split("/", 1)[-1]: f"{v:.3g}" for k, v in self._shown.items()})
 
     def close(self) -> None:
         self._file.close()

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Collection
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -118,11 +119,12 @@ def list_snapshots(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def prune_snapshots(root: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` snapshots; returns the deleted paths."""
+def prune_snapshots(root: str | Path, keep: int, protect: Collection[int] = ()) -> list[Path]:
+    """Delete all but the newest `keep` snapshots, and never the versions in `protect` (those an
+    evaluation still has to read); returns the deleted paths."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    doomed = [p for _, p in list_snapshots(root)[:-keep]]
+    doomed = [p for v, p in list_snapshots(root)[:-keep] if v not in protect]
     for p in doomed:
         # Rename first: a reader never finds a vNNNNNN folder with files missing.
         trash = p.with_name(p.name + ".del")
@@ -163,7 +165,13 @@ def _same_weights(a: dict, b: dict) -> bool:
 
 
 def publish_snapshot(
-    engine: Any, model_dir: str | Path, root: str | Path, version: int, *, keep: int
+    engine: Any,
+    model_dir: str | Path,
+    root: str | Path,
+    version: int,
+    *,
+    keep: int,
+    protect: Collection[int] = (),
 ) -> Path | None:
     """Write the engine's weights as snapshot `version` under `root`; every rank calls it.
 
@@ -196,5 +204,5 @@ def publish_snapshot(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    prune_snapshots(root, keep)
+    prune_snapshots(root, keep, protect)
     return final

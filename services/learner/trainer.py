@@ -69,7 +69,8 @@ class Learner:
         self.step = 0
         self.spo = SpoDriftCache() if cfg.recipe == "spo" else None
         self.buffer = TrajectoryBuffer(cfg.run, capacity=cfg.batch_size * cfg.updates_per_publish)
-        self.tracker = self.server = self.metrics = None
+        self.tracker = self.server = self.metrics = self.evaluator = None
+        self.snapshot: str | None = None  # folder of the newest published version (rank 0)
         version = None
         if self.rank == 0:
             self.tracker = TrackerClient(cfg.tracker, token=cfg.tracker_token)
@@ -81,6 +82,10 @@ class Learner:
                 )
             version = run.policy_version
             self.metrics = MetricsLog(cfg.log_dir, total=cfg.max_updates)
+            if cfg.eval is not None:
+                from .evaluate import Evaluator  # the rollout's engines and environments
+
+                self.evaluator = Evaluator(cfg.eval, cfg.model, Path(cfg.log_dir) / "eval")
         self.version = _broadcast(version)
         self.buffer.advance(self.version)
         self.resumed_from: str | None = None
@@ -228,17 +233,46 @@ class Learner:
             stats["checkpoint_s"] = self.checkpoint()
         if self.metrics is not None:
             self.metrics.write(self.step, stats)
+        if self.evaluator is not None:
+            if self.step % self.cfg.eval.every == 0:  # a multiple of updates_per_publish: just published
+                self.evaluator.submit(self.step, self.version, self.snapshot)
+            self._log_evals(wait=False)
         return stats
+
+    # -- evaluation (rank 0) -----------------------------------------------------------------
+    def _log_evals(self, wait: bool) -> None:
+        for result in self.evaluator.collect(wait=wait):
+            self.metrics.write(result.step, result.metrics, advance=False)
+            log.info(
+                "eval after update %d (policy v%d): %s",
+                result.step,
+                result.version,
+                ", ".join(
+                    f"{k.removeprefix('eval/')} {v:.3g}"
+                    for k, v in result.metrics.items()
+                    if k.endswith(("success_rate", "pass_at_k"))
+                ),
+            )
+
+    def _eval_at_start(self) -> None:
+        """Score the policy training starts from, so the curve has its origin (not on resume)."""
+        if self.evaluator is None or not self.cfg.eval.at_start or self.step != 0:
+            return
+        start = self.cfg.model if self.version == 0 else self.tracker.policy(self.cfg.run).snapshot
+        self.evaluator.submit(0, self.version, start)
 
     def publish(self) -> float:
         """Snapshot the weights as the next version, then advance the tracker's clock."""
         t0 = time.perf_counter()
         version = self.version + 1
+        queued = self.evaluator.pending_versions() if self.evaluator is not None else ()
         path = publish_snapshot(
-            self.engine, self.cfg.model, self.cfg.snapshots, version, keep=self.cfg.keep_snapshots
-        )
+            self.engine, self.cfg.model, self.cfg.snapshots, version, keep=self.cfg.keep_snapshots,
+            protect=queued,
+        )  # fmt: skip
         if self.rank == 0:
-            self.tracker.publish(self.cfg.run, version, str(Path(path).resolve()))
+            self.snapshot = str(Path(path).resolve())
+            self.tracker.publish(self.cfg.run, version, self.snapshot)
         self.version = version
         self.buffer.advance(version)
         if dist.get_world_size() > 1:
@@ -248,12 +282,17 @@ class Learner:
     def run(self) -> None:
         self.serve()
         try:
+            self._eval_at_start()
             while self.cfg.max_updates is None or self.step < self.cfg.max_updates:
                 self.update_once()
+            if self.evaluator is not None:  # a finished run reports its last evaluations
+                self._log_evals(wait=True)
         finally:
             self.close()
 
     def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
         if self.server is not None:
             self.server.stop()
         if self.metrics is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from .chat import ChatRenderer
@@ -55,6 +56,26 @@ class _Sequence:
         self.ids += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+def prompts_over_budget(
+    tasks: Iterable[Task], make_env: Callable[[], Environment], renderer: ChatRenderer, budget: Budget
+) -> list[str]:
+    """Tasks whose opening alone fills `budget.max_total_tokens`, as "task_id (N tokens)".
+
+    Such a task can never be answered; callers refuse to start with one rather than spend
+    episodes on it.
+    """
+    out = []
+    for task in tasks:
+        env = make_env()
+        try:
+            n = len(renderer.prompt(env.reset(task)))
+        finally:
+            env.close()
+        if n >= budget.max_total_tokens:
+            out.append(f"{task.task_id} ({n} tokens)")
+    return out
 
 
 async def run_episode(

@@ -12,7 +12,8 @@ from fastapi import FastAPI, Response
 from prometheus_client import generate_latest
 
 from .config import RolloutSettings
-from .envs.base import Environment, Task
+from .envs import env_factory
+from .envs.base import Task
 from .worker import Worker
 
 log = logging.getLogger("spopp.rollout")
@@ -28,20 +29,6 @@ def load_task_table(s: RolloutSettings) -> dict[str, Task]:
     else:
         raise ValueError("give --tasks FILE or --generated-tasks N")
     return {t.task_id: t for t in tasks}
-
-
-def env_factory(s: RolloutSettings):
-    if s.env == "math-tir":
-        from .envs.math_tir import MathTIREnv
-        from .sandbox import SandboxConfig, check_sandbox
-
-        check_sandbox(SandboxConfig())  # fail at start-up, not in the first episode
-
-        def make() -> Environment:
-            return MathTIREnv(SandboxConfig())
-
-        return make
-    raise ValueError(f"unknown environment {s.env!r}")
 
 
 class _Server(uvicorn.Server):
@@ -70,7 +57,7 @@ async def serve(s: RolloutSettings, max_episodes: int | None = None) -> None:
     from .engines.factory import make_engine
 
     tasks = load_task_table(s)
-    make_env = env_factory(s)
+    make_env = env_factory(s.env)
     engine = make_engine(s.engine, s.model, **s.engine_options)
     worker = Worker(s, engine, make_env, tasks)
     server = _Server(uvicorn.Config(health_app(worker), host=s.host, port=s.port, log_level="warning"))

@@ -24,7 +24,7 @@ from spopp.client import AsyncTrackerClient, StalePolicy, TrackerError
 from spopp.tracker_api import Lease
 from spopp.trajectory import Trajectory
 
-from .agent import Budget, Episode, run_episode
+from .agent import Budget, Episode, prompts_over_budget, run_episode
 from .chat import ChatRenderer
 from .config import RolloutSettings
 from .engines.base import Engine, SamplingConfig
@@ -105,15 +105,7 @@ class Worker:
     def check_prompts(self) -> None:
         """Fail at start-up when a task's opening alone fills the token budget: such a task could
         never get an answer, and its leases would only bounce between tracker and replica."""
-        too_long = []
-        for task in self.tasks.values():
-            env = self.make_env()
-            try:
-                n = len(self.renderer.prompt(env.reset(task)))
-            finally:
-                env.close()
-            if n >= self.budget.max_total_tokens:
-                too_long.append(f"{task.task_id} ({n} tokens)")
+        too_long = prompts_over_budget(self.tasks.values(), self.make_env, self.renderer, self.budget)
         if too_long:
             raise ValueError(
                 f"{len(too_long)} task prompts leave no room under max_total_tokens="

@@ -1,0 +1,247 @@
+"""Held-out evaluation: the rollout's agent loop and environment, scored on each published policy.
+
+Rank 0 owns an `Evaluator`. Every `eval.every` updates, right after the publish, it queues the new
+snapshot; a background thread with its own event loop and generation engine loads the snapshot
+and plays one greedy episode (temperature 0) and `samples` sampled episodes per held-out task.
+Training does not wait for it: the learner picks up finished evaluations after each update and
+logs them beside the training records, at the update they scored. A learner that evaluated in
+line would hold every other rank in a collective for the whole evaluation (gloo's timeout is 30
+minutes) and would stall the rollouts' consumer.
+
+Sampled episodes get seeds fixed per (task, sample) and equal at every evaluation, so two
+points on the curve differ by their weights, not by sampling noise. Per-episode results go to
+`log_dir/eval/vNNNNNN.jsonl` for inspection.
+
+Queued snapshots are read after the learner may have published more; the learner passes
+`pending_versions()` to the snapshot pruning so a queued snapshot is never deleted before it is
+scored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.rollout.agent import Budget, Episode, prompts_over_budget, run_episode
+from services.rollout.chat import ChatRenderer
+from services.rollout.engines.base import SamplingConfig
+from services.rollout.envs import env_factory
+from services.rollout.envs.base import Task
+from services.rollout.tasks import load_tasks
+
+from .config import EvalConfig
+
+log = logging.getLogger("spopp.learner.eval")
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def sample_seed(base: int, task_index: int, sample: int) -> int:
+    """The seed of sampled episode `sample` of task `task_index`: the same at every evaluation."""
+    return ((base * 1_000_003 + task_index) * 4099 + sample) & _SEED_MASK
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    step: int
+    version: int
+    metrics: dict[str, float]
+
+
+def summarize(episodes: list[tuple[int, Episode]], prefix: str) -> dict[str, float]:
+    """Means over episodes; `episodes` holds (task index, episode). Success is reward >= 1."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    out = {
+        f"{prefix}/reward_mean": sum(e.reward for _, e in episodes) / n,
+        f"{prefix}/success_rate": sum(e.reward >= 1.0 for _, e in episodes) / n,
+        f"{prefix}/response_tokens_mean": sum(e.generated_tokens for _, e in episodes) / n,
+        f"{prefix}/turns_mean": sum(e.num_turns for _, e in episodes) / n,
+        # Cut by a budget: such an episode earned 0 whatever it was about to say.
+        f"{prefix}/truncated_rate": sum(e.finish_reason.startswith("max_") for _, e in episodes) / n,
+    }
+    return out
+
+
+def pass_at_k(episodes: list[tuple[int, Episode]]) -> float:
+    """Share of tasks with at least one successful episode among their samples."""
+    solved: dict[int, bool] = {}
+    for i, e in episodes:
+        solved[i] = solved.get(i, False) or e.reward >= 1.0
+    return sum(solved.values()) / len(solved)
+
+
+class Evaluator:
+    """Scores snapshots on held-out tasks in a background thread (rank 0 only)."""
+
+    def __init__(self, cfg: EvalConfig, base_model: str | Path, out_dir: str | Path) -> None:
+        self.cfg = cfg
+        tasks = load_tasks(cfg.tasks)
+        if cfg.max_tasks is not None:
+            tasks = tasks[: cfg.max_tasks]
+        if not tasks:
+            raise ValueError(f"eval.tasks {cfg.tasks}: no tasks")
+        self.tasks: list[Task] = tasks
+        self.base_model = Path(base_model)
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.make_env = env_factory(cfg.env)
+        self.budget = Budget(cfg.max_turns, cfg.max_tokens_per_turn, cfg.max_total_tokens)
+        self._pending: dict[Future, tuple[int, int]] = {}  # future -> (step, version)
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="spopp-eval", daemon=True)
+        self._thread.start()
+        try:
+            # Built on the evaluation loop: vLLM's AsyncLLM binds to the loop that creates it.
+            self.engine = self._call(self._build())
+            self.renderer = ChatRenderer(self.engine.tokenizer)
+            too_long = prompts_over_budget(self.tasks, self.make_env, self.renderer, self.budget)
+            if too_long:
+                raise ValueError(
+                    f"{len(too_long)} held-out task prompts leave no room under eval.max_total_tokens="
+                    f"{self.budget.max_total_tokens}: {', '.join(too_long[:5])}"
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.loaded: Path = self.base_model
+        log.info(
+            "evaluation: %d held-out tasks, greedy=%s, %d samples each, engine %s",
+            len(self.tasks),
+            cfg.greedy,
+            cfg.samples,
+            cfg.engine,
+        )
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _build(self):
+        from services.rollout.engines.factory import make_engine
+
+        return make_engine(self.cfg.engine, self.base_model, **self.cfg.engine_options)
+
+    # -- the learner's side --------------------------------------------------------------------
+    def submit(self, step: int, version: int, snapshot: str | Path) -> Future:
+        """Queue an evaluation of `snapshot` (policy `version`, after update `step`)."""
+        fut = asyncio.run_coroutine_threadsafe(self._evaluate(step, version, Path(snapshot)), self._loop)
+        with self._lock:
+            self._pending[fut] = (step, version)
+            queued = len(self._pending)
+        if queued > 2:
+            log.warning(
+                "%d evaluations queued: evaluation is slower than eval.every=%d updates; "
+                "raise eval.every or lower eval.max_tasks / eval.samples",
+                queued,
+                self.cfg.every,
+            )
+        return fut
+
+    def pending_versions(self) -> set[int]:
+        with self._lock:
+            return {version for _, version in self._pending.values()}
+
+    def collect(self, wait: bool = False) -> list[EvalResult]:
+        """Finished evaluations in submission order (all of them when `wait`). A failed one is
+        logged with its traceback and dropped: evaluation never stops training."""
+        with self._lock:
+            futures = list(self._pending)
+        results = []
+        for fut in futures:
+            if not fut.done() and not wait:
+                break  # keep the order: a later one is reported after an earlier one
+            step, version = self._pending[fut]
+            try:
+                results.append(fut.result())
+            except Exception:
+                log.exception("evaluation of policy version %d (update %d) failed", version, step)
+            with self._lock:
+                del self._pending[fut]
+        return results
+
+    # -- the evaluation thread -----------------------------------------------------------------
+    async def _evaluate(self, step: int, version: int, snapshot: Path) -> EvalResult:
+        t0 = time.perf_counter()
+        if snapshot != self.loaded:
+            await self.engine.load_weights(snapshot)
+            self.loaded = snapshot
+        load_s = time.perf_counter() - t0
+        cfg = self.cfg
+        gate = asyncio.Semaphore(cfg.concurrency)
+        budget_tokens = cfg.max_tokens_per_turn
+
+        async def play(index: int, sampling: SamplingConfig) -> tuple[int, Episode]:
+            async with gate:
+                env = self.make_env()
+                try:
+                    return index, await run_episode(
+                        self.engine, env, self.tasks[index], self.budget, sampling, self.renderer
+                    )
+                finally:
+                    env.close()
+
+        jobs: list[tuple[str, asyncio.Future]] = []
+        for i in range(len(self.tasks)):
+            if cfg.greedy:
+                greedy = SamplingConfig(max_tokens=budget_tokens, temperature=0.0)
+                jobs.append(("greedy", asyncio.ensure_future(play(i, greedy))))
+            for j in range(cfg.samples):
+                sampled = SamplingConfig(
+                    max_tokens=budget_tokens,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    seed=sample_seed(cfg.seed, i, j),
+                )
+                jobs.append((f"sample{j}", asyncio.ensure_future(play(i, sampled))))
+        done = await asyncio.gather(*(job for _, job in jobs))
+        greedy_eps = [ep for (mode, _), ep in zip(jobs, done, strict=True) if mode == "greedy"]
+        sampled_eps = [ep for (mode, _), ep in zip(jobs, done, strict=True) if mode != "greedy"]
+
+        metrics: dict[str, float] = {"eval/policy_version": version, "eval/tasks": len(self.tasks)}
+        metrics.update(summarize(greedy_eps, "eval/greedy"))
+        metrics.update(summarize(sampled_eps, "eval/sampled"))
+        if sampled_eps:
+            metrics["eval/sampled/pass_at_k"] = pass_at_k(sampled_eps)
+            metrics["eval/sampled/k"] = cfg.samples
+        metrics["eval/load_s"] = load_s
+        metrics["eval/seconds"] = time.perf_counter() - t0
+        self._write_episodes(version, step, jobs, done)
+        return EvalResult(step=step, version=version, metrics=metrics)
+
+    def _write_episodes(self, version: int, step: int, jobs, done) -> None:
+        tok = self.engine.tokenizer
+        path = self.out_dir / f"v{version:06d}.jsonl"
+        with path.open("w", encoding="utf-8") as f:
+            for (mode, _), (i, ep) in zip(jobs, done, strict=True):
+                row = {
+                    "step": step,
+                    "policy_version": version,
+                    "task_id": self.tasks[i].task_id,
+                    "mode": mode,
+                    "reward": ep.reward,
+                    "finish_reason": ep.finish_reason,
+                    "turns": ep.num_turns,
+                    "response_tokens": ep.generated_tokens,
+                    "response": tok.decode(ep.token_ids[ep.prompt_tokens :], skip_special_tokens=False),
+                }
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        """Stop the thread; evaluations still queued are dropped (call collect(wait=True) first)."""
+        if getattr(self, "engine", None) is not None:
+            try:
+                self._call(self.engine.close(), timeout=60)
+            except Exception:  # closing is best effort: the process is ending
+                log.warning("evaluation engine did not close cleanly", exc_info=True)
+            self.engine = None
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)

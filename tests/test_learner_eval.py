@@ -1,0 +1,164 @@
+"""Held-out evaluation (services/learner/evaluate.py) on the tiny model, real sandbox and verifier.
+
+The Evaluator plays the rollout's own agent loop on the transformers engine in its background
+thread. What is checked: the metrics are the aggregates of the episodes it wrote; an evaluation is
+a function of the weights (same snapshot, same results; another snapshot, other responses; back to
+the first, the first results again); a failed evaluation is reported and leaves the next one
+working; queued snapshots survive pruning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from services.learner.config import EvalConfig
+from services.learner.snapshot import list_snapshots, prune_snapshots
+from services.rollout.envs.base import Task
+from services.rollout.tasks import generate_arithmetic_tasks, write_jsonl
+from spopp.tiny_model import perturb_weights
+
+N_TASKS, K = 6, 3
+
+
+def _eval_cfg(tasks_file: Path, **kw) -> EvalConfig:
+    settings = dict(
+        every=1, tasks=tasks_file, samples=K, max_turns=2, max_tokens_per_turn=48, max_total_tokens=600,
+        concurrency=8, engine_options={"max_batch": 16},
+    )  # fmt: skip
+    return EvalConfig(**{**settings, **kw})
+
+
+def _episodes(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> Path:
+    tasks = generate_arithmetic_tasks(N_TASKS, seed=123)
+    # A task whose answer no response can match: its episodes must all score 0.
+    tasks.append(Task(task_id="impossible", prompt=tasks[0].prompt, answer="-987654321"))
+    path = tmp_path_factory.mktemp("eval") / "held_out.jsonl"
+    write_jsonl(tasks, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def evaluator(tiny_model, held_out, tmp_path_factory):
+    from services.learner.evaluate import Evaluator
+
+    ev = Evaluator(_eval_cfg(held_out), tiny_model, tmp_path_factory.mktemp("eval-out"))
+    yield ev
+    ev.close()
+
+
+def _score(ev, step: int, version: int, snapshot: Path):
+    fut = ev.submit(step, version, snapshot)
+    fut.result(timeout=600)
+    (result,) = ev.collect(wait=True)
+    return result, _episodes(ev.out_dir / f"v{version:06d}.jsonl")
+
+
+def test_metrics_are_the_episodes_aggregates(evaluator, tiny_model):
+    result, rows = _score(evaluator, 0, 0, tiny_model)
+    m = result.metrics
+    assert (result.step, result.version) == (0, 0)
+    assert len(rows) == (N_TASKS + 1) * (1 + K)
+    by_mode = defaultdict(list)
+    for r in rows:
+        by_mode["greedy" if r["mode"] == "greedy" else "sampled"].append(r)
+    assert len(by_mode["greedy"]) == N_TASKS + 1 and len(by_mode["sampled"]) == (N_TASKS + 1) * K
+    for mode, eps in by_mode.items():
+        assert m[f"eval/{mode}/reward_mean"] == pytest.approx(sum(r["reward"] for r in eps) / len(eps))
+        assert m[f"eval/{mode}/success_rate"] == pytest.approx(sum(r["reward"] >= 1 for r in eps) / len(eps))
+        assert m[f"eval/{mode}/response_tokens_mean"] == pytest.approx(
+            sum(r["response_tokens"] for r in eps) / len(eps)
+        )
+    solved = defaultdict(bool)
+    for r in by_mode["sampled"]:
+        solved[r["task_id"]] |= r["reward"] >= 1
+    assert m["eval/sampled/pass_at_k"] == pytest.approx(sum(solved.values()) / (N_TASKS + 1))
+    assert m["eval/sampled/k"] == K and m["eval/tasks"] == N_TASKS + 1
+    assert all(r["reward"] == 0 for r in rows if r["task_id"] == "impossible")
+    # Sampled episodes of one task use different seeds: not all K responses are the same text.
+    per_task = defaultdict(set)
+    for r in by_mode["sampled"]:
+        per_task[r["task_id"]].add(r["response"])
+    assert any(len(v) > 1 for v in per_task.values())
+    assert all(r["reward"] in (0.0, 1.0) for r in rows)  # math-tir scores 0 or 1
+    assert 0 < m["eval/sampled/truncated_rate"] <= 1  # 48 tokens a turn cut some samples
+    print({k: round(v, 3) for k, v in m.items()})
+
+
+def test_an_evaluation_is_a_function_of_the_weights(evaluator, tiny_model, tmp_path):
+    first, rows_a = _score(evaluator, 0, 0, tiny_model)
+    other = perturb_weights(tiny_model, tmp_path / "v000001", scale=0.3, seed=7)
+    second, rows_b = _score(evaluator, 1, 1, other)
+    assert second.metrics["eval/load_s"] > 0  # a new snapshot was loaded
+    assert [r["response"] for r in rows_a] != [r["response"] for r in rows_b]
+    again, rows_c = _score(evaluator, 2, 0, tiny_model)  # back to the base weights
+    assert [r["response"] for r in rows_c] == [r["response"] for r in rows_a]
+    for key, value in first.metrics.items():
+        if not key.endswith(("_s", "seconds")):
+            assert again.metrics[key] == value, key
+
+
+def test_a_failed_evaluation_is_reported_and_the_next_one_works(evaluator, tiny_model, tmp_path, caplog):
+    with caplog.at_level(logging.ERROR, logger="spopp.learner.eval"):
+        fut = evaluator.submit(5, 5, tmp_path / "gone")
+        with pytest.raises(Exception):  # noqa: B017 - any load error; the log is what is asserted
+            fut.result(timeout=60)
+        assert evaluator.collect(wait=True) == []
+    assert "evaluation of policy version 5 (update 5) failed" in caplog.text
+    assert evaluator.pending_versions() == set()
+    result, _ = _score(evaluator, 6, 0, tiny_model)
+    assert result.version == 0
+
+
+def test_collect_keeps_submission_order_and_pending_versions(evaluator, tiny_model):
+    a = evaluator.submit(1, 0, tiny_model)
+    b = evaluator.submit(2, 0, tiny_model)
+    assert evaluator.pending_versions() == {0}
+    b.result(timeout=600)
+    got = evaluator.collect(wait=True)
+    assert [r.step for r in got] == [1, 2] and a.done()
+    assert evaluator.pending_versions() == set()
+
+
+def test_prompts_over_the_budget_are_refused_at_start(tiny_model, held_out, tmp_path):
+    from services.learner.evaluate import Evaluator
+
+    with pytest.raises(ValueError, match="leave no room under eval.max_total_tokens=20"):
+        Evaluator(_eval_cfg(held_out, max_total_tokens=20), tiny_model, tmp_path)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no tasks"):
+        Evaluator(_eval_cfg(empty), tiny_model, tmp_path)
+
+
+def test_summaries_count_successes_truncations_and_pass_at_k():
+    from services.learner.evaluate import Episode, pass_at_k, summarize
+
+    def ep(reward: float, finish: str = "answer", tokens: int = 4) -> Episode:
+        return Episode([0] * (2 + tokens), [0, 0] + [1] * tokens, [0.0] * (2 + tokens), reward, 1, finish, 2)
+
+    eps = [(0, ep(1.0)), (0, ep(0.0, "max_tokens_per_turn", 8)), (1, ep(0.0)), (1, ep(0.0)), (2, ep(1.0))]
+    m = summarize(eps, "x")
+    assert m["x/reward_mean"] == pytest.approx(0.4) and m["x/success_rate"] == pytest.approx(0.4)
+    assert m["x/truncated_rate"] == pytest.approx(0.2) and m["x/response_tokens_mean"] == pytest.approx(4.8)
+    assert pass_at_k(eps) == pytest.approx(2 / 3)  # tasks 0 and 2 solved in some sample, task 1 never
+    assert summarize([], "x") == {}
+
+
+def test_pruning_spares_snapshots_awaiting_evaluation(tmp_path):
+    for v in range(1, 6):
+        (tmp_path / f"v{v:06d}").mkdir()
+    deleted = prune_snapshots(tmp_path, keep=2, protect={2})
+    assert sorted(p.name for p in deleted) == ["v000001", "v000003"]
+    assert [v for v, _ in list_snapshots(tmp_path)] == [2, 4, 5]
+    prune_snapshots(tmp_path, keep=2)  # once scored, it goes with the next publish
+    assert [v for v, _ in list_snapshots(tmp_path)] == [4, 5]
