@@ -119,6 +119,14 @@ def learner_run(
     config: Annotated[Path, typer.Option(help="learner YAML (see deploy/learner.example.yaml)")],
     nproc: Annotated[int, typer.Option(help="processes on this node (relaunches under torchrun)")] = 1,
     max_updates: Annotated[int | None, typer.Option(help="stop after N updates")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="override a config setting, KEY=VALUE (repeatable; dotted keys for nested settings: "
+            "eval.every=5; VALUE is read as YAML)",
+        ),
+    ] = None,
     resume: Annotated[
         bool,
         typer.Option(
@@ -151,6 +159,8 @@ def learner_run(
         ]
         if max_updates is not None:
             args += ["--max-updates", str(max_updates)]
+        for item in set_ or ():
+            args += ["--set", item]
         if resume:
             args.append("--resume")
         os.execv(sys.executable, [sys.executable, *args])
@@ -158,7 +168,7 @@ def learner_run(
     from services.learner.trainer import Learner
 
     overrides = {"max_updates": max_updates} if max_updates is not None else {}
-    cfg = LearnerConfig.from_yaml(config, **overrides)
+    cfg = LearnerConfig.from_yaml(config, set_ or (), **overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     Learner(cfg, resume=resume).run()
 

@@ -38,6 +38,60 @@ def test_compose_rollout_settings_are_real_settings():
         assert flag in help_text, flag
 
 
+def test_compose_learner_command_is_a_valid_learner_config():
+    """The compose learner's flags exist, its --set overrides name real settings and, applied to
+    the example config, validate; it writes snapshots where the replicas read them."""
+    from typer.testing import CliRunner
+
+    from services.learner.config import LearnerConfig
+    from spopp.cli import app
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    learner, rollout = compose["services"]["learner"], compose["services"]["rollout"]
+    assert (ROOT / learner["build"]["dockerfile"]).exists()
+    command = learner["command"]
+    help_text = CliRunner().invoke(app, ["learner", "run", "--help"], env={"COLUMNS": "200"}).output
+    for flag in (a for a in command if a.startswith("--")):
+        assert flag in help_text, flag
+    # Compose fills ${VAR:-default} from the environment; the defaults stand in for it here.
+    sets = [
+        command[i + 1].replace("${SPOPP_RUN:-math-spopp}", "math-spopp")
+        for i, a in enumerate(command)
+        if a == "--set"
+    ]
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in learner["volumes"]}
+    config = ROOT / mounts[command[command.index("--config") + 1]].removeprefix("./")
+    cfg = LearnerConfig.from_yaml(config, sets)
+    assert cfg.tracker == "http://tracker:8000" and cfg.host == "0.0.0.0"
+    assert str(cfg.snapshots) == "/snapshots" and "snapshots:/snapshots:ro" in rollout["volumes"]
+    assert "snapshots:/snapshots" in learner["volumes"]  # read-write for the learner only
+    assert str(cfg.eval.tasks) == "/data/held_out.jsonl"
+    assert rollout["environment"]["SPOPP_ROLLOUT_LEARNER"] == f"http://learner:{cfg.port}"
+
+
+def test_set_overrides_reach_nested_settings_and_say_what_is_wrong(tmp_path):
+    import pydantic
+    import pytest
+
+    from services.learner.config import LearnerConfig
+
+    base = tmp_path / "l.yaml"
+    base.write_text("run: r\nmodel: m\neval: {every: 2, tasks: a.jsonl}\n")
+    cfg = LearnerConfig.from_yaml(base, ["eval.every=4", "lr=3e-6", "betas=[0.9, 0.95]", "grad_clip=null"])
+    assert (cfg.eval.every, cfg.lr, cfg.betas, cfg.grad_clip) == (4, 3e-6, (0.9, 0.95), None)
+    assert LearnerConfig.from_yaml(base, ["eval="]).eval is None
+    for bad, needle in [
+        ("lr", "KEY=VALUE"),
+        ("=3", "KEY=VALUE"),
+        ("run.x=1", "not a group"),
+        ("lr.x=1", "valid number"),
+        ("nope=1", "nope"),
+    ]:
+        with pytest.raises((ValueError, pydantic.ValidationError)) as err:
+            LearnerConfig.from_yaml(base, [bad])
+        assert needle in str(err.value), bad
+
+
 def test_unset_token_from_compose_means_no_auth(monkeypatch):
     monkeypatch.setenv("SPOPP_API_TOKEN", "")
     assert TrackerSettings().api_token is None

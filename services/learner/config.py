@@ -7,6 +7,7 @@ it does not (4 mini-batches per update).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -54,7 +55,7 @@ class LearnerConfig(BaseModel):
     # -- where ---------------------------------------------------------------------------------
     run: str = Field(..., min_length=1, description="run name at the tracker")
     tracker: str = Field("http://127.0.0.1:8000", description="tracker base URL")
-    tracker_token: str | None = Field(None, description="bearer token for the tracker")
+    tracker_token: str | None = Field(None, description="bearer token for the tracker (default: $SPOPP_API_TOKEN)")
     model: Path = Field(..., description="initial weights (Hugging Face folder) = policy version 0")
     snapshots: Path = Field(Path("spopp-data/snapshots"), description="shared storage for snapshots/vNNNNNN")
     keep_snapshots: int = Field(3, ge=1, description="snapshots kept on disk (the newest K)")
@@ -109,8 +110,28 @@ class LearnerConfig(BaseModel):
         return self
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> LearnerConfig:
+    def from_yaml(cls, path: str | Path, sets: Iterable[str] = (), **overrides) -> LearnerConfig:
+        """The YAML file, then each `KEY=VALUE` of `sets` (dotted keys reach nested settings:
+        `eval.every=5`; values are read as YAML: `null`, `2`, `1e-6`, `[0.9, 0.95]`), then
+        `overrides`."""
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
+        for item in sets:
+            apply_setting(data, item)
         return cls.model_validate({**data, **overrides})
+
+
+def apply_setting(data: dict, item: str) -> None:
+    """Apply one `KEY=VALUE` (dotted KEY) to a settings mapping in place."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set expects KEY=VALUE (e.g. tracker=http://tracker:8000), got {item!r}")
+    *parents, leaf = key.strip().split(".")
+    node = data
+    for name in parents:
+        child = node.setdefault(name, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {item!r}: {name!r} is not a group of settings")
+        node = child
+    node[leaf] = yaml.safe_load(raw) if raw.strip() else None

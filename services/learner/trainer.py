@@ -13,6 +13,7 @@ rewards and drifts in receipt order (/consume).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -73,7 +74,10 @@ class Learner:
         self.snapshot: str | None = None  # folder of the newest published version (rank 0)
         version = None
         if self.rank == 0:
-            self.tracker = TrackerClient(cfg.tracker, token=cfg.tracker_token)
+            # SPOPP_API_TOKEN, as the tracker reads it, when the config names none (keeps the secret
+            # out of files and command lines).
+            token = cfg.tracker_token or os.environ.get("SPOPP_API_TOKEN") or None
+            self.tracker = TrackerClient(cfg.tracker, token=token)
             run = self.tracker.get_run(cfg.run)
             if run.config.recipe != cfg.recipe:
                 raise ValueError(
