@@ -84,7 +84,11 @@ def test_three_services_train_publish_and_reload(
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["policy_version"] for r in records] == [0, 1, 2]
     assert all(r["world_size"] == nproc for r in records)
-    for key in ("reward_mean", "clip_fraction", "approx_kl", "grad_norm", "tokens_per_s", "batch_wait_s"):
+    logged = (
+        "reward_mean", "success_rate", "response_tokens_mean", "clip_fraction", "approx_kl", "is_weight_mean",
+        "is_weight_max", "is_capped_fraction", "grad_norm", "lr", "tokens_per_s", "batch_wait_s", "publish_s",
+    )  # fmt: skip
+    for key in logged:
         assert all(key in r for r in records), key
     snaps = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
     assert snaps == ["v000002", "v000003"]  # keep_snapshots = 2
