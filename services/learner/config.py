@@ -55,7 +55,9 @@ class LearnerConfig(BaseModel):
     # -- where ---------------------------------------------------------------------------------
     run: str = Field(..., min_length=1, description="run name at the tracker")
     tracker: str = Field("http://127.0.0.1:8000", description="tracker base URL")
-    tracker_token: str | None = Field(None, description="bearer token for the tracker (default: $SPOPP_API_TOKEN)")
+    tracker_token: str | None = Field(
+        None, description="bearer token for the tracker (default: $SPOPP_API_TOKEN)"
+    )
     model: Path = Field(..., description="initial weights (Hugging Face folder) = policy version 0")
     snapshots: Path = Field(Path("spopp-data/snapshots"), description="shared storage for snapshots/vNNNNNN")
     keep_snapshots: int = Field(3, ge=1, description="snapshots kept on disk (the newest K)")
@@ -89,6 +91,7 @@ class LearnerConfig(BaseModel):
     lr: float = Field(1e-6, gt=0.0)
     weight_decay: float = Field(0.1, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW's epsilon")
     grad_clip: float | None = Field(1.0, gt=0.0, description="max global grad norm; null: no clipping")
     zero_stage: Literal[0, 1, 2, 3] = Field(1, description="DeepSpeed ZeRO stage")
     dtype: Literal["fp32", "bf16"] = "fp32"

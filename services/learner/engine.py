@@ -110,7 +110,7 @@ def build_engine(cfg: LearnerConfig, model_dir: str | Path | None = None) -> tup
     model.train()
     tokenizer = AutoTokenizer.from_pretrained(path)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world))
     return engine, tokenizer

@@ -127,7 +127,14 @@ class Evaluator:
     async def _build(self):
         from services.rollout.engines.factory import make_engine
 
-        return make_engine(self.cfg.engine, self.base_model, **self.cfg.engine_options)
+        options = dict(self.cfg.engine_options)
+        if self.cfg.engine == "transformers" and "device" not in options:
+            import torch
+
+            # Beside rank 0's training on its GPU when there is one (the engine's own default is CPU).
+            if torch.cuda.is_available():
+                options["device"] = f"cuda:{torch.cuda.current_device()}"
+        return make_engine(self.cfg.engine, self.base_model, **options)
 
     # -- the learner's side --------------------------------------------------------------------
     def submit(self, step: int, version: int, snapshot: str | Path) -> Future:
