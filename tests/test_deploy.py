@@ -120,6 +120,7 @@ def test_learner_example_config_loads_and_bad_configs_say_why(tmp_path):
     for text, needle in [
         ("run: r\nmodel: m\nbatch_size: 10\nmini_batches: 4\n", "split into 4 mini-batches"),
         ("run: r\nmodel: m\nzero_stage: 5\n", "zero_stage"),
+        ("run: r\nmodel: m\nzero_stage: 0\ndtype: bf16\n", "zero_stage 1"),
         ("run: r\nmodel: m\nlearning_rate: 1\n", "learning_rate"),
         ("run: r\nmodel: m\neval: {every: 5}\n", "tasks"),
         ("run: r\nmodel: m\nupdates_per_publish: 2\neval: {every: 3, tasks: t.jsonl}\n", "multiple of"),

@@ -12,12 +12,15 @@ accumulation steps left in place) would still move the parameters by nearly the 
 With two mini-batches the second step's ratios differ from 1 and the gradient clipping binds at
 different norms, so the parameter comparison also covers the old log-probs and the clipping.
 
-The parameter change is checked twice. Against AdamW replayed on the gradients DeepSpeed itself
-reported, to 1e-5: that isolates clipping and the optimizer step. Against the independent
-reference, end to end, to 3e-4: gradient elements of size ~eps (1e-8, e.g. rarely used embedding
-rows) carry relative fp32 noise of 1e-2 from the different batching, and Adam's g / (|g| + eps)
-passes that noise to the update, so the whole-tensor error lands near 1e-5..1e-4 even though the
-gradients agree to ~1e-6.
+The parameter change is checked twice, to 1e-5 over the whole model (5e-5 per tensor): against
+AdamW replayed on the gradients DeepSpeed itself reported, which isolates clipping and the
+optimizer step, and against the independent reference, end to end. Adam's eps is
+1e-6 here, not the default 1e-8: gradient elements of size ~1e-8 (rarely used embedding rows)
+carry relative fp32 noise of 1e-2 from the different batching, and with eps = 1e-8 Adam's
+g / (|g| + eps) would pass that noise to the update at full size (measured: 5e-5 over the whole
+model, 1.5e-4 in one tensor), although the gradients agree to ~1e-6. With eps = 1e-6 such
+elements move by lr * g / eps, in proportion to their gradient, and the error falls to 5e-6
+(1.6e-5 in the worst tensor).
 
 bf16 (one process) is compared with the same reference run in DeepSpeed's bf16 semantics (see
 reference_update), to tolerances derived from bf16's 8-bit significand; see the bf16 section.
@@ -32,8 +35,11 @@ from learner_worker import dist_env_restored, launch, make_batch, run_task
 from spopp.loss import policy_loss
 
 RTOL = 1e-5
-END_TO_END_RTOL = 3e-4
-BASE = {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 0.3, "dual_clip": 2.0, "seed": 0}
+END_TO_END_RTOL = 5e-5  # the parameter change per tensor; over the whole model it is RTOL
+BASE = {
+    "lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "adam_eps": 1e-6, "grad_clip": 0.3, "dual_clip": 2.0,
+    "seed": 0,
+}  # fmt: skip
 # (mini_batches, micro_batch_size) per world size, with B = 8. One process: 8 -> micro-batches of
 # 3, 3, 2 (a short last one) and 2 x (2, 2). Two processes: 4 per rank as 2 x 2, and 2 x (1, 1).
 SPLITS = {1: [(1, 3), (2, 2)], 2: [(1, 2), (2, 1)]}
@@ -65,7 +71,11 @@ def reference_update(model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype
     mixed = dtype != torch.float32
     master = {n: p.detach().float().requires_grad_(True) for n, p in params.items()} if mixed else params
     opt = torch.optim.AdamW(
-        master.values(), lr=cfg["lr"], betas=cfg["betas"], weight_decay=cfg["weight_decay"]
+        master.values(),
+        lr=cfg["lr"],
+        betas=cfg["betas"],
+        eps=cfg["adam_eps"],
+        weight_decay=cfg["weight_decay"],
     )
 
     def logp(t):
@@ -125,7 +135,11 @@ def replay_optimizer(initial: dict, grads: list[dict]) -> dict:
     """AdamW with the reference's settings and clipping, stepped on given gradients."""
     params = {n: initial[n].clone().requires_grad_(True) for n in grads[0]}
     opt = torch.optim.AdamW(
-        params.values(), lr=BASE["lr"], betas=BASE["betas"], weight_decay=BASE["weight_decay"]
+        params.values(),
+        lr=BASE["lr"],
+        betas=BASE["betas"],
+        eps=BASE["adam_eps"],
+        weight_decay=BASE["weight_decay"],
     )
     for g in grads:
         for n, p in params.items():
@@ -168,12 +182,19 @@ def check_against_reference(result: dict, ref: dict, initial: dict) -> None:
         assert set(got) == set(want)
         for name in want:
             assert rel_err(got[name], want[name]) <= RTOL, name
-    # Parameter change over the whole update: optimizer and clipping exactly, end to end loosely.
+    # Parameter change over the whole update, against AdamW replayed on DeepSpeed's own gradients
+    # (optimizer and clipping) and against the independent reference (end to end): 1e-5 over the
+    # whole model, 5e-5 per tensor. Per tensor is looser because a weight near 1 (the norms) has
+    # an fp32 resolution of 1.2e-7 against a change of ~1e-3, so clipping's arithmetic order alone
+    # (DeepSpeed divides by norm / clip, torch multiplies by clip / norm) moves such a tensor's
+    # change by ~1.6e-5.
     state, replayed = result["state"], replay_optimizer(initial, result["grads"])
-    for name, after in ref["state"].items():
-        before = initial[name]
-        assert rel_err(state[name] - before, replayed[name] - before) <= RTOL, name
-        assert rel_err(state[name] - before, after - before) <= END_TO_END_RTOL, name
+    change = {n: state[n] - initial[n] for n in ref["state"]}
+    for target in (replayed, ref["state"]):
+        want = {n: target[n] - initial[n] for n in ref["state"]}
+        for name in want:
+            assert rel_err(change[name], want[name]) <= END_TO_END_RTOL, name
+        assert model_rel_err(change, want) <= RTOL
     s, r = result["stats"], ref["stats"]
     assert s["tokens"] == r["tokens"]
     assert s["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL)
@@ -270,7 +291,7 @@ BF16_CHANGE_RTOL = 0.1
 # 1.2e-7 at the norm weights' 1.0, about 1e-4 of such an element's change of 1-2e-3, and up to
 # 1.1e-5 over a tensor (measured).
 MASTER_RTOL = 1e-4
-# ZeRO 1-3. ZeRO 0 with bf16 is not covered because it does not implement these semantics in
+# ZeRO 1-3. ZeRO 0 with bf16 is refused by LearnerConfig because it does not implement these semantics in
 # deepspeed 0.19.8: it wraps the optimizer in FP16_UnfusedOptimizer, whose constructor
 # (initialize_optimizer_states) steps AdamW once on zero gradients. That decays the fp32 master by
 # lr * weight_decay before training and starts AdamW's step count at 1, so every bias correction

@@ -104,6 +104,15 @@ class LearnerConfig(BaseModel):
     def _consistent(self) -> LearnerConfig:
         if self.batch_size % self.mini_batches:
             raise ValueError(f"batch_size {self.batch_size} must split into {self.mini_batches} mini-batches")
+        if self.zero_stage == 0 and self.dtype == "bf16":
+            # DeepSpeed 0.19.8 wraps the optimizer in FP16_UnfusedOptimizer there, whose constructor
+            # steps AdamW once on zero gradients: weight decay hits the master copy before training
+            # and every bias correction runs one step late (the first update ~0.73 of its size).
+            raise ValueError(
+                "zero_stage 0 with dtype bf16 is refused: DeepSpeed's ZeRO-0 bf16 optimizer takes "
+                "one AdamW step on zero gradients at start-up, so every update is off; use "
+                "zero_stage 1 (same memory for the weights, optimizer state partitioned)"
+            )
         if self.eval is not None and self.eval.every % self.updates_per_publish:
             # Evaluation scores a published snapshot, so it can only fall on a publish.
             raise ValueError(
