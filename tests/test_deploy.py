@@ -80,6 +80,12 @@ def test_set_overrides_reach_nested_settings_and_say_what_is_wrong(tmp_path):
     cfg = LearnerConfig.from_yaml(base, ["eval.every=4", "lr=3e-6", "betas=[0.9, 0.95]", "grad_clip=null"])
     assert (cfg.eval.every, cfg.lr, cfg.betas, cfg.grad_clip) == (4, 3e-6, (0.9, 0.95), None)
     assert LearnerConfig.from_yaml(base, ["eval="]).eval is None
+    # Text settings keep the text: a numeric run name, a hex-looking token.
+    cfg = LearnerConfig.from_yaml(base, ["run=123", "tracker_token=0x1F", "eval.tasks=2024-01-01.jsonl"])
+    assert (cfg.run, cfg.tracker_token, str(cfg.eval.tasks)) == ("123", "0x1F", "2024-01-01.jsonl")
+    empty_eval = tmp_path / "e.yaml"
+    empty_eval.write_text("run: r\nmodel: m\neval:\n")  # a group left empty in the file
+    assert LearnerConfig.from_yaml(empty_eval, ["eval.every=3", "eval.tasks=t.jsonl"]).eval.every == 3
     for bad, needle in [
         ("lr", "KEY=VALUE"),
         ("=3", "KEY=VALUE"),

@@ -69,15 +69,19 @@ def test_three_services_train_publish_and_reload(
     evals = [r for r in records if "eval/policy_version" in r]
     records = [r for r in records if "eval/policy_version" not in r]
     if evaluation:
-        # Version 0 before training, then every update's snapshot, each logged at its update.
-        assert sorted((r["step"], r["eval/policy_version"]) for r in evals) == [
-            (k, k) for k in range(updates + 1)
-        ]
+        # Version 0 before training, then each update's snapshot, logged at its update; one that
+        # waited while a newer one came is skipped (logged), never the first or the last.
+        scored = sorted((r["step"], r["eval/policy_version"]) for r in evals)
+        assert all(step == version for step, version in scored) and len(set(scored)) == len(scored)
+        assert scored[0] == (0, 0) and scored[-1] == (updates, updates)
+        log_text = (tmp_path / "learner.log").read_text()
+        for k in set(range(updates + 1)) - {v for _, v in scored}:
+            assert f"evaluation of policy version {k} (update {k}) skipped" in log_text
         for r in evals:
             assert 0 <= r["eval/greedy/success_rate"] <= 1 and r["eval/sampled/k"] == 2
             assert r["eval/tasks"] == 4
         files = sorted(p.name for p in (tmp_path / "logs" / "eval").iterdir())
-        assert files == [f"v{k:06d}.jsonl" for k in range(updates + 1)]
+        assert files == [f"v{v:06d}.jsonl" for _, v in scored]
         assert "failed" not in (tmp_path / "learner.log").read_text()
     else:
         assert evals == []

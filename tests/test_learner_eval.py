@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -127,6 +128,56 @@ def test_collect_keeps_submission_order_and_pending_versions(evaluator, tiny_mod
     got = evaluator.collect(wait=True)
     assert [r.step for r in got] == [1, 2] and a.done()
     assert evaluator.pending_versions() == set()
+
+
+def test_one_evaluation_at_a_time_and_a_newer_snapshot_replaces_a_waiting_one(
+    evaluator, tiny_model, tmp_path, caplog
+):
+    """Submitted back to back, each evaluation still scores its own weights from start to end
+    (the engine swaps weights only between evaluations); a third submission made while the second
+    waits takes its place, and the replaced snapshot is no longer protected from pruning."""
+    alone_base, rows_base = _score(evaluator, 0, 0, tiny_model)
+    other = perturb_weights(tiny_model, tmp_path / "v000001", scale=0.3, seed=7)
+    alone_other, rows_other = _score(evaluator, 1, 1, other)
+
+    first = evaluator.submit(10, 0, tiny_model)
+    while evaluator.running_step != 10 and not first.done():  # taken up by the evaluation thread
+        time.sleep(0.001)
+    waiting = evaluator.submit(11, 1, other)
+    assert evaluator.pending_versions() == {0, 1}
+    with caplog.at_level(logging.WARNING, logger="spopp.learner.eval"):
+        if not first.done():  # the usual case: the first is still playing its episodes
+            third = evaluator.submit(12, 0, tiny_model)
+            assert waiting.done() and evaluator.pending_versions() == {0}
+            got = evaluator.collect(wait=True)
+            assert [r.step for r in got] == [10, 12]
+            assert "policy version 1 (update 11) skipped: replaced by policy version 0" in caplog.text
+            assert (
+                third.result().metrics["eval/greedy/reward_mean"]
+                == alone_base.metrics["eval/greedy/reward_mean"]
+            )
+        else:
+            got = evaluator.collect(wait=True)
+            assert [r.step for r in got] == [10, 11]
+            assert (
+                got[1].metrics["eval/sampled/response_tokens_mean"]
+                == (alone_other.metrics["eval/sampled/response_tokens_mean"])
+            )
+    for key, value in alone_base.metrics.items():
+        if not key.endswith(("_s", "seconds")):
+            assert got[0].metrics[key] == value, key
+
+
+def test_close_cancels_what_is_queued(tiny_model, held_out, tmp_path):
+    from services.learner.evaluate import Evaluator
+
+    ev = Evaluator(_eval_cfg(held_out), tiny_model, tmp_path)
+    a = ev.submit(1, 0, tiny_model)
+    b = ev.submit(2, 0, tiny_model)
+    ev.close()
+    assert b.cancelled() and (a.cancelled() or a.done())
+    assert not ev._thread.is_alive()
+    ev.close()  # twice is harmless
 
 
 def test_prompts_over_the_budget_are_refused_at_start(tiny_model, held_out, tmp_path):

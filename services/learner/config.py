@@ -7,6 +7,7 @@ it does not (4 mini-batches per update).
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
@@ -19,7 +20,9 @@ class EvalConfig(BaseModel):
     """Scoring held-out tasks with the policy just published, greedy and sampled.
 
     The episodes run the rollout's own agent loop and environment on rank 0, on an engine that
-    loads each snapshot in turn. Sampled episodes use fixed seeds per (task, sample), the same at
+    loads each snapshot in turn, one evaluation at a time while training goes on. When evaluation
+    is slower than `every` updates, a new snapshot takes the place of one still waiting for its
+    turn (that one is logged as skipped). Sampled episodes use fixed seeds per (task, sample), the same at
     every evaluation, so consecutive points differ by the weights rather than by sampling noise.
     """
 
@@ -41,6 +44,9 @@ class EvalConfig(BaseModel):
     max_total_tokens: int = Field(4096, ge=1)
     concurrency: int = Field(32, ge=1, description="episodes in flight")
     seed: int = Field(0, ge=0, description="base of the sampled episodes' seeds")
+    final_wait_s: float = Field(
+        3600.0, gt=0, description="at the end of training, how long to wait for evaluations still running"
+    )
 
     @model_validator(mode="after")
     def _something(self) -> EvalConfig:
@@ -142,8 +148,30 @@ def apply_setting(data: dict, item: str) -> None:
     *parents, leaf = key.strip().split(".")
     node = data
     for name in parents:
-        child = node.setdefault(name, {})
+        child = node.get(name)
+        if child is None:  # absent, or `eval:` / `eval: null` in the file
+            child = node[name] = {}
         if not isinstance(child, dict):
             raise ValueError(f"--set {item!r}: {name!r} is not a group of settings")
         node = child
-    node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+    if not raw.strip():
+        node[leaf] = None
+    elif _is_text(LearnerConfig, [*parents, leaf]):
+        node[leaf] = raw  # a run named 123 or a token 0x1F stays the text it is
+    else:
+        node[leaf] = yaml.safe_load(raw)
+
+
+def _is_text(model: type[BaseModel], path: list[str]) -> bool:
+    """Whether the setting at `path` takes text (str or a path) and no number, list or mapping."""
+    for name in path[:-1]:
+        field = model.model_fields.get(name)
+        inner = [a for a in typing.get_args(field.annotation) or (field.annotation,)] if field else []
+        model = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return False
+    field = model.model_fields.get(path[-1])
+    if field is None:
+        return False
+    kinds = set(typing.get_args(field.annotation) or (field.annotation,)) - {type(None)}
+    return bool(kinds) and kinds <= {str, Path}

@@ -25,7 +25,8 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.rollout.agent import Budget, Episode, prompts_over_budget, run_episode
@@ -52,6 +53,18 @@ class EvalResult:
     step: int
     version: int
     metrics: dict[str, float]
+
+
+class EvaluationSkipped(RuntimeError):
+    """A newer snapshot took this one's place in the queue before its turn came."""
+
+
+@dataclass
+class _Job:
+    step: int
+    version: int
+    snapshot: Path
+    future: Future = field(default_factory=Future)
 
 
 def summarize(episodes: list[tuple[int, Episode]], prefix: str) -> dict[str, float]:
@@ -94,9 +107,16 @@ class Evaluator:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.make_env = env_factory(cfg.env)
         self.budget = Budget(cfg.max_turns, cfg.max_tokens_per_turn, cfg.max_total_tokens)
-        self._pending: dict[Future, tuple[int, int]] = {}  # future -> (step, version)
+        # Submitted jobs in order, until collected. One evaluation runs at a time (the engine holds
+        # one set of weights) and at most one waits: a newer submission takes the waiting one's
+        # place, so a slow evaluation never piles up snapshots on disk or falls ever further behind.
+        self._jobs: list[_Job] = []
+        self._waiting: _Job | None = None
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
+        self._wake = asyncio.Event()
+        self._worker: Future | None = None
+        self.running_step: int | None = None  # the update whose snapshot is being scored now
         self._thread = threading.Thread(target=self._loop.run_forever, name="spopp-eval", daemon=True)
         self._thread.start()
         try:
@@ -113,6 +133,7 @@ class Evaluator:
             self.close()
             raise
         self.loaded: Path = self.base_model
+        self._worker = asyncio.run_coroutine_threadsafe(self._work(), self._loop)
         log.info(
             "evaluation: %d held-out tasks, greedy=%s, %d samples each, engine %s",
             len(self.tasks),
@@ -125,59 +146,93 @@ class Evaluator:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _build(self):
+        import torch
+
         from services.rollout.engines.factory import make_engine
 
         options = dict(self.cfg.engine_options)
-        if self.cfg.engine == "transformers" and "device" not in options:
-            import torch
-
-            # Beside rank 0's training on its GPU when there is one (the engine's own default is CPU).
-            if torch.cuda.is_available():
-                options["device"] = f"cuda:{torch.cuda.current_device()}"
+        if torch.cuda.is_available():
+            # Beside rank 0's training on its GPU: the transformers engine's own default is the CPU,
+            # vLLM's is 90% of the GPU, which DeepSpeed already holds in part.
+            if self.cfg.engine == "transformers":
+                options.setdefault("device", f"cuda:{torch.cuda.current_device()}")
+            else:
+                options.setdefault("gpu_memory_utilization", 0.25)
         return make_engine(self.cfg.engine, self.base_model, **options)
 
     # -- the learner's side --------------------------------------------------------------------
     def submit(self, step: int, version: int, snapshot: str | Path) -> Future:
-        """Queue an evaluation of `snapshot` (policy `version`, after update `step`)."""
-        fut = asyncio.run_coroutine_threadsafe(self._evaluate(step, version, Path(snapshot)), self._loop)
+        """Queue an evaluation of `snapshot` (policy `version`, after update `step`); answers a
+        future of its EvalResult (EvaluationSkipped if a newer submission replaced it)."""
+        job = _Job(step, version, Path(snapshot))
         with self._lock:
-            self._pending[fut] = (step, version)
-            queued = len(self._pending)
-        if queued > 2:
-            log.warning(
-                "%d evaluations queued: evaluation is slower than eval.every=%d updates; "
-                "raise eval.every or lower eval.max_tasks / eval.samples",
-                queued,
-                self.cfg.every,
-            )
-        return fut
+            replaced, self._waiting = self._waiting, job
+            self._jobs.append(job)
+        if replaced is not None:
+            replaced.future.set_exception(EvaluationSkipped(f"replaced by policy version {version}"))
+        self._loop.call_soon_threadsafe(self._wake.set)
+        return job.future
 
     def pending_versions(self) -> set[int]:
+        """Versions submitted and not yet finished: their snapshots must stay on disk."""
         with self._lock:
-            return {version for _, version in self._pending.values()}
+            return {job.version for job in self._jobs if not job.future.done()}
 
-    def collect(self, wait: bool = False) -> list[EvalResult]:
-        """Finished evaluations in submission order (all of them when `wait`). A failed one is
-        logged with its traceback and dropped: evaluation never stops training."""
+    def collect(self, wait: bool = False, timeout: float | None = None) -> list[EvalResult]:
+        """Finished evaluations in submission order; with `wait`, all of them, waiting at most
+        `timeout` seconds in all (the rest stay queued). A failed one is logged with its
+        traceback and dropped, a skipped one with a warning: evaluation never stops training."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            futures = list(self._pending)
+            jobs = list(self._jobs)
         results = []
-        for fut in futures:
-            if not fut.done() and not wait:
+        for job in jobs:
+            if wait:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                futures_wait([job.future], timeout=left)
+            if not job.future.done():
                 break  # keep the order: a later one is reported after an earlier one
-            step, version = self._pending[fut]
             try:
-                results.append(fut.result())
+                results.append(job.future.result())
+            except EvaluationSkipped as why:
+                log.warning(
+                    "evaluation of policy version %d (update %d) skipped: %s", job.version, job.step, why
+                )
             except Exception:
-                log.exception("evaluation of policy version %d (update %d) failed", version, step)
+                log.exception("evaluation of policy version %d (update %d) failed", job.version, job.step)
             with self._lock:
-                del self._pending[fut]
+                self._jobs.remove(job)
         return results
 
     # -- the evaluation thread -----------------------------------------------------------------
+    async def _work(self) -> None:
+        """The only consumer: takes the waiting job, runs it to the end, and so on."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                job, self._waiting = self._waiting, None
+            if job is None or job.future.done():
+                continue
+            self.running_step = job.step
+            try:
+                result = await self._evaluate(job.step, job.version, job.snapshot)
+            except asyncio.CancelledError:
+                job.future.cancel()
+                raise
+            except Exception as exc:
+                if not job.future.done():  # close() may have cancelled it meanwhile
+                    job.future.set_exception(exc)
+            else:
+                if not job.future.done():
+                    job.future.set_result(result)
+            finally:
+                self.running_step = None
+
     async def _evaluate(self, step: int, version: int, snapshot: Path) -> EvalResult:
         t0 = time.perf_counter()
         if snapshot != self.loaded:
+            self.loaded = None  # a load that fails half way leaves unknown weights: reload next time
             await self.engine.load_weights(snapshot)
             self.loaded = snapshot
         load_s = time.perf_counter() - t0
@@ -195,20 +250,23 @@ class Evaluator:
                 finally:
                     env.close()
 
-        jobs: list[tuple[str, asyncio.Future]] = []
-        for i in range(len(self.tasks)):
-            if cfg.greedy:
-                greedy = SamplingConfig(max_tokens=budget_tokens, temperature=0.0)
-                jobs.append(("greedy", asyncio.ensure_future(play(i, greedy))))
-            for j in range(cfg.samples):
-                sampled = SamplingConfig(
-                    max_tokens=budget_tokens,
-                    temperature=cfg.temperature,
-                    top_p=cfg.top_p,
-                    seed=sample_seed(cfg.seed, i, j),
-                )
-                jobs.append((f"sample{j}", asyncio.ensure_future(play(i, sampled))))
-        done = await asyncio.gather(*(job for _, job in jobs))
+        jobs: list[tuple[str, asyncio.Task]] = []
+        # A TaskGroup: if one episode fails, the others are cancelled before the error leaves, so
+        # none of them is still generating when the next evaluation swaps the weights.
+        async with asyncio.TaskGroup() as group:
+            for i in range(len(self.tasks)):
+                if cfg.greedy:
+                    greedy = SamplingConfig(max_tokens=budget_tokens, temperature=0.0)
+                    jobs.append(("greedy", group.create_task(play(i, greedy))))
+                for j in range(cfg.samples):
+                    sampled = SamplingConfig(
+                        max_tokens=budget_tokens,
+                        temperature=cfg.temperature,
+                        top_p=cfg.top_p,
+                        seed=sample_seed(cfg.seed, i, j),
+                    )
+                    jobs.append((f"sample{j}", group.create_task(play(i, sampled))))
+        done = [task.result() for _, task in jobs]
         greedy_eps = [ep for (mode, _), ep in zip(jobs, done, strict=True) if mode == "greedy"]
         sampled_eps = [ep for (mode, _), ep in zip(jobs, done, strict=True) if mode != "greedy"]
 
@@ -242,13 +300,27 @@ class Evaluator:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def close(self) -> None:
-        """Stop the thread; evaluations still queued are dropped (call collect(wait=True) first)."""
+        """Stop the evaluation thread: the running evaluation is cancelled, queued ones are
+        dropped (collect(wait=True) first to keep them), the engine and the loop are closed."""
+        if not self._loop.is_running():
+            return
+        if self._worker is not None:
+            self._worker.cancel()
+        with self._lock:
+            jobs, self._jobs, self._waiting = self._jobs, [], None
+        for job in jobs:
+            job.future.cancel()
         if getattr(self, "engine", None) is not None:
             try:
                 self._call(self.engine.close(), timeout=60)
             except Exception:  # closing is best effort: the process is ending
                 log.warning("evaluation engine did not close cleanly", exc_info=True)
             self.engine = None
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        try:  # threads of env.step still running would otherwise hold up the interpreter's exit
+            self._call(self._loop.shutdown_default_executor(), timeout=30)
+        except Exception:
+            log.warning("evaluation threads did not stop within 30 s", exc_info=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -245,7 +245,8 @@ class Learner:
 
     # -- evaluation (rank 0) -----------------------------------------------------------------
     def _log_evals(self, wait: bool) -> None:
-        for result in self.evaluator.collect(wait=wait):
+        timeout = self.cfg.eval.final_wait_s if wait else None
+        for result in self.evaluator.collect(wait=wait, timeout=timeout):
             self.metrics.write(result.step, result.metrics, advance=False)
             log.info(
                 "eval after update %d (policy v%d): %s",
@@ -259,11 +260,11 @@ class Learner:
             )
 
     def _eval_at_start(self) -> None:
-        """Score the policy training starts from, so the curve has its origin (not on resume)."""
-        if self.evaluator is None or not self.cfg.eval.at_start or self.step != 0:
+        """Score the initial policy (version 0, `cfg.model`), so the curve has its origin. Not on
+        a resume, and not when the run's policy is already past version 0."""
+        if self.evaluator is None or not self.cfg.eval.at_start or self.step != 0 or self.version != 0:
             return
-        start = self.cfg.model if self.version == 0 else self.tracker.policy(self.cfg.run).snapshot
-        self.evaluator.submit(0, self.version, start)
+        self.evaluator.submit(0, 0, self.cfg.model)
 
     def publish(self) -> float:
         """Snapshot the weights as the next version, then advance the tracker's clock."""
