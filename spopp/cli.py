@@ -140,6 +140,35 @@ def _die_with_launcher() -> None:
         sys.exit(f"spopp learner: the launcher (pid {launcher}) is gone; rank exits")
 
 
+@learner_app.command("eval")
+def learner_eval(
+    config: Annotated[Path, typer.Option(help="learner YAML with an `eval:` block")],
+    snapshot: Annotated[
+        list[Path] | None,
+        typer.Option(help="model or snapshot folder to score (repeatable); default: the config's model"),
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override a config setting, KEY=VALUE (repeatable)")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="episodes folder; default: log_dir/eval-offline")] = None,
+) -> None:
+    """Score snapshots on the held-out tasks, outside training: one JSON line of metrics each."""
+    import json
+    import logging
+
+    from services.learner.config import LearnerConfig
+    from services.learner.evaluate import evaluate_folders
+
+    cfg = LearnerConfig.from_yaml(config, set_ or ())
+    if cfg.eval is None:
+        raise typer.BadParameter("the config has no `eval:` block (held-out tasks, episodes per task)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    folders = list(snapshot or [cfg.model])
+    results = evaluate_folders(cfg.eval, cfg.model, folders, out or cfg.log_dir / "eval-offline")
+    for folder, r in zip(folders, results, strict=True):
+        print(json.dumps({"snapshot": str(folder), "policy_version": r.version, **r.metrics}), flush=True)
+
+
 @learner_app.command("run")
 def learner_run(
     config: Annotated[Path, typer.Option(help="learner YAML (see deploy/learner.example.yaml)")],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -240,3 +241,43 @@ def test_vllm_engine_evaluates_in_the_background_thread(tiny_model, held_out, ev
             )
     finally:
         ev.close()
+
+
+def test_cli_scores_snapshots_outside_training(tiny_model, held_out, tmp_path):
+    """`spopp learner eval`: one JSON line per folder, labelled with its manifest's version."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    other = perturb_weights(tiny_model, tmp_path / "v000004", scale=0.3, seed=7)
+    (other / "manifest.json").write_text(json.dumps({"version": 4}))
+    cfg = {
+        "run": "offline", "model": str(tiny_model), "log_dir": str(tmp_path / "logs"),
+        "eval": {"every": 1, "tasks": str(held_out), "samples": 1, "max_turns": 2, "max_tokens_per_turn": 32,
+                 "max_total_tokens": 600},
+    }  # fmt: skip
+    (tmp_path / "l.yaml").write_text(yaml.safe_dump(cfg))
+    base = [sys.executable, "-m", "spopp.cli", "learner", "eval", "--config", str(tmp_path / "l.yaml")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*base, "--snapshot", str(tiny_model), "--snapshot", str(other), "--set", "eval.samples=2"],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines()]
+    assert [(x["snapshot"], x["policy_version"]) for x in lines] == [(str(tiny_model), 0), (str(other), 4)]
+    assert all(x["eval/sampled/k"] == 2 and x["eval/tasks"] == N_TASKS + 1 for x in lines)
+    assert sorted(p.name for p in (tmp_path / "logs" / "eval-offline").iterdir()) == [
+        "v000000.jsonl",
+        "v000004.jsonl",
+    ]
+    # Not a model folder: refused by name; a config without eval: says so.
+    bad = subprocess.run(
+        [*base, "--snapshot", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert bad.returncode != 0 and "not a model folder (no config.json)" in bad.stderr
+    del cfg["eval"]
+    (tmp_path / "l.yaml").write_text(yaml.safe_dump(cfg))
+    none = subprocess.run(base, capture_output=True, text=True, env=env, timeout=120)
+    assert none.returncode != 0 and "no `eval:` block" in " ".join(none.stderr.split())

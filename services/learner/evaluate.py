@@ -324,3 +324,33 @@ class Evaluator:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def snapshot_version(folder: str | Path) -> int:
+    """The policy version a snapshot's manifest names; 0 for a plain model folder (the base)."""
+    manifest = Path(folder) / "manifest.json"
+    if manifest.is_file():
+        return int(json.loads(manifest.read_text())["version"])
+    return 0
+
+
+def evaluate_folders(
+    cfg: EvalConfig, base_model: str | Path, folders: list[Path], out_dir: Path
+) -> list[EvalResult]:
+    """Score model folders one after another, outside training (`spopp learner eval`).
+
+    Each is labelled with its manifest's version; the episodes land in `out_dir/vNNNNNN.jsonl`.
+    """
+    missing = [str(f) for f in folders if not (Path(f) / "config.json").is_file()]
+    if missing:
+        raise FileNotFoundError(f"not a model folder (no config.json): {', '.join(missing)}")
+    ev = Evaluator(cfg, base_model, out_dir)
+    results = []
+    try:
+        for folder in folders:
+            version = snapshot_version(folder)
+            results.append(ev.submit(version, version, Path(folder).resolve()).result())  # errors raise here
+            ev.collect()
+    finally:
+        ev.close()
+    return results
