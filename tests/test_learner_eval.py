@@ -121,8 +121,17 @@ def test_a_failed_evaluation_is_reported_and_the_next_one_works(evaluator, tiny_
     assert result.version == 0
 
 
+def _submit_and_start(ev, step: int, version: int, snapshot: Path):
+    """Submit, then wait until the evaluation thread has taken the job up (it no longer waits, so
+    a next submission queues behind it instead of replacing it)."""
+    fut = ev.submit(step, version, snapshot)
+    while ev.running_step != step and not fut.done():
+        time.sleep(0.001)
+    return fut
+
+
 def test_collect_keeps_submission_order_and_pending_versions(evaluator, tiny_model):
-    a = evaluator.submit(1, 0, tiny_model)
+    a = _submit_and_start(evaluator, 1, 0, tiny_model)
     b = evaluator.submit(2, 0, tiny_model)
     assert evaluator.pending_versions() == {0}
     b.result(timeout=600)
@@ -141,9 +150,7 @@ def test_one_evaluation_at_a_time_and_a_newer_snapshot_replaces_a_waiting_one(
     other = perturb_weights(tiny_model, tmp_path / "v000001", scale=0.3, seed=7)
     alone_other, rows_other = _score(evaluator, 1, 1, other)
 
-    first = evaluator.submit(10, 0, tiny_model)
-    while evaluator.running_step != 10 and not first.done():  # taken up by the evaluation thread
-        time.sleep(0.001)
+    first = _submit_and_start(evaluator, 10, 0, tiny_model)
     waiting = evaluator.submit(11, 1, other)
     assert evaluator.pending_versions() == {0, 1}
     with caplog.at_level(logging.WARNING, logger="spopp.learner.eval"):
