@@ -1,13 +1,19 @@
 """Tie a process's life to its parent's: Linux PR_SET_PDEATHSIG, a no-op elsewhere.
 
 Used where a parent may die by SIGKILL (or the OOM killer) and leave a child running that holds
-a port or a data folder: the tracker's embedded redis-server, and the learner's torchrun ranks.
+a port, a data folder or GPU memory: the tracker's embedded redis-server, the learner's torchrun
+ranks (die_with_parent), and vLLM's engine core processes (guard_children).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import signal
+import subprocess
+import sys
+import time
 
 _PR_SET_PDEATHSIG = 1
 
@@ -31,3 +37,50 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     if _prctl is None:
         return False
     return _prctl(_PR_SET_PDEATHSIG, int(sig)) == 0
+
+
+def guard_children(pids: list[int], poll_s: float = 0.5) -> subprocess.Popen | None:
+    """Start a small watchdog that SIGKILLs `pids` once this process is gone.
+
+    For children this process did not start itself and cannot give a death signal: vLLM spawns
+    its engine core through multiprocessing, and a SIGKILLed replica or learner would leave that
+    engine core running (holding the GPU's memory). The watchdog is a separate process that
+    notices its parent change (it is reparented when we die) and then kills the pids; it leaves
+    on its own once all of them have ended. Answers the watchdog, or None with nothing to guard.
+    """
+    if not pids:
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-m", "spopp.lifetime", str(os.getpid()), str(poll_s), *map(str, pids)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a signal to our process group must not take the watchdog first
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch(parent: int, poll_s: float, pids: list[int]) -> None:
+    while True:
+        pids = [p for p in pids if _alive(p)]
+        if not pids:
+            return
+        if os.getppid() != parent:
+            for p in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            return
+        time.sleep(poll_s)
+
+
+if __name__ == "__main__":
+    _watch(int(sys.argv[1]), float(sys.argv[2]), [int(p) for p in sys.argv[3:]])

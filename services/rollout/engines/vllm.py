@@ -113,7 +113,16 @@ class VllmEngine(Engine):
             worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
             **engine_kwargs,
         )
+        import psutil
+
+        from spopp.lifetime import guard_children
+
+        before = {c.pid for c in psutil.Process().children(recursive=True)}
         self.engine = AsyncLLM.from_engine_args(args)
+        # vLLM's engine core runs in a process of its own that would outlive a SIGKILL of ours
+        # (and keep its memory): a watchdog kills it then.
+        spawned = [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before]
+        self._guard = guard_children(spawned)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._closed = False
@@ -188,3 +197,6 @@ class VllmEngine(Engine):
         # at interpreter exit, when vLLM's module globals are already gone.
         engine, self.engine = self.engine, None
         engine.shutdown()
+        if self._guard is not None:  # its charges are gone; reap it rather than leave a zombie
+            self._guard.terminate()
+            self._guard.wait(5)

@@ -1,0 +1,114 @@
+"""Children that must not outlive a SIGKILLed parent: the guard_children watchdog, and vLLM's engine
+core under it (which otherwise survives the replica or learner that started it, memory and all)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from spopp.lifetime import guard_children
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _parent(script: str) -> tuple[subprocess.Popen, list[int]]:
+    """A python parent running `script`, which prints the pids to guard then READY."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    pids = []
+    for line in proc.stdout:
+        if line.startswith("READY"):
+            return proc, pids
+        if line.startswith("PID "):
+            pids.append(int(line.split()[1]))
+    raise AssertionError(f"parent exited early with {proc.wait()}")
+
+
+def test_guarded_children_die_with_a_killed_parent_and_only_then():
+    proc, pids = _parent(
+        """
+        import subprocess, time
+        from spopp.lifetime import guard_children
+        # New sessions: nothing else would stop them when this process dies.
+        kids = [subprocess.Popen(["sleep", "300"], start_new_session=True) for _ in range(2)]
+        guard_children([k.pid for k in kids], poll_s=0.1)
+        for k in kids:
+            print("PID", k.pid, flush=True)
+        print("READY", flush=True)
+        time.sleep(300)
+        """
+    )
+    try:
+        assert len(pids) == 2
+        assert not _gone(pids, within=1.0)  # the parent lives: the children are left alone
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _gone(pids, within=5.0), "guarded children outlived the SIGKILLed parent"
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_the_watchdog_leaves_when_its_charges_have_ended():
+    kid = subprocess.Popen(["sleep", "0.5"])
+    guard = guard_children([kid.pid], poll_s=0.05)
+    kid.wait()
+    assert guard.wait(5) == 0
+    assert guard_children([]) is None
+
+
+@pytest.mark.slow
+def test_vllm_engine_core_dies_with_a_killed_owner(tiny_model):
+    proc, pids = _parent(
+        f"""
+        import asyncio, psutil
+        from services.rollout.engines.factory import make_engine
+
+        async def main():
+            engine = make_engine("vllm", {str(tiny_model)!r}, max_model_len=512, kv_cache_gib=1, seed=0)
+            for child in psutil.Process().children(recursive=True):
+                if child.pid != engine._guard.pid:
+                    print("PID", child.pid, flush=True)
+            print("READY", flush=True)
+            await asyncio.sleep(300)
+
+        if __name__ == "__main__":
+            asyncio.run(main())
+        """
+    )
+    try:
+        names = [psutil.Process(p).name() for p in pids]
+        assert any("EngineCore" in n for n in names), names
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _gone(pids, within=10.0), f"vLLM processes outlived their owner: {names}"
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
