@@ -1,6 +1,7 @@
 """Children that must not outlive a SIGKILLed parent: the guard_children watchdog, and vLLM's engine
 core under it (which otherwise survives the replica or learner that started it, memory and all)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -28,6 +29,12 @@ def _gone(pids: list[int], within: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _parent(script: str) -> tuple[subprocess.Popen, list[int]]:
@@ -66,11 +73,7 @@ def test_guarded_children_die_with_a_killed_parent_and_only_then():
         proc.wait(10)
         assert _gone(pids, within=5.0), "guarded children outlived the SIGKILLed parent"
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(pids)  # a failed check must not leave them behind
 
 
 def test_the_watchdog_leaves_when_its_charges_have_ended():
@@ -107,8 +110,4 @@ def test_vllm_engine_core_dies_with_a_killed_owner(tiny_model):
         proc.wait(10)
         assert _gone(pids, within=10.0), f"vLLM processes outlived their owner: {names}"
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(pids)  # a failed check must not leave them behind
