@@ -39,6 +39,12 @@ def _episodes(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+def _same_scores(got, want) -> None:
+    for key, value in want.metrics.items():
+        if not key.endswith(("_s", "seconds")):
+            assert got.metrics[key] == value, key
+
+
 @pytest.fixture(scope="module")
 def held_out(tmp_path_factory) -> Path:
     tasks = generate_arithmetic_tasks(N_TASKS, seed=123)
@@ -104,9 +110,7 @@ def test_an_evaluation_is_a_function_of_the_weights(evaluator, tiny_model, tmp_p
     assert [r["response"] for r in rows_a] != [r["response"] for r in rows_b]
     again, rows_c = _score(evaluator, 2, 0, tiny_model)  # back to the base weights
     assert [r["response"] for r in rows_c] == [r["response"] for r in rows_a]
-    for key, value in first.metrics.items():
-        if not key.endswith(("_s", "seconds")):
-            assert again.metrics[key] == value, key
+    _same_scores(again, first)
 
 
 def test_a_failed_evaluation_is_reported_and_the_next_one_works(evaluator, tiny_model, tmp_path, caplog):
@@ -143,37 +147,32 @@ def test_collect_keeps_submission_order_and_pending_versions(evaluator, tiny_mod
 def test_one_evaluation_at_a_time_and_a_newer_snapshot_replaces_a_waiting_one(
     evaluator, tiny_model, tmp_path, caplog
 ):
-    """Submitted back to back, each evaluation still scores its own weights from start to end
-    (the engine swaps weights only between evaluations); a third submission made while the second
-    waits takes its place, and the replaced snapshot is no longer protected from pruning."""
-    alone_base, rows_base = _score(evaluator, 0, 0, tiny_model)
+    """Queued behind a running evaluation, the next one waits: each scores its own weights from
+    start to end (the engine swaps weights only between evaluations), as when run alone. A third
+    submission made while the second waits takes its place, and the replaced snapshot is no longer
+    protected from pruning."""
+    alone_base, _ = _score(evaluator, 0, 0, tiny_model)
     other = perturb_weights(tiny_model, tmp_path / "v000001", scale=0.3, seed=7)
-    alone_other, rows_other = _score(evaluator, 1, 1, other)
+    alone_other, _ = _score(evaluator, 1, 1, other)
 
-    first = _submit_and_start(evaluator, 10, 0, tiny_model)
-    waiting = evaluator.submit(11, 1, other)
+    _submit_and_start(evaluator, 10, 0, tiny_model)
+    evaluator.submit(11, 1, other)
+    got = evaluator.collect(wait=True)
+    assert [r.step for r in got] == [10, 11]
+    _same_scores(got[0], alone_base)
+    _same_scores(got[1], alone_other)
+
+    first = _submit_and_start(evaluator, 20, 1, other)
+    waiting = evaluator.submit(21, 0, tiny_model)
     assert evaluator.pending_versions() == {0, 1}
+    third = evaluator.submit(22, 1, other)
+    assert not first.done()  # an evaluation takes ~1 s; the submissions took microseconds
+    assert waiting.done() and evaluator.pending_versions() == {1}
     with caplog.at_level(logging.WARNING, logger="spopp.learner.eval"):
-        if not first.done():  # the usual case: the first is still playing its episodes
-            third = evaluator.submit(12, 0, tiny_model)
-            assert waiting.done() and evaluator.pending_versions() == {0}
-            got = evaluator.collect(wait=True)
-            assert [r.step for r in got] == [10, 12]
-            assert "policy version 1 (update 11) skipped: replaced by policy version 0" in caplog.text
-            assert (
-                third.result().metrics["eval/greedy/reward_mean"]
-                == alone_base.metrics["eval/greedy/reward_mean"]
-            )
-        else:
-            got = evaluator.collect(wait=True)
-            assert [r.step for r in got] == [10, 11]
-            assert (
-                got[1].metrics["eval/sampled/response_tokens_mean"]
-                == (alone_other.metrics["eval/sampled/response_tokens_mean"])
-            )
-    for key, value in alone_base.metrics.items():
-        if not key.endswith(("_s", "seconds")):
-            assert got[0].metrics[key] == value, key
+        got = evaluator.collect(wait=True)
+    assert [r.step for r in got] == [20, 22]
+    assert "policy version 0 (update 21) skipped: replaced by policy version 1" in caplog.text
+    _same_scores(third.result(), alone_other)
 
 
 def test_close_cancels_what_is_queued(tiny_model, held_out, tmp_path):

@@ -50,6 +50,12 @@ def _cfg(stage: int, mini: int, micro: int) -> dict:
     return {**BASE, "zero_stage": stage, "batch_size": 8, "mini_batches": mini, "micro_batch_size": micro}
 
 
+def adamw(params, cfg: dict) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        params, lr=cfg["lr"], betas=cfg["betas"], eps=cfg["adam_eps"], weight_decay=cfg["weight_decay"]
+    )
+
+
 def reference_update(model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype = torch.float32) -> dict:
     """The update in plain PyTorch: gradients and pre-clip norms per step, final weights, stats.
 
@@ -70,13 +76,7 @@ def reference_update(model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype
     # fp32: the optimizer steps the weights themselves. bf16: fp32 master copies of them.
     mixed = dtype != torch.float32
     master = {n: p.detach().float().requires_grad_(True) for n, p in params.items()} if mixed else params
-    opt = torch.optim.AdamW(
-        master.values(),
-        lr=cfg["lr"],
-        betas=cfg["betas"],
-        eps=cfg["adam_eps"],
-        weight_decay=cfg["weight_decay"],
-    )
+    opt = adamw(master.values(), cfg)
 
     def logp(t):
         ids = torch.tensor([t.token_ids])
@@ -134,13 +134,7 @@ def reference_update(model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype
 def replay_optimizer(initial: dict, grads: list[dict]) -> dict:
     """AdamW with the reference's settings and clipping, stepped on given gradients."""
     params = {n: initial[n].clone().requires_grad_(True) for n in grads[0]}
-    opt = torch.optim.AdamW(
-        params.values(),
-        lr=BASE["lr"],
-        betas=BASE["betas"],
-        eps=BASE["adam_eps"],
-        weight_decay=BASE["weight_decay"],
-    )
+    opt = adamw(params.values(), BASE)
     for g in grads:
         for n, p in params.items():
             p.grad = g[n].clone()

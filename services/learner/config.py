@@ -164,14 +164,16 @@ def apply_setting(data: dict, item: str) -> None:
 
 def _is_text(model: type[BaseModel], path: list[str]) -> bool:
     """Whether the setting at `path` takes text (str or a path) and no number, list or mapping."""
-    for name in path[:-1]:
-        field = model.model_fields.get(name)
-        inner = [a for a in typing.get_args(field.annotation) or (field.annotation,)] if field else []
-        model = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+
+    def kinds(name: str) -> set:
+        field = model.model_fields.get(name)  # unknown names: the validation will say so
+        return (
+            set(typing.get_args(field.annotation) or (field.annotation,)) - {type(None)} if field else set()
+        )
+
+    for name in path[:-1]:  # down through nested groups (`eval: EvalConfig | None`)
+        model = next((k for k in kinds(name) if isinstance(k, type) and issubclass(k, BaseModel)), None)
         if model is None:
             return False
-    field = model.model_fields.get(path[-1])
-    if field is None:
-        return False
-    kinds = set(typing.get_args(field.annotation) or (field.annotation,)) - {type(None)}
-    return bool(kinds) and kinds <= {str, Path}
+    leaf = kinds(path[-1])
+    return bool(leaf) and leaf <= {str, Path}

@@ -72,7 +72,7 @@ def summarize(episodes: list[tuple[int, Episode]], prefix: str) -> dict[str, flo
     if not episodes:
         return {}
     n = len(episodes)
-    out = {
+    return {
         f"{prefix}/reward_mean": sum(e.reward for _, e in episodes) / n,
         f"{prefix}/success_rate": sum(e.reward >= 1.0 for _, e in episodes) / n,
         f"{prefix}/response_tokens_mean": sum(e.generated_tokens for _, e in episodes) / n,
@@ -80,7 +80,6 @@ def summarize(episodes: list[tuple[int, Episode]], prefix: str) -> dict[str, flo
         # Cut by a budget: such an episode earned 0 whatever it was about to say.
         f"{prefix}/truncated_rate": sum(e.finish_reason.startswith("max_") for _, e in episodes) / n,
     }
-    return out
 
 
 def pass_at_k(episodes: list[tuple[int, Episode]]) -> float:
