@@ -38,7 +38,7 @@ def running(args: list[str], log_path, env: dict | None = None):
 
 def learner_config(tmp: Path, tracker_url: str, model, run: str, **settings) -> tuple[Path, int]:
     """A learner YAML under `tmp` (snapshots, checkpoints and logs beside it) on a free port."""
-    from services.tracker.embedded import free_port
+    from spopp.net import free_port
 
     port = free_port()
     cfg = {

@@ -6,9 +6,9 @@ import time
 import httpx
 import pytest
 
-from services.tracker.embedded import free_port
 from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient, TrackerError
+from spopp.net import free_port
 
 
 def test_client_retries_until_the_tracker_is_up(redis_server, run_name):

@@ -14,7 +14,7 @@ import pytest
 from procs import cli, learner_config, running
 
 from services.rollout.tasks import generate_arithmetic_tasks, write_jsonl
-from services.tracker.embedded import free_port
+from spopp.net import free_port
 
 N_TASKS = 12
 

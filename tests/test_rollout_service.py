@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from services.rollout.sink import LearnerSink
 from services.rollout.tasks import generate_arithmetic_tasks
-from services.tracker.embedded import free_port
+from spopp.net import free_port
 from spopp.tiny_model import perturb_weights
 
 N_TASKS = 8

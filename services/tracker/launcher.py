@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from .embedded import free_port
+from spopp.net import free_port
 
 
 class TrackerProcess:
