@@ -55,9 +55,9 @@ def synthetic_batch(vocab: int, n: int, seed: int = 0):
 
 
 def _config(model: Path, stage: int, batch: int, snapshots: Path):
-    from services.learner.config import LearnerConfig
+    from services.learner.config import LearnerSettings
 
-    return LearnerConfig(
+    return LearnerSettings(
         run="bench",
         model=model,
         snapshots=snapshots,
@@ -177,7 +177,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from spopp.tiny_model import build_tiny_model
+    from tools.tiny_model import build_tiny_model
 
     batch, repeats = (8, 2) if args.quick else (16, 5)
     rows = []

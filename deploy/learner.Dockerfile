@@ -1,16 +1,15 @@
-# The learner on a GPU node: DeepSpeed (NCCL) + the learner extra. It starts from the rollout's
-# base image so one image pull serves both, and so held-out evaluation can use the vLLM engine
-# (eval.engine: vllm) as well as transformers. Evaluation of math-tir runs the Python tool in
-# bubblewrap like the replicas do.
-FROM vllm/vllm-openai:latest
-RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap util-linux && rm -rf /var/lib/apt/lists/*
+# The learner on a GPU node: torch + DeepSpeed (NCCL) and the learner extra. No vLLM, no
+# bubblewrap and no privileged mode: it only trains and writes snapshots; evaluation is the
+# evaluator's (the rollout image).
+FROM pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY spopp ./spopp
+COPY runtime ./runtime
 COPY services ./services
+COPY tools ./tools
 # torch comes with the base image; DeepSpeed uses it as it is (AdamW from torch, no compiled ops).
 RUN pip install --no-cache-dir --no-deps . && pip install --no-cache-dir 'deepspeed==0.19.8' tensorboard tqdm \
-    pyyaml 'transformers>=4.51' tokenizers safetensors 'math-verify==0.9.0' pyarrow fastapi 'uvicorn[standard]' \
-    prometheus-client pydantic-settings typer httpx
+    pyyaml 'transformers>=4.51' safetensors fastapi 'uvicorn[standard]' prometheus-client click httpx pydantic
 EXPOSE 8100
 ENTRYPOINT ["spopp", "learner", "run"]

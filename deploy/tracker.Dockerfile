@@ -3,6 +3,7 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY spopp ./spopp
+COPY runtime ./runtime
 COPY services ./services
 RUN pip install --no-cache-dir '.[tracker]'
 EXPOSE 8000

@@ -1,19 +1,35 @@
-"""The trajectory record a rollout replica POSTs to the learner (DESIGN §3), validated on arrival.
+"""The trajectory record a rollout replica POSTs to the learner, validated on arrival.
 
 One flat token sequence per episode: `action_mask` is 1 exactly on tokens the policy generated
 and `rollout_logprobs` holds the engine's log-probs there (0.0 elsewhere), so the learner can
-recompute its own log-probs on the same positions and form importance weights.
+recompute its own log-probs on the same positions and form importance weights. Position 0 is
+never an action token: it has no prefix to be predicted from, so no loss can train on it.
+
+The record checks what holds for every learner; what depends on the model (vocabulary, context)
+or the recipe is checked at the learner's door (services.learner.ingest.IntakeLimits). Each
+check names its field, so a refusal tells the sender which part of the record is wrong.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from .tracker_api import Id
 
 MAX_TOKENS = 1 << 20
+
+
+def count_action_tokens(action_mask: Sequence[int]) -> int:
+    """THE count of action tokens: positions >= 1 whose mask is 1, those the loss trains on.
+
+    Normalisation (token-weighted advantages) and the loss's token count both use it, so they
+    cannot disagree. A Trajectory never sets position 0; a mask that does (an unvalidated
+    trajectory-like object) has it ignored, as the loss ignores it.
+    """
+    return int(sum(action_mask[1:]))
 
 
 class Trajectory(BaseModel):
@@ -23,31 +39,50 @@ class Trajectory(BaseModel):
     request_id: Id
     task_id: Id
     policy_version: int = Field(ge=0)
+    # Field order matters: the mask and log-prob validators read the fields validated before them.
     token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_TOKENS)
     action_mask: list[Annotated[int, Field(ge=0, le=1)]]
     rollout_logprobs: list[Annotated[float, Field(allow_inf_nan=False)]]
     reward: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
     value: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    advantage: float | None = Field(None, allow_inf_nan=False)
+    # reward - value with both in [0, 1]; anything outside is a broken sender, not a big signal.
+    advantage: float | None = Field(None, ge=-1.0, le=1.0, allow_inf_nan=False)
     num_turns: int = Field(ge=0)
     finish_reason: str = Field(max_length=64)
     timings: dict[str, float] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _aligned(self) -> Trajectory:
-        n = len(self.token_ids)
-        if len(self.action_mask) != n or len(self.rollout_logprobs) != n:
+    @field_validator("action_mask")
+    @classmethod
+    def _mask_fits(cls, mask: list[int], info: ValidationInfo) -> list[int]:
+        ids = info.data.get("token_ids")
+        if ids is not None and len(mask) != len(ids):
             raise ValueError(
                 f"token_ids, action_mask and rollout_logprobs must have one length; got "
-                f"{n}, {len(self.action_mask)}, {len(self.rollout_logprobs)}"
+                f"{len(ids)} token_ids and {len(mask)} action_mask"
             )
-        if not any(self.action_mask):
+        if not any(mask):
             raise ValueError("action_mask has no generated token")
-        for i, (m, lp) in enumerate(zip(self.action_mask, self.rollout_logprobs, strict=True)):
-            if m and lp > 0.0:
-                raise ValueError(f"rollout_logprobs[{i}] = {lp!r} is not a log-probability (> 0)")
-        return self
+        if mask[0]:
+            raise ValueError("action_mask[0] must be 0: position 0 has no prefix and is never trained on")
+        return mask
+
+    @field_validator("rollout_logprobs")
+    @classmethod
+    def _logprobs_fit(cls, logprobs: list[float], info: ValidationInfo) -> list[float]:
+        ids, mask = info.data.get("token_ids"), info.data.get("action_mask")
+        n = len(ids) if ids is not None else len(mask) if mask is not None else len(logprobs)
+        if len(logprobs) != n:
+            raise ValueError(
+                f"token_ids, action_mask and rollout_logprobs must have one length; got "
+                f"{n} token_ids and {len(logprobs)} rollout_logprobs"
+            )
+        if mask is not None:
+            for i, (m, lp) in enumerate(zip(mask, logprobs, strict=True)):
+                if m and lp > 0.0:
+                    raise ValueError(f"rollout_logprobs[{i}] = {lp!r} is not a log-probability (> 0)")
+        return logprobs
 
     @property
     def action_tokens(self) -> int:
-        return sum(self.action_mask)
+        """Tokens the policy generated and the loss trains on (see count_action_tokens)."""
+        return count_action_tokens(self.action_mask)

@@ -1,4 +1,4 @@
-"""Session fixture `tiny_model`: the folder of spopp.tiny_model's model, built once per session.
+"""Session fixture `tiny_model`: the folder of tools.tiny_model's model, built once per session.
 
 With SPOPP_TEST_CACHE set, the folder is kept there across sessions, under a key that changes
 when the builder's source or the transformers version does.
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-import spopp.tiny_model
+import tools.tiny_model
 
 
 def _cache_key() -> str:
     import transformers
 
-    src = Path(spopp.tiny_model.__file__).read_bytes()
+    src = Path(tools.tiny_model.__file__).read_bytes()
     return hashlib.sha256(src + transformers.__version__.encode()).hexdigest()[:16]
 
 
@@ -28,14 +28,14 @@ def _cache_key() -> str:
 def tiny_model(tmp_path_factory) -> Path:
     cache = os.environ.get("SPOPP_TEST_CACHE")
     if not cache:
-        return spopp.tiny_model.build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
+        return tools.tiny_model.build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
     target = Path(cache) / f"tiny-model-{_cache_key()}"
     if not target.is_dir():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build aside and rename, so a concurrent or interrupted session never sees half a folder.
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
         try:
-            spopp.tiny_model.build_tiny_model(staging / "model")
+            tools.tiny_model.build_tiny_model(staging / "model")
             try:
                 (staging / "model").rename(target)
             except OSError:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from spopp.advantages import normalize_advantages
-from spopp.tiny_model import render, sample_chat
+from tools.tiny_model import render, sample_chat
 from spopp.trajectory import Trajectory
 
 HERE = Path(__file__).resolve().parent
@@ -86,7 +86,7 @@ def make_batch(model_dir: str | Path, n: int = 8, seed: int = 0) -> tuple[list[T
 def run_task(
     model_dir: str | Path, trajs: list[Trajectory], advantages: list[float], task: dict[str, Any]
 ) -> dict[str, Any]:
-    """Build an engine for task["cfg"] (LearnerConfig fields), update once, report.
+    """Build an engine for task["cfg"] (LearnerSettings fields), update once, report.
 
     task keys: cfg (dict), grads (bool: capture per-mini-batch full gradients), master (bool: the
     optimizer's fp32 master weights after the update, where ZeRO keeps them apart from the model's
@@ -95,12 +95,12 @@ def run_task(
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    from services.learner.config import LearnerConfig
+    from services.learner.config import LearnerSettings
     from services.learner.engine import build_engine
     from services.learner.snapshot import gather_state_dict, publish_snapshot
     from services.learner.update import run_update
 
-    cfg = LearnerConfig(run="test", model=Path(model_dir), **task["cfg"])
+    cfg = LearnerSettings(run="test", model=Path(model_dir), **task["cfg"])
     engine, _ = build_engine(cfg)
     grads: list[dict[str, torch.Tensor]] = []
 

@@ -13,7 +13,7 @@ import yaml
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "spopp.cli", *args]
+    return [sys.executable, "-m", "services.cli", *args]
 
 
 @contextlib.contextmanager

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.rollout.agent import Budget, run_episode
-from services.rollout.chat import ChatRenderer
-from services.rollout.engines.base import SamplingConfig
-from services.rollout.engines.hf import TransformersEngine
-from services.rollout.envs.base import Environment, StepResult, Task
+from runtime.agent import Budget, run_episode
+from runtime.chat import ChatRenderer
+from runtime.engines.base import SamplingConfig
+from runtime.engines.hf import TransformersEngine
+from runtime.envs.base import Environment, StepResult, Task
 
 
 class CountdownEnv(Environment):

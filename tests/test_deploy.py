@@ -2,138 +2,114 @@
 
 from pathlib import Path
 
+import pytest
 import yaml
+from click.testing import CliRunner
 
+from services.cli import build
+from services.learner.config import LearnerSettings
+from services.rollout.config import RolloutSettings
 from services.tracker.config import TrackerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
-def test_compose_tracker_settings_are_real_settings():
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    tracker = compose["services"]["tracker"]
-    assert (ROOT / tracker["build"]["dockerfile"]).exists()
-    fields = set(TrackerSettings.model_fields)
-    for name in tracker["environment"]:
-        assert name.startswith("SPOPP_") and name[6:].lower() in fields, name
-    assert "--appendonly" in compose["services"]["redis"]["command"]
+def _evaluator_settings():
+    from services.evaluator.config import EvaluatorSettings
+
+    return EvaluatorSettings
 
 
-def test_compose_rollout_settings_are_real_settings():
-    from services.rollout.config import RolloutSettings
+def _fill(value: str) -> str:
+    """Compose fills ${VAR:-default} from the environment; the default stands in for it here."""
+    import re
 
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    rollout = compose["services"]["rollout"]
-    assert (ROOT / rollout["build"]["dockerfile"]).exists()
-    fields = set(RolloutSettings.model_fields)
-    for name in rollout["environment"]:
-        assert name.startswith("SPOPP_ROLLOUT_") and name[14:].lower() in fields, name
-    # The command's flags are flags of `spopp rollout serve`.
-    from typer.testing import CliRunner
-
-    from spopp.cli import app
-
-    help_text = CliRunner().invoke(app, ["rollout", "serve", "--help"], env={"COLUMNS": "200"}).output
-    for flag in (a for a in rollout["command"] if a.startswith("--")):
-        assert flag in help_text, flag
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
 
 
-def test_compose_learner_command_is_a_valid_learner_config():
-    """The compose learner's flags exist, its --set overrides name real settings and, applied to
-    the example config, validate; it writes snapshots where the replicas read them."""
-    from typer.testing import CliRunner
+@pytest.mark.parametrize(
+    "service,settings",
+    [("tracker", TrackerSettings), ("rollout", RolloutSettings), ("learner", LearnerSettings), ("evaluator", None)],
+)
+def test_compose_environment_names_real_settings(service, settings):
+    settings = settings or _evaluator_settings()
+    spec = COMPOSE["services"][service]
+    assert (ROOT / spec["build"]["dockerfile"]).exists()
+    for name in spec["environment"]:
+        assert name in settings.env_names(), f"{service}: {name} is no setting of {settings.__name__}"
+    assert "SPOPP_API_TOKEN" in spec["environment"]  # one token, the same in every service
 
-    from services.learner.config import LearnerConfig
-    from spopp.cli import app
 
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    learner, rollout = compose["services"]["learner"], compose["services"]["rollout"]
-    assert (ROOT / learner["build"]["dockerfile"]).exists()
-    command = learner["command"]
-    help_text = CliRunner().invoke(app, ["learner", "run", "--help"], env={"COLUMNS": "200"}).output
+def test_compose_learner_resolves_to_valid_settings():
+    """The learner's command and environment, applied to the example config, validate; it writes
+    snapshots where the replicas and the evaluator read them."""
+    learner = COMPOSE["services"]["learner"]
+    command = [_fill(a) for a in learner["command"]]
+    help_text = CliRunner().invoke(build(), ["learner", "run", "--help"], terminal_width=200).output
     for flag in (a for a in command if a.startswith("--")):
         assert flag in help_text, flag
-    # Compose fills ${VAR:-default} from the environment; the defaults stand in for it here.
-    sets = [
-        command[i + 1].replace("${SPOPP_RUN:-math-spopp}", "math-spopp")
-        for i, a in enumerate(command)
-        if a == "--set"
-    ]
     mounts = {m.split(":")[1]: m.split(":")[0] for m in learner["volumes"]}
     config = ROOT / mounts[command[command.index("--config") + 1]].removeprefix("./")
-    cfg = LearnerConfig.from_yaml(config, sets)
+    env = {k: _fill(str(v)) for k, v in learner["environment"].items()}
+    cfg = LearnerSettings.resolve(config, env)
     assert cfg.tracker == "http://tracker:8000" and cfg.host == "0.0.0.0"
+    rollout = COMPOSE["services"]["rollout"]
     assert str(cfg.snapshots) == "/snapshots" and "snapshots:/snapshots:ro" in rollout["volumes"]
-    assert "snapshots:/snapshots" in learner["volumes"]  # read-write for the learner only
-    assert str(cfg.eval.tasks) == "/data/held_out.jsonl"
+    assert "snapshots:/snapshots" in learner["volumes"]
     assert rollout["environment"]["SPOPP_ROLLOUT_LEARNER"] == f"http://learner:{cfg.port}"
 
 
-def test_set_overrides_reach_nested_settings_and_say_what_is_wrong(tmp_path):
-    import pydantic
-    import pytest
-
-    from services.learner.config import LearnerConfig
-
-    base = tmp_path / "l.yaml"
-    base.write_text("run: r\nmodel: m\neval: {every: 2, tasks: a.jsonl}\n")
-    cfg = LearnerConfig.from_yaml(base, ["eval.every=4", "lr=3e-6", "betas=[0.9, 0.95]", "grad_clip=null"])
-    assert (cfg.eval.every, cfg.lr, cfg.betas, cfg.grad_clip) == (4, 3e-6, (0.9, 0.95), None)
-    assert LearnerConfig.from_yaml(base, ["eval="]).eval is None
-    # Text settings keep the text: a numeric run name, a hex-looking token.
-    cfg = LearnerConfig.from_yaml(base, ["run=123", "tracker_token=0x1F", "eval.tasks=2024-01-01.jsonl"])
-    assert (cfg.run, cfg.tracker_token, str(cfg.eval.tasks)) == ("123", "0x1F", "2024-01-01.jsonl")
-    empty_eval = tmp_path / "e.yaml"
-    empty_eval.write_text("run: r\nmodel: m\neval:\n")  # a group left empty in the file
-    assert LearnerConfig.from_yaml(empty_eval, ["eval.every=3", "eval.tasks=t.jsonl"]).eval.every == 3
-    for bad, needle in [
-        ("lr", "KEY=VALUE"),
-        ("=3", "KEY=VALUE"),
-        ("run.x=1", "not a group"),
-        ("lr.x=1", "valid number"),
-        ("nope=1", "nope"),
-    ]:
-        with pytest.raises((ValueError, pydantic.ValidationError)) as err:
-            LearnerConfig.from_yaml(base, [bad])
-        assert needle in str(err.value), bad
+def test_learner_image_has_no_vllm_sandbox_or_privileges():
+    text = (ROOT / COMPOSE["services"]["learner"]["build"]["dockerfile"]).read_text().lower()
+    dockerfile = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "vllm" not in dockerfile and "bubblewrap" not in dockerfile
+    assert not COMPOSE["services"]["learner"].get("privileged")
+    # The services that run model-written code in bubblewrap are the replicas and the evaluator.
+    for name in ("rollout", "evaluator"):
+        assert "bubblewrap" in (ROOT / COMPOSE["services"][name]["build"]["dockerfile"]).read_text()
 
 
-def test_unset_token_from_compose_means_no_auth(monkeypatch):
-    monkeypatch.setenv("SPOPP_API_TOKEN", "")
-    assert TrackerSettings().api_token is None
-    monkeypatch.setenv("SPOPP_API_TOKEN", "x" * 20)
-    assert TrackerSettings().api_token == "x" * 20
+def test_compose_rollout_and_evaluator_resolve():
+    for name, settings in (("rollout", RolloutSettings), ("evaluator", _evaluator_settings())):
+        spec = COMPOSE["services"][name]
+        env = {k: _fill(str(v)) for k, v in spec["environment"].items()}
+        config = None
+        if "--config" in spec["command"]:
+            mounts = {m.split(":")[1]: m.split(":")[0] for m in spec["volumes"]}
+            config = ROOT / mounts[spec["command"][spec["command"].index("--config") + 1]].removeprefix("./")
+        s = settings.resolve(config, env)
+        assert s.tracker == "http://tracker:8000" and s.host == "0.0.0.0"
 
 
-def test_short_token_is_refused(monkeypatch):
-    import pydantic
-    import pytest
+def test_unset_token_from_compose_means_no_auth():
+    assert TrackerSettings.resolve(env={"SPOPP_API_TOKEN": ""}).api_token is None
+    assert TrackerSettings.resolve(env={"SPOPP_API_TOKEN": "x" * 20}).api_token == "x" * 20
 
-    monkeypatch.setenv("SPOPP_API_TOKEN", "short")
-    with pytest.raises(pydantic.ValidationError):
-        TrackerSettings()
+
+def test_short_token_is_refused():
+    from spopp.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="api_token .environment SPOPP_API_TOKEN."):
+        TrackerSettings.resolve(env={"SPOPP_API_TOKEN": "short"})
 
 
 def test_learner_example_config_loads_and_bad_configs_say_why(tmp_path):
-    import pydantic
-    import pytest
+    from spopp.settings import SettingsError
 
-    from services.learner.config import LearnerConfig
-
-    cfg = LearnerConfig.from_yaml(ROOT / "deploy" / "learner.example.yaml")
+    cfg = LearnerSettings.resolve(ROOT / "deploy" / "learner.example.yaml", env={})
     assert (cfg.batch_size, cfg.mini_batches, cfg.lr, cfg.weight_decay) == (128, 4, 1e-6, 0.1)
     bad = tmp_path / "bad.yaml"
     for text, needle in [
         ("run: r\nmodel: m\nbatch_size: 10\nmini_batches: 4\n", "split into 4 mini-batches"),
         ("run: r\nmodel: m\nzero_stage: 5\n", "zero_stage"),
         ("run: r\nmodel: m\nzero_stage: 0\ndtype: bf16\n", "zero_stage 1"),
-        ("run: r\nmodel: m\nlearning_rate: 1\n", "learning_rate"),
-        ("run: r\nmodel: m\neval: {every: 5}\n", "tasks"),
-        ("run: r\nmodel: m\nupdates_per_publish: 2\neval: {every: 3, tasks: t.jsonl}\n", "multiple of"),
-        ("run: r\nmodel: m\neval: {every: 2, tasks: t.jsonl, greedy: false, samples: 0}\n", "greedy"),
+        ("run: r\nmodel: m\nlearning_rate: 1\n", "unknown setting 'learning_rate'"),
+        ("run: r\n", "model is required"),
         ("- a list\n", "mapping"),
+        ("run: [unclosed\n", "not valid YAML"),
     ]:
         bad.write_text(text)
-        with pytest.raises((pydantic.ValidationError, ValueError)) as err:
-            LearnerConfig.from_yaml(bad)
-        assert needle in str(err.value)
+        with pytest.raises(SettingsError) as err:
+            LearnerSettings.resolve(bad, env={})
+        assert needle in str(err.value), text

@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from services.rollout.engines.base import SamplingConfig
-from services.rollout.engines.factory import make_engine
-from spopp.tiny_model import perturb_weights, render, sample_chat
+from runtime.engines.base import SamplingConfig
+from runtime.engines.factory import make_engine
+from tools.tiny_model import perturb_weights, render, sample_chat
 
 ENGINES = ["transformers", "vllm"]
 # Absolute tolerance on log-probs against the float64 reference; vLLM's kernels differ more.

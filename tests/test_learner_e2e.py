@@ -13,7 +13,7 @@ import httpx
 import pytest
 from procs import cli, learner_config, running
 
-from services.rollout.tasks import generate_arithmetic_tasks, write_jsonl
+from runtime.tasks import generate_arithmetic_tasks, write_jsonl
 from spopp.net import free_port
 
 N_TASKS = 12

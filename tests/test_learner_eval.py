@@ -20,9 +20,9 @@ import pytest
 
 from services.learner.config import EvalConfig
 from services.learner.snapshot import list_snapshots, prune_snapshots
-from services.rollout.envs.base import Task
-from services.rollout.tasks import generate_arithmetic_tasks, write_jsonl
-from spopp.tiny_model import perturb_weights
+from runtime.envs.base import Task
+from runtime.tasks import generate_arithmetic_tasks, write_jsonl
+from tools.tiny_model import perturb_weights
 
 N_TASKS, K = 6, 3
 

@@ -20,8 +20,8 @@ import torch
 from learner_worker import dist_env_restored, launch, make_batch, run_task
 from safetensors.torch import load_file
 
-from services.rollout.engines.base import SamplingConfig
-from spopp.tiny_model import sample_chat
+from runtime.engines.base import SamplingConfig
+from tools.tiny_model import sample_chat
 
 CFG = {
     "zero_stage": 1,
@@ -53,11 +53,11 @@ def batch(tiny_model):
 @pytest.fixture(scope="module")
 def learner(tiny_model, batch):
     """(ZeRO-1 engine after one update, its config) in this process."""
-    from services.learner.config import LearnerConfig
+    from services.learner.config import LearnerSettings
     from services.learner.engine import build_engine
     from services.learner.update import run_update
 
-    cfg = LearnerConfig(run="test", model=tiny_model, **CFG)
+    cfg = LearnerSettings(run="test", model=tiny_model, **CFG)
     engine, _ = build_engine(cfg)
     run_update(engine, *batch, cfg)
     yield engine
@@ -275,7 +275,7 @@ def check_engine(kind, engine, runner, snapshot, learner, tiny_model, prompts) -
 
 
 def test_transformers_engine_loads_snapshot(snapshot, learner, tiny_model, prompts, runner):
-    from services.rollout.engines.hf import TransformersEngine
+    from runtime.engines.hf import TransformersEngine
 
     engine = TransformersEngine(tiny_model)
     try:
@@ -286,7 +286,7 @@ def test_transformers_engine_loads_snapshot(snapshot, learner, tiny_model, promp
 
 @pytest.mark.slow
 def test_vllm_engine_loads_snapshot(snapshot, learner, tiny_model, prompts, runner):
-    from services.rollout.engines.vllm import VllmEngine
+    from runtime.engines.vllm import VllmEngine
 
     async def start():
         return VllmEngine(tiny_model, max_model_len=1024, kv_cache_gib=1, seed=0)

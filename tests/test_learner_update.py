@@ -285,7 +285,7 @@ BF16_CHANGE_RTOL = 0.1
 # 1.2e-7 at the norm weights' 1.0, about 1e-4 of such an element's change of 1-2e-3, and up to
 # 1.1e-5 over a tensor (measured).
 MASTER_RTOL = 1e-4
-# ZeRO 1-3. ZeRO 0 with bf16 is refused by LearnerConfig because it does not implement these semantics in
+# ZeRO 1-3. ZeRO 0 with bf16 is refused by LearnerSettings because it does not implement these semantics in
 # deepspeed 0.19.8: it wraps the optimizer in FP16_UnfusedOptimizer, whose constructor
 # (initialize_optimizer_states) steps AdamW once on zero gradients. That decays the fp32 master by
 # lr * weight_decay before training and starts AdamW's step count at 1, so every bias correction

@@ -89,7 +89,7 @@ def test_vllm_engine_core_dies_with_a_killed_owner(tiny_model):
     proc, pids = _parent(
         f"""
         import asyncio, psutil
-        from services.rollout.engines.factory import make_engine
+        from runtime.engines.factory import make_engine
 
         async def main():
             engine = make_engine("vllm", {str(tiny_model)!r}, max_model_len=512, kv_cache_gib=1, seed=0)

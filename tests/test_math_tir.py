@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.rollout.envs.base import Task
-from services.rollout.envs.math_tir import MathTIREnv, find_tool_call
-from services.rollout.sandbox import SandboxConfig
-from services.rollout.tasks import (
+from runtime.envs.base import Task
+from runtime.envs.math_tir import MathTIREnv, find_tool_call
+from runtime.sandbox import SandboxConfig
+from runtime.tasks import (
     DAPO_PREFIX,
     DAPO_SUFFIX,
     generate_arithmetic_tasks,
@@ -19,7 +19,7 @@ from services.rollout.tasks import (
     prompt_task_id,
     write_jsonl,
 )
-from services.rollout.verify import extract_boxed, verify_answer
+from runtime.verify import extract_boxed, verify_answer
 
 CONFIG = SandboxConfig(wall_seconds=3, cpu_seconds=2)
 TASK = Task(task_id="t1", prompt="What is 123456 * 654321?", answer=str(123456 * 654321))
@@ -77,7 +77,7 @@ def test_strict_mode_is_a_normalized_string_match():
 def test_verify_time_limit_scores_zero(monkeypatch):
     import time
 
-    import services.rollout.verify as verify_mod
+    import runtime.verify as verify_mod
 
     def slow(pred, ref):
         time.sleep(2)

@@ -14,10 +14,10 @@ import torch
 from procs import cli, running
 from transformers import AutoModelForCausalLM
 
-from services.rollout.sink import LearnerSink
-from services.rollout.tasks import generate_arithmetic_tasks
+from tools.sink import LearnerSink
+from runtime.tasks import generate_arithmetic_tasks
 from spopp.net import free_port
-from spopp.tiny_model import perturb_weights
+from tools.tiny_model import perturb_weights
 
 N_TASKS = 8
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.rollout.sandbox import SandboxConfig, SandboxUnavailable, run_python
+from runtime.sandbox import SandboxConfig, SandboxUnavailable, run_python
 
 FAST = SandboxConfig(wall_seconds=5, cpu_seconds=3)
 

@@ -24,6 +24,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from spopp.trajectory import count_action_tokens
+
 
 class TrajectoryLike(Protocol):
     """What collation reads of a trajectory (spopp.trajectory.Trajectory has it)."""
@@ -54,8 +56,8 @@ class Batch:
 
 
 def trainable_tokens(traj: TrajectoryLike) -> int:
-    """Action tokens of one trajectory that have a prefix to be predicted from (positions >= 1)."""
-    return int(sum(traj.action_mask[1:]))
+    """Action tokens of one trajectory, as normalisation counts them (one definition for both)."""
+    return count_action_tokens(traj.action_mask)
 
 
 def action_tokens(trajs: Sequence[TrajectoryLike]) -> int:

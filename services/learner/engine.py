@@ -21,7 +21,7 @@ from typing import Any
 from spopp.net import free_port
 
 from .batch import accumulation_steps
-from .config import LearnerConfig
+from .config import LearnerSettings
 
 
 def init_distributed() -> tuple[int, int]:
@@ -64,7 +64,7 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % (1 << 32))
 
 
-def deepspeed_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:
+def deepspeed_config(cfg: LearnerSettings, world_size: int) -> dict[str, Any]:
     """The DeepSpeed config dict for `cfg` on `world_size` ranks."""
     gas = accumulation_steps(cfg.batch_size, cfg.mini_batches, world_size, cfg.micro_batch_size)
     return {
@@ -85,7 +85,7 @@ def deepspeed_config(cfg: LearnerConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-def build_engine(cfg: LearnerConfig, model_dir: str | Path | None = None) -> tuple[Any, Any]:
+def build_engine(cfg: LearnerSettings, model_dir: str | Path | None = None) -> tuple[Any, Any]:
     """(DeepSpeed engine, tokenizer) for the weights in `model_dir` (default: cfg.model).
 
     Every rank calls this with the same arguments. The model is loaded in the training dtype

@@ -3,25 +3,97 @@
 The learner trains on the *first* trajectories of each policy version, in arrival order: the
 buffer accepts `capacity` (B × updates per publish) of them and refuses the rest. A trajectory of
 another version is refused with 409 (the rollout counts it as drained), one of another run or
-that fails the schema with 422; a repeated request_id answers as before and counts once.
+that fails a check with 422; a repeated request_id answers as before and counts once.
+
+Checks at the door, in this order, and nothing refused is ever buffered: the bearer token (401,
+when one is configured; /healthz and /metrics stay open), the body size (413), the record's own
+schema (spopp.trajectory), then IntakeLimits, what this model and recipe require beyond the wire
+schema: token ids inside the vocabulary, a sequence inside the context, an advantage for SPO++.
+A 422 names the field. Every answer is counted in the learner's Prometheus metrics.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from spopp.asgi import BodyLimit
+from spopp.asgi import BearerAuth, BodyLimit
 from spopp.trajectory import Trajectory
+
+from .metrics import LearnerMetrics
+
+INTAKE = "/v1/trajectories"
+# The refusal code a client reads -> the metric's reason label.
+_REASON = {"stale_policy": "stale", "batch_full": "full", "invalid": "invalid", "unknown_run": "unknown_run"}
 
 
 class Refused(Exception):
     def __init__(self, status: int, code: str, message: str, **context) -> None:
         super().__init__(message)
         self.status, self.detail = status, {"code": code, "message": message, **context}
+
+
+def invalid(errors: list[dict]) -> Refused:
+    """A 422 in the same shape as a schema error: the first field in the message, all listed."""
+    first = errors[0]
+    return Refused(422, "invalid", f"{first['field']}: {first['message']}", errors=errors)
+
+
+@dataclass(frozen=True)
+class IntakeLimits:
+    """What this learner's model and recipe require of a trajectory beyond the wire schema.
+
+    A token id past the embedding would fail (or, on GPU, fault) in the forward pass, long after
+    the trajectory was accepted; one past the context trains on positions the model never had.
+    SPO++ trains on the advantage frozen at dispatch, so it cannot do without one. None: no limit.
+    """
+
+    vocab_size: int | None = None
+    max_tokens: int | None = None
+    recipe: str | None = None
+
+    @classmethod
+    def for_model(cls, model: Any, recipe: str | None = None) -> IntakeLimits:
+        """The limits of a Hugging Face causal LM (e.g. `engine.module`): its embedding's rows,
+        which may exceed the tokenizer's vocabulary but are what an id indexes, and its context."""
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        try:
+            vocab = int(model.get_input_embeddings().num_embeddings)
+        except (AttributeError, NotImplementedError):
+            vocab = getattr(text, "vocab_size", None)
+        return cls(vocab_size=vocab, max_tokens=getattr(text, "max_position_embeddings", None), recipe=recipe)
+
+    def errors(self, t: Trajectory) -> list[dict]:
+        out = []
+        if self.vocab_size is not None and max(t.token_ids) >= self.vocab_size:
+            i = next(i for i, x in enumerate(t.token_ids) if x >= self.vocab_size)
+            out.append({
+                "field": "token_ids",
+                "message": f"token_ids[{i}] = {t.token_ids[i]} is not below the model's vocabulary "
+                f"size {self.vocab_size}",
+            })  # fmt: skip
+        if self.max_tokens is not None and len(t.token_ids) > self.max_tokens:
+            out.append({
+                "field": "token_ids",
+                "message": f"{len(t.token_ids)} tokens exceed the model's context of {self.max_tokens}",
+            })  # fmt: skip
+        if self.recipe == "spopp" and t.advantage is None:
+            out.append({
+                "field": "advantage",
+                "message": "an SPO++ learner trains on the advantage frozen at dispatch; it is required",
+            })  # fmt: skip
+        return out
+
+    def check(self, t: Trajectory) -> None:
+        if errors := self.errors(t):
+            raise invalid(errors)
 
 
 class TrajectoryBuffer:
@@ -37,8 +109,8 @@ class TrajectoryBuffer:
         self._cond = threading.Condition()
         self.refused = {"stale": 0, "full": 0}
 
-    def add(self, t: Trajectory) -> int:
-        """Queue `t`; answers its position in this version's stream or raises Refused."""
+    def admit(self, t: Trajectory) -> tuple[int, bool]:
+        """Queue `t`: (its position in this version's stream, whether it is new) or Refused."""
         if t.run != self.run:
             raise Refused(422, "unknown_run", f"this learner trains run {self.run!r}", run=t.run)
         with self._cond:
@@ -48,7 +120,7 @@ class TrajectoryBuffer:
                     409, "stale_policy", "trajectory of another policy version", policy_version=self.version
                 )
             if t.request_id in self._seen:
-                return self._seen[t.request_id]
+                return self._seen[t.request_id], False
             if len(self._seen) >= self.capacity:
                 self.refused["full"] += 1
                 raise Refused(
@@ -57,7 +129,11 @@ class TrajectoryBuffer:
             self._items.append(t)
             self._seen[t.request_id] = len(self._seen)
             self._cond.notify_all()
-            return self._seen[t.request_id]
+            return self._seen[t.request_id], True
+
+    def add(self, t: Trajectory) -> int:
+        """Queue `t`; answers its position in this version's stream or raises Refused."""
+        return self.admit(t)[0]
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory] | None:
         """The next n trajectories of the current version, in arrival order (None on timeout)."""
@@ -92,36 +168,82 @@ class TrajectoryBuffer:
             self._taken = state["taken"]
             self._cond.notify_all()
 
+    @property
+    def accepted(self) -> int:
+        """Trajectories accepted for the current version, trained on or waiting (<= capacity)."""
+        with self._cond:
+            return len(self._seen)
+
     def __len__(self) -> int:
         with self._cond:
             return len(self._items)
 
 
-def ingest_app(buffer: TrajectoryBuffer, max_body_bytes: int) -> FastAPI:
+class _CountDoorRefusals:
+    """Counts the intake's 401 and 413: middlewares answer those before any handler could."""
+
+    _REASON = {401: "unauthorized", 413: "too_large"}
+
+    def __init__(self, app, metrics: LearnerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != INTAKE:
+            return await self.app(scope, receive, send)
+
+        async def watch(message):
+            if message["type"] == "http.response.start" and message["status"] in self._REASON:
+                self.metrics.refuse(self._REASON[message["status"]])
+            await send(message)
+
+        await self.app(scope, receive, watch)
+
+
+def ingest_app(
+    buffer: TrajectoryBuffer,
+    max_body_bytes: int,
+    *,
+    token: str | None = None,
+    limits: IntakeLimits | None = None,
+    metrics: LearnerMetrics | None = None,
+) -> FastAPI:
+    """The intake app; `token` None leaves it open, `limits` None checks the schema only."""
+    limits = limits or IntakeLimits()
+    metrics = metrics or LearnerMetrics()
+    metrics.watch(buffer)
     app = FastAPI(title="spopp learner")
 
-    @app.post("/v1/trajectories")
+    @app.post(INTAKE)
     def post(t: Trajectory) -> dict:
-        position = buffer.add(t)
+        limits.check(t)
+        position, new = buffer.admit(t)
+        if new:
+            metrics.accepted.inc()
         return {"accepted": True, "policy_version": buffer.version, "position": position}
 
     @app.get("/healthz")
     def healthz() -> dict:
         return {"status": "ok", "policy_version": buffer.version, "buffered": len(buffer)}
 
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     @app.exception_handler(Refused)
     async def refused(request: Request, exc: Refused) -> JSONResponse:
+        metrics.refuse(_REASON.get(exc.detail["code"], exc.detail["code"]))
         return JSONResponse({"detail": exc.detail}, status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def schema(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [
-            {"field": ".".join(str(p) for p in e["loc"] if p != "body"), "message": e["msg"]}
+            {"field": ".".join(str(p) for p in e["loc"] if p != "body") or "body", "message": e["msg"]}
             for e in exc.errors()
         ]
-        first = errors[0] if errors else {"field": "body", "message": "invalid trajectory"}
-        detail = {"code": "invalid", "message": f"{first['field']}: {first['message']}", "errors": errors}
-        return JSONResponse({"detail": detail}, status_code=422)
+        return await refused(request, invalid(errors or [{"field": "body", "message": "invalid trajectory"}]))
 
+    # Added innermost first: auth is decided before the body is read, and counted outside both.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BearerAuth, token=token)
+    app.add_middleware(_CountDoorRefusals, metrics=metrics)
     return app

@@ -24,11 +24,12 @@ from spopp.advantages import normalize_advantages
 from spopp.client import TrackerClient
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import LearnerConfig
+from .config import LearnerSettings
 from .engine import build_engine, init_distributed
-from .ingest import TrajectoryBuffer, ingest_app
+from .ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from .logprobs import token_logprobs
 from .logs import MetricsLog
+from .metrics import LearnerMetrics
 from .snapshot import publish_snapshot
 from .spo import SpoDriftCache
 from .update import run_update
@@ -62,7 +63,7 @@ class Learner:
     after any of the k - 1 unchecked publishes needs the recovery the error describes.
     """
 
-    def __init__(self, cfg: LearnerConfig, resume: bool = False) -> None:
+    def __init__(self, cfg: LearnerSettings, resume: bool = False) -> None:
         self.cfg = cfg
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -70,14 +71,12 @@ class Learner:
         self.step = 0
         self.spo = SpoDriftCache() if cfg.recipe == "spo" else None
         self.buffer = TrajectoryBuffer(cfg.run, capacity=cfg.batch_size * cfg.updates_per_publish)
-        self.tracker = self.server = self.metrics = self.evaluator = None
+        self.prometheus = LearnerMetrics()  # /metrics beside the intake (rank 0)
+        self.tracker = self.server = self.metrics = None
         self.snapshot: str | None = None  # folder of the newest published version (rank 0)
         version = None
         if self.rank == 0:
-            # SPOPP_API_TOKEN, as the tracker reads it, when the config names none (keeps the secret
-            # out of files and command lines).
-            token = cfg.tracker_token or os.environ.get("SPOPP_API_TOKEN") or None
-            self.tracker = TrackerClient(cfg.tracker, token=token)
+            self.tracker = TrackerClient(cfg.tracker, token=cfg.api_token)
             run = self.tracker.get_run(cfg.run)
             if run.config.recipe != cfg.recipe:
                 raise ValueError(
@@ -86,10 +85,6 @@ class Learner:
                 )
             version = run.policy_version
             self.metrics = MetricsLog(cfg.log_dir, total=cfg.max_updates)
-            if cfg.eval is not None:
-                from .evaluate import Evaluator  # the rollout's engines and environments
-
-                self.evaluator = Evaluator(cfg.eval, cfg.model, Path(cfg.log_dir) / "eval")
         self.version = _broadcast(version)
         self.buffer.advance(self.version)
         self.resumed_from: str | None = None
@@ -154,7 +149,9 @@ class Learner:
                 "buffer": self.buffer.state(),
             }
         save_checkpoint(self.engine, self.cfg.checkpoints, self.step, state)
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.prometheus.checkpoint_seconds.observe(elapsed)
+        return elapsed
 
     # -- intake ------------------------------------------------------------------------------
     def serve(self) -> str | None:
@@ -163,9 +160,14 @@ class Learner:
             return None
         from spopp.asgi import ThreadedServer
 
-        self.server = ThreadedServer(
-            ingest_app(self.buffer, self.cfg.max_body_bytes), self.cfg.host, self.cfg.port
-        ).start()
+        app = ingest_app(
+            self.buffer,
+            self.cfg.max_body_bytes,
+            token=self.cfg.api_token,
+            limits=IntakeLimits.for_model(self.engine.module, self.cfg.recipe),
+            metrics=self.prometheus,
+        )
+        self.server = ThreadedServer(app, self.cfg.host, self.cfg.port).start()
         log.info("learner intake on %s (run %s, version %d)", self.server.url, self.cfg.run, self.version)
         return self.server.url
 
@@ -214,6 +216,7 @@ class Learner:
             torch.tensor(raw, dtype=torch.float64), torch.tensor(lengths), measure=self.cfg.normalization
         )
         stats = run_update(self.engine, batch, adv.tolist(), self.cfg)
+        self.prometheus.observe_update(stats)
         if self.spo is not None:
             drifts = self.spo.after_update(batch, self._logprobs)
             if self.rank == 0:
@@ -237,44 +240,16 @@ class Learner:
             stats["checkpoint_s"] = self.checkpoint()
         if self.metrics is not None:
             self.metrics.write(self.step, stats)
-        if self.evaluator is not None:
-            if self.step % self.cfg.eval.every == 0:  # a multiple of updates_per_publish: just published
-                self.evaluator.submit(self.step, self.version, self.snapshot)
-            self._log_evals(wait=False)
         return stats
-
-    # -- evaluation (rank 0) -----------------------------------------------------------------
-    def _log_evals(self, wait: bool) -> None:
-        timeout = self.cfg.eval.final_wait_s if wait else None
-        for result in self.evaluator.collect(wait=wait, timeout=timeout):
-            self.metrics.write(result.step, result.metrics, advance=False)
-            log.info(
-                "eval after update %d (policy v%d): %s",
-                result.step,
-                result.version,
-                ", ".join(
-                    f"{k.removeprefix('eval/')} {v:.3g}"
-                    for k, v in result.metrics.items()
-                    if k.endswith(("success_rate", "pass_at_k"))
-                ),
-            )
-
-    def _eval_at_start(self) -> None:
-        """Score the initial policy (version 0, `cfg.model`), so the curve has its origin. Not on
-        a resume, and not when the run's policy is already past version 0."""
-        if self.evaluator is None or not self.cfg.eval.at_start or self.step != 0 or self.version != 0:
-            return
-        self.evaluator.submit(0, 0, self.cfg.model)
 
     def publish(self) -> float:
         """Snapshot the weights as the next version, then advance the tracker's clock."""
         t0 = time.perf_counter()
         version = self.version + 1
-        queued = self.evaluator.pending_versions() if self.evaluator is not None else ()
         path = publish_snapshot(
             self.engine, self.cfg.model, self.cfg.snapshots, version, keep=self.cfg.keep_snapshots,
-            protect=queued,
-        )  # fmt: skip
+            step=self.step,
+        )
         if self.rank == 0:
             self.snapshot = str(Path(path).resolve())
             self.tracker.publish(self.cfg.run, version, self.snapshot)
@@ -282,22 +257,19 @@ class Learner:
         self.buffer.advance(version)
         if dist.get_world_size() > 1:
             dist.barrier()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.prometheus.publish_seconds.observe(elapsed)
+        return elapsed
 
     def run(self) -> None:
         self.serve()
         try:
-            self._eval_at_start()
             while self.cfg.max_updates is None or self.step < self.cfg.max_updates:
                 self.update_once()
-            if self.evaluator is not None:  # a finished run reports its last evaluations
-                self._log_evals(wait=True)
         finally:
             self.close()
 
     def close(self) -> None:
-        if self.evaluator is not None:
-            self.evaluator.close()
         if self.server is not None:
             self.server.stop()
         if self.metrics is not None:

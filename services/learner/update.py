@@ -32,7 +32,7 @@ import torch
 from spopp.loss import policy_loss
 
 from .batch import Batch, TrajectoryLike, action_tokens, collate, micro_batches, mini_batches, rank_share
-from .config import LearnerConfig
+from .config import LearnerSettings
 from .logprobs import token_logprobs
 
 # Token-weighted statistics of policy_loss that are averaged over the whole update.
@@ -43,7 +43,7 @@ _MEAN_STATS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "is_weight_me
 BeforeStep = Callable[[Any, int], None]
 
 
-def _plan(n: int, cfg: LearnerConfig, rank: int, world: int, gas: int) -> list[tuple[slice, list[slice]]]:
+def _plan(n: int, cfg: LearnerSettings, rank: int, world: int, gas: int) -> list[tuple[slice, list[slice]]]:
     """Per mini-batch: (its slice of the B trajectories, this rank's micro-batch slices)."""
     plan = []
     for part in mini_batches(n, cfg.mini_batches):
@@ -74,7 +74,7 @@ def run_update(
     engine: Any,
     trajs: Sequence[TrajectoryLike],
     advantages: Sequence[float] | torch.Tensor,
-    cfg: LearnerConfig,
+    cfg: LearnerSettings,
     *,
     before_step: BeforeStep | None = None,
 ) -> dict[str, float]:

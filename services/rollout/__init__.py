@@ -1,1 +1,1 @@
-"""The rollout service: engines, the multi-turn agent loop, environments and the worker loop."""
+"""The rollout service: replicas that lease tasks, play episodes with the agent runtime, report and push trajectories."""

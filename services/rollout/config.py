@@ -1,4 +1,4 @@
-"""The rollout replica's settings: one typed object, from SPOPP_ROLLOUT_* variables and CLI flags.
+"""The rollout replica's settings (`spopp rollout serve --help`; env `SPOPP_ROLLOUT_<FIELD>`).
 
 No torch or vLLM import here, so `spopp rollout serve --help` stays instant.
 """
@@ -6,44 +6,51 @@ No torch or vLLM import here, so `spopp rollout serve --help` stays instant.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
+
+from spopp.settings import Settings
 
 
-class RolloutSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPOPP_ROLLOUT_", extra="ignore")
+class RolloutSettings(Settings):
+    env_prefix: ClassVar[str] = "SPOPP_ROLLOUT_"
 
+    model: Path = Field(..., description="model folder of policy version 0 (Hugging Face layout)")
     tracker: str = Field("http://127.0.0.1:8000", description="tracker base URL")
     learner: str = Field("http://127.0.0.1:8100", description="learner base URL (POST /v1/trajectories)")
-    run: str = Field("default", description="run name at the tracker")
-    model: Path = Field(..., description="model folder for version 0 (Hugging Face layout)")
+    run: str = Field("default", min_length=1, max_length=128, description="run name at the tracker")
+    api_token: str | None = Field(
+        None, description="bearer token of the tracker and the learner (prefer SPOPP_API_TOKEN)"
+    )
     engine: Literal["vllm", "transformers"] = Field("vllm", description="generation engine")
+    engine_options: dict = Field(
+        default_factory=dict, description="extra engine arguments, a mapping: {max_model_len: 4096}"
+    )
     env: Literal["math-tir"] = Field("math-tir", description="environment plug-in")
     tasks: Path | None = Field(None, description="task file (JSONL/parquet: prompt, answer, task_id)")
-    generated_tasks: int = Field(0, ge=0, description="use N generated arithmetic tasks instead of a file")
-    task_seed: int = Field(0, ge=0, description="seed of generated tasks")
-    worker_id: str = Field("rollout-0", min_length=1, max_length=128)
-    concurrency: int = Field(8, ge=1, le=1024, description="episodes in flight")
+    generated_tasks: int = Field(
+        0, ge=0, le=10_000_000, description="use N generated arithmetic tasks instead of a file"
+    )
+    task_seed: int = Field(0, ge=0, description="seed of the generated tasks")
+    worker_id: str = Field("rollout-0", min_length=1, max_length=128, description="name of this replica")
+    concurrency: int = Field(8, ge=1, le=1024, description="episodes in flight on the engine")
     drain: Literal["finish", "abort"] = Field(
         "finish", description="on a new policy: let in-flight episodes finish, or release their leases"
     )
-    max_turns: int = Field(8, ge=1)
-    max_tokens_per_turn: int = Field(1024, ge=1)
-    max_total_tokens: int = Field(4096, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    seed: int = Field(0, ge=0, description="base of per-episode sampling seeds")
-    poll_seconds: float = Field(0.2, gt=0, description="wait between dispatches when no task is idle")
+    max_turns: int = Field(8, ge=1, le=1000, description="model turns per episode")
+    max_tokens_per_turn: int = Field(1024, ge=1, description="tokens per model turn")
+    max_total_tokens: int = Field(4096, ge=1, description="tokens per episode, prompt included")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="sampling temperature (0: greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int = Field(-1, ge=-1, description="top-k sampling (-1: off)")
+    seed: int = Field(0, ge=0, description="base of the per-episode sampling seeds")
+    poll_seconds: float = Field(
+        0.2, gt=0, le=60, description="wait between dispatches when no task is idle"
+    )
     renew_fraction: float = Field(0.33, gt=0, lt=1, description="renew a lease after this share of it")
-    token: str | None = Field(None, description="bearer token for the tracker (SPOPP_API_TOKEN)")
     host: str = Field("127.0.0.1", description="address of this replica's /healthz and /metrics")
-    port: int = Field(8200, ge=0, le=65535)
-    engine_options: dict = Field(default_factory=dict, description="extra engine arguments")
-
-    @field_validator("token", mode="before")
-    @classmethod
-    def _empty_is_unset(cls, v):
-        return v or None
+    port: int = Field(8200, ge=0, le=65535, description="port of /healthz and /metrics")
+    max_episodes: int | None = Field(
+        None, ge=1, description="stop after N episodes (smoke runs, tests); unset: run until stopped"
+    )

@@ -12,15 +12,15 @@ from fastapi import FastAPI, Response
 from prometheus_client import generate_latest
 
 from .config import RolloutSettings
-from .envs import env_factory
-from .envs.base import Task
+from runtime.envs import env_factory
+from runtime.envs.base import Task
 from .worker import Worker
 
 log = logging.getLogger("spopp.rollout")
 
 
 def load_task_table(s: RolloutSettings) -> dict[str, Task]:
-    from .tasks import generate_arithmetic_tasks, load_tasks
+    from runtime.tasks import generate_arithmetic_tasks, load_tasks
 
     if s.tasks is not None:
         tasks = load_tasks(s.tasks)
@@ -53,8 +53,8 @@ def health_app(worker: Worker) -> FastAPI:
     return app
 
 
-async def serve(s: RolloutSettings, max_episodes: int | None = None) -> None:
-    from .engines.factory import make_engine
+async def serve(s: RolloutSettings) -> None:
+    from runtime.engines.factory import make_engine
 
     tasks = load_task_table(s)
     make_env = env_factory(s.env)
@@ -67,7 +67,7 @@ async def serve(s: RolloutSettings, max_episodes: int | None = None) -> None:
     http = asyncio.create_task(server.serve())
     log.info("rollout %s: run %s, %d tasks, engine %s", s.worker_id, s.run, len(tasks), s.engine)
     try:
-        await worker.run(max_episodes=max_episodes)
+        await worker.run(max_episodes=s.max_episodes)
     finally:
         server.should_exit = True
         await http

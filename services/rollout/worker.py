@@ -24,11 +24,11 @@ from spopp.client import AsyncTrackerClient, StalePolicy, TrackerError
 from spopp.tracker_api import Lease
 from spopp.trajectory import Trajectory
 
-from .agent import Budget, Episode, prompts_over_budget, run_episode
-from .chat import ChatRenderer
+from runtime.agent import Budget, Episode, prompts_over_budget, run_episode
+from runtime.chat import ChatRenderer
 from .config import RolloutSettings
-from .engines.base import Engine, SamplingConfig
-from .envs.base import Environment, Task
+from runtime.engines.base import Engine, SamplingConfig
+from runtime.envs.base import Environment, Task
 from .metrics import RolloutMetrics
 
 log = logging.getLogger("spopp.rollout")
@@ -56,8 +56,10 @@ class Worker:
         self.make_env = make_env
         self.tasks = tasks
         self.metrics = metrics or RolloutMetrics()
-        self.tracker = AsyncTrackerClient(settings.tracker, token=settings.token)
-        self.learner = httpx.AsyncClient(base_url=settings.learner, timeout=60.0)
+        self.tracker = AsyncTrackerClient(settings.tracker, token=settings.api_token)
+        # The learner's intake takes the same bearer token as the tracker.
+        auth = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+        self.learner = httpx.AsyncClient(base_url=settings.learner, timeout=60.0, headers=auth)
         self.renderer = ChatRenderer(engine.tokenizer)
         self.budget = Budget(settings.max_turns, settings.max_tokens_per_turn, settings.max_total_tokens)
         self.sampling = SamplingConfig(

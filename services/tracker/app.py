@@ -59,7 +59,7 @@ def _validation_message(exc: RequestValidationError) -> JSONResponse:
 
 
 def create_app(settings: TrackerSettings | None = None) -> FastAPI:
-    settings = settings or TrackerSettings()
+    settings = settings or TrackerSettings.resolve()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

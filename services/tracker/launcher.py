@@ -33,7 +33,7 @@ class TrackerProcess:
         args = [
             sys.executable,
             "-m",
-            "spopp.cli",
+            "services.cli",
             "tracker",
             "serve",
             "--port",

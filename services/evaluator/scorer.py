@@ -29,12 +29,12 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.rollout.agent import Budget, Episode, prompts_over_budget, run_episode
-from services.rollout.chat import ChatRenderer
-from services.rollout.engines.base import SamplingConfig
-from services.rollout.envs import env_factory
-from services.rollout.envs.base import Task
-from services.rollout.tasks import load_tasks
+from runtime.agent import Budget, Episode, prompts_over_budget, run_episode
+from runtime.chat import ChatRenderer
+from runtime.engines.base import SamplingConfig
+from runtime.envs import env_factory
+from runtime.envs.base import Task
+from runtime.tasks import load_tasks
 
 from .config import EvalConfig
 
@@ -147,7 +147,7 @@ class Evaluator:
     async def _build(self):
         import torch
 
-        from services.rollout.engines.factory import make_engine
+        from runtime.engines.factory import make_engine
 
         options = dict(self.cfg.engine_options)
         if torch.cuda.is_available():

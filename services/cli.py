@@ -1,0 +1,42 @@
+"""The `spopp` command: each service's sub-commands, assembled here, outside the library.
+
+Each service owns its group in `services/<service>/cli.py`; those modules import only their
+settings, so `spopp --help` stays instant and the command works where only some services'
+dependencies are installed.
+"""
+
+from __future__ import annotations
+
+import click
+
+from spopp import __version__
+
+
+def build() -> click.Group:
+    from services.learner.cli import group as learner
+    from services.rollout.cli import group as rollout
+    from services.tracker.cli import group as tracker
+
+    app = click.Group(
+        "spopp",
+        help="spopp: asynchronous single-stream RL for LLM agents (SPO++ and SPO).",
+        params=[click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True,
+                             callback=_print_version, help="print the version and exit")],
+    )  # fmt: skip
+    for group in (tracker, rollout, learner):
+        app.add_command(group)
+    return app
+
+
+def _print_version(ctx: click.Context, _param, value: bool) -> None:
+    if value:
+        click.echo(f"spopp {__version__}")
+        ctx.exit()
+
+
+def main() -> None:
+    build()(prog_name="spopp")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""`spopp learner ...`: the learner's sub-commands (also `python -m services.learner.cli`, which
+torchrun runs once per rank)."""
+
+from __future__ import annotations
+
+import click
+
+from spopp.settings import settings_command
+
+from .config import LearnerSettings
+
+
+def _run(settings: LearnerSettings, nproc: int, resume: bool) -> None:
+    import logging
+
+    from . import ranks
+
+    if ranks.is_rank():
+        ranks.die_with_launcher()
+    elif nproc > 1:
+        ranks.relaunch(settings, nproc, resume)  # does not return
+    from .trainer import Learner
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    Learner(settings, resume=resume).run()
+
+
+_RESUME_HELP = (
+    "continue from the newest checkpoint under `checkpoints` (weights, optimizer, step, policy "
+    "version, RNG, buffered trajectories); with no checkpoint there, start fresh"
+)
+
+group = click.Group("learner", help="The learner: DeepSpeed updates, snapshots, the policy clock.")
+group.add_command(
+    settings_command(
+        LearnerSettings,
+        "run",
+        _run,
+        help="Train on the first trajectories of each policy version; publish snapshots to the tracker.",
+        extra_params=[
+            click.Option(
+                ["--nproc"],
+                type=click.IntRange(1, 1024),
+                default=1,
+                show_default=True,
+                help="processes on this node (relaunches under torchrun)",
+            ),
+            click.Option(["--resume"], is_flag=True, help=_RESUME_HELP),
+        ],
+    )
+)
+
+if __name__ == "__main__":
+    group(prog_name="spopp learner")

@@ -1,0 +1,92 @@
+"""Prometheus metrics of the learner, served as /metrics beside the trajectory intake (rank 0).
+
+One registry per LearnerMetrics (not prometheus_client's global one), so two learners or a test's
+intakes in one process never share counts. The buffer's fill and the policy version are read from
+the buffer when scraped rather than mirrored on every change: there is one source of truth.
+Counters the training loop moves (updates, tokens, publish and checkpoint times) are updated on
+every rank but only rank 0 serves them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+if TYPE_CHECKING:
+    from .ingest import TrajectoryBuffer
+
+disable_created_metrics()
+
+# Every reason the intake refuses a trajectory for, exported at 0 from the start so that a rate()
+# over them has a first sample.
+REFUSAL_REASONS = ("unauthorized", "too_large", "invalid", "unknown_run", "stale", "full")
+_SLOW = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class LearnerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.updates = Counter("spopp_learner_updates", "updates done", registry=r)
+        self.trained_tokens = Counter("spopp_learner_trained_tokens", "action tokens trained on", registry=r)
+        self.tokens_per_s = Gauge(
+            "spopp_learner_tokens_per_second", "action tokens per second of the last update", registry=r
+        )
+        self.accepted = Counter(
+            "spopp_learner_trajectories_accepted",
+            "trajectories buffered (a repeated request once)",
+            registry=r,
+        )
+        self.refused = Counter(
+            "spopp_learner_trajectories_refused",
+            "trajectory POSTs refused, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(reason)
+        self.buffer_filled = Gauge(
+            "spopp_learner_buffer_trajectories",
+            "trajectories accepted for the current policy version (trained or waiting)",
+            registry=r,
+        )
+        self.buffer_pending = Gauge(
+            "spopp_learner_buffer_pending", "trajectories waiting for an update", registry=r
+        )
+        self.buffer_capacity = Gauge(
+            "spopp_learner_buffer_capacity", "trajectories accepted per policy version", registry=r
+        )
+        self.policy_version = Gauge(
+            "spopp_learner_policy_version", "policy version the intake accepts", registry=r
+        )
+        self.publish_seconds = Histogram(
+            "spopp_learner_publish_seconds", "snapshot + tracker publish time", registry=r, buckets=_SLOW
+        )
+        self.checkpoint_seconds = Histogram(
+            "spopp_learner_checkpoint_seconds", "checkpoint write time", registry=r, buckets=_SLOW
+        )
+
+    def watch(self, buffer: TrajectoryBuffer) -> None:
+        """Read the buffer's fill and version at every scrape."""
+        self.buffer_filled.set_function(lambda: buffer.accepted)
+        self.buffer_pending.set_function(lambda: len(buffer))
+        self.buffer_capacity.set_function(lambda: buffer.capacity)
+        self.policy_version.set_function(lambda: buffer.version)
+
+    def refuse(self, reason: str) -> None:
+        self.refused.labels(reason).inc()
+
+    def observe_update(self, stats: dict) -> None:
+        self.updates.inc()
+        self.trained_tokens.inc(stats["tokens"])
+        self.tokens_per_s.set(stats["tokens_per_s"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

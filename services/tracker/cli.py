@@ -1,0 +1,31 @@
+"""`spopp tracker ...`: the tracker's sub-commands."""
+
+from __future__ import annotations
+
+import click
+
+from spopp.settings import settings_command
+
+from .config import TrackerSettings
+
+
+def _serve(settings: TrackerSettings) -> None:
+    try:
+        from .serve import serve
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the tracker needs its extras: pip install 'spopp[tracker]' ({exc})"
+        ) from exc
+    serve(settings)
+
+
+group = click.Group("tracker", help="The tracker: prompt evidence, leases, sampler and policy clock.")
+group.add_command(
+    settings_command(
+        TrackerSettings,
+        "serve",
+        _serve,
+        help="Serve the tracker's REST API (OpenAPI at /docs). With no --redis-url it starts an "
+        "embedded redis-server with append-only persistence under --data-dir.",
+    )
+)

@@ -1,0 +1,256 @@
+"""Service settings: one typed model per service, read in one order, every field on the command line.
+
+Each service describes its settings as a `Settings` subclass: a pydantic model whose fields carry
+a description and their bounds. `resolve()` merges four sources, each overriding the one before:
+
+    defaults  <  config file (YAML)  <  SPOPP_<SERVICE>_<FIELD> environment  <  command-line flags
+
+The shared bearer token is the one exception to the naming: it is `SPOPP_API_TOKEN` in every
+service, so one secret configures the tracker, the replicas, the learner and the evaluator.
+`settings_command()` turns a model into a click command with one option per field (listed by
+`--help` with its default, bounds and variable), plus `--config FILE` and `--print-config`.
+
+Text from the environment and from flags is read as YAML for fields that take numbers, booleans,
+lists or mappings (`2`, `1e-6`, `[0.9, 0.95]`, `{device: cuda:1}`) and kept as it is for fields that
+take text or paths, so a run named `123` stays a name. No torch or vLLM import here: `--help` is
+instant and the tracker never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self
+
+import annotated_types
+import click
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+API_TOKEN_ENV = "SPOPP_API_TOKEN"
+
+
+class SettingsError(ValueError):
+    """Settings that do not validate; the message names each field and where its value came from."""
+
+
+class Settings(BaseModel):
+    """Base of every service's settings. Subclasses set `env_prefix` (e.g. `SPOPP_TRACKER_`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env_prefix: ClassVar[str] = "SPOPP_"
+    # Fields printed as "***" by --print-config and never written to a resolved config file.
+    secret_fields: ClassVar[frozenset[str]] = frozenset({"api_token"})
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        return API_TOKEN_ENV if field == "api_token" else f"{cls.env_prefix}{field.upper()}"
+
+    @classmethod
+    def resolve(
+        cls,
+        config_file: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        flags: Mapping[str, Any] | None = None,
+    ) -> Self:
+        """Merge defaults < `config_file` < `env` (default: os.environ) < `flags` and validate.
+
+        `flags` holds values already typed or as text (read like the environment's). Raises
+        SettingsError naming every bad field and the source of its value.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        source: dict[str, str] = {}
+        if config_file is not None:
+            for key, value in read_config_file(config_file).items():
+                values[key], source[key] = value, f"config file {config_file}"
+        for name in cls.model_fields:
+            var = cls.env_name(name)
+            if var in env:
+                values[name], source[name] = cls.parse_text(name, env[var]), f"environment {var}"
+        unknown = sorted(
+            k
+            for k in env
+            if k.startswith(cls.env_prefix) and k != API_TOKEN_ENV and k not in cls.env_names()
+        )
+        if unknown and cls.env_prefix != "SPOPP_":
+            raise SettingsError(
+                f"unknown environment variable(s) {', '.join(unknown)}: {cls.__name__} reads "
+                f"{cls.env_prefix}<FIELD> for the fields listed by --help"
+            )
+        for name, value in (flags or {}).items():
+            flag = "--" + name.replace("_", "-")
+            values[name] = cls.parse_text(name, value) if isinstance(value, str) else value
+            source[name] = f"flag {flag}"
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise SettingsError(_explain(cls, exc, source)) from None
+
+    @classmethod
+    def env_names(cls) -> set[str]:
+        return {cls.env_name(name) for name in cls.model_fields}
+
+    @classmethod
+    def parse_text(cls, name: str, raw: str) -> Any:
+        """A value given as text (environment, flag): YAML unless the field takes text."""
+        if name not in cls.model_fields:
+            return raw  # validation reports the unknown name
+        if raw.strip() == "":
+            return None  # compose passes `${VAR:-}` through as an empty string when VAR is unset
+        if _takes_text(cls.model_fields[name].annotation):
+            return raw
+        try:
+            return yaml.safe_load(raw)
+        except yaml.YAMLError:
+            return raw  # let the field's validation say what it expected
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as plain data, secrets masked: what --print-config shows."""
+        data = self.model_dump(mode="json")
+        for name in self.secret_fields & data.keys():
+            if data[name] is not None:
+                data[name] = "***"
+        return data
+
+    def to_file(self, path: str | Path) -> Path:
+        """Write the resolved settings as a config file, secrets left out (they travel by env)."""
+        data = {k: v for k, v in self.model_dump(mode="json").items() if k not in self.secret_fields}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+        tmp.rename(path)
+        return path
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def _explain(cls: type[Settings], exc: ValidationError, source: dict[str, str]) -> str:
+    lines = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else "settings"
+        where = source.get(name, "default")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown setting {name!r} ({where}); see --help for the settings")
+        elif err["type"] == "missing":
+            lines.append(
+                f"{name} is required: give --{name.replace('_', '-')}, {cls.env_name(name)} or "
+                f"`{name}:` in the config file"
+            )
+        else:
+            lines.append(f"{name} ({where}): {err['msg']}")
+    return f"invalid {cls.__name__}:\n  " + "\n  ".join(lines)
+
+
+def _kinds(annotation: Any) -> set:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return set(typing.get_args(annotation)) - {type(None)}
+    return {annotation}
+
+
+def _takes_text(annotation: Any) -> bool:
+    """Whether a field takes text or a path only (no number, boolean, list or mapping)."""
+    kinds = _kinds(annotation)
+    for kind in kinds:
+        if typing.get_origin(kind) is Literal:
+            if not all(isinstance(a, str) for a in typing.get_args(kind)):
+                return False
+        elif kind not in (str, Path):
+            return False
+    return bool(kinds)
+
+
+def _is_bool(annotation: Any) -> bool:
+    return _kinds(annotation) == {bool}
+
+
+def field_help(cls: type[Settings], name: str) -> str:
+    """--help text of one field: description, default, bounds and environment variable."""
+    field = cls.model_fields[name]
+    parts = [field.description or ""]
+    notes = []
+    if not field.is_required():
+        default = field.get_default(call_default_factory=True)
+        if default not in (None, {}, []):
+            notes.append(f"default {default}")
+    else:
+        notes.append("required")
+    for meta in field.metadata:
+        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if isinstance(meta, getattr(annotated_types, attr.capitalize())):
+                notes.append(f"{sign} {getattr(meta, attr)}")
+    for kind in _kinds(field.annotation):
+        if typing.get_origin(kind) is Literal:
+            notes.append("one of " + ", ".join(map(str, typing.get_args(kind))))
+    notes.append(f"env {cls.env_name(name)}")
+    return f"{parts[0]} [{'; '.join(notes)}]".strip()
+
+
+def settings_command(
+    cls: type[Settings],
+    name: str,
+    run: Callable[..., None],
+    help: str,
+    extra_params: Sequence[click.Parameter] = (),
+) -> click.Command:
+    """A click command with one option per settings field, `--config` and `--print-config`.
+
+    `run(settings, **extra)` gets the resolved settings and the values of `extra_params`.
+    """
+    params: list[click.Parameter] = [
+        click.Option(
+            ["--config"],
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="YAML file of settings (field: value); environment and flags override it",
+        ),
+        click.Option(
+            ["--print-config"],
+            is_flag=True,
+            help="print the resolved settings (secrets masked) and exit",
+        ),
+        *extra_params,
+    ]
+    for field in cls.model_fields:
+        opt = "--" + field.replace("_", "-")
+        if _is_bool(cls.model_fields[field].annotation):
+            decl = [f"{opt}/--no-{field.replace('_', '-')}", field]
+            params.append(click.Option(decl, default=None, help=field_help(cls, field)))
+        else:
+            params.append(
+                click.Option([opt, field], type=str, default=None, metavar="VALUE", help=field_help(cls, field))
+            )
+    extra_names = {p.name for p in extra_params}
+
+    def callback(config: Path | None, print_config: bool, **given: Any) -> None:
+        extra = {k: given.pop(k) for k in list(given) if k in extra_names}
+        flags = {k: v for k, v in given.items() if v is not None}
+        try:
+            settings = cls.resolve(config, os.environ, flags)
+        except SettingsError as exc:
+            raise click.UsageError(str(exc)) from None
+        if print_config:
+            click.echo(yaml.safe_dump(settings.redacted(), sort_keys=False), nl=False)
+            return
+        run(settings, **extra)
+
+    command = click.Command(name, callback=callback, params=params, help=help)
+    command.settings_cls = cls  # what a launcher or a test resolves for this command
+    return command
