@@ -44,7 +44,8 @@ system: $(STAMP)
 		esac; \
 	fi
 
-test: setup
+# Lint first: a broken seam (an import across services) fails CI before the suite runs.
+test: setup lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
 
 bench: setup
@@ -52,9 +53,11 @@ bench: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.rollout_bench --out BENCHMARKS.md
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.learner_bench --out BENCHMARKS.md
 
+# ruff, then the import contracts in pyproject.toml ([tool.importlinter]).
 lint: setup
-	$(VENV)/bin/ruff check spopp services tests bench
-	$(VENV)/bin/ruff format --check spopp services tests bench
+	$(VENV)/bin/ruff check spopp runtime services tools tests bench
+	$(VENV)/bin/ruff format --check spopp runtime services tools tests bench
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -27,16 +27,16 @@ from pathlib import Path
 
 from bench.tracker_bench import write_section
 from runtime.chat import ChatRenderer
-from services.rollout.config import RolloutSettings
 from runtime.engines.base import SamplingConfig
 from runtime.engines.factory import make_engine
 from runtime.envs.math_tir import MathTIREnv
-from tools.sink import LearnerSink
 from runtime.tasks import generate_arithmetic_tasks
+from services.rollout.config import RolloutSettings
 from services.rollout.worker import Worker
 from services.tracker.embedded import EmbeddedRedis
 from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
+from tools.sink import LearnerSink
 from tools.tiny_model import build_tiny_model, perturb_weights
 
 HEAD = "## Rollout: service against raw engine, weight swaps"

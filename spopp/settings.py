@@ -73,9 +73,7 @@ class Settings(BaseModel):
             if var in env:
                 values[name], source[name] = cls.parse_text(name, env[var]), f"environment {var}"
         unknown = sorted(
-            k
-            for k in env
-            if k.startswith(cls.env_prefix) and k != API_TOKEN_ENV and k not in cls.env_names()
+            k for k in env if k.startswith(cls.env_prefix) and k != API_TOKEN_ENV and k not in cls.env_names()
         )
         if unknown and cls.env_prefix != "SPOPP_":
             raise SettingsError(
@@ -235,7 +233,9 @@ def settings_command(
             params.append(click.Option(decl, default=None, help=field_help(cls, field)))
         else:
             params.append(
-                click.Option([opt, field], type=str, default=None, metavar="VALUE", help=field_help(cls, field))
+                click.Option(
+                    [opt, field], type=str, default=None, metavar="VALUE", help=field_help(cls, field)
+                )
             )
     extra_names = {p.name for p in extra_params}
 

@@ -2,7 +2,8 @@
 
 Validation lives here so that the service answers 422 before it touches Redis and the client
 fails before it sends: finite numbers, rewards in [0, 1], positive priors, bounded batch sizes.
-Batch-size caps that DESIGN names as 413 (tasks per call) are checked by the service, not here.
+Batch-size caps answered with 413 (tasks per call; see the README's route table) are checked by the
+service, not here.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from spopp.advantages import normalize_advantages
-from tools.tiny_model import render, sample_chat
 from spopp.trajectory import Trajectory
+from tools.tiny_model import render, sample_chat
 
 HERE = Path(__file__).resolve().parent
 

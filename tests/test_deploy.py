@@ -30,7 +30,12 @@ def _fill(value: str) -> str:
 
 @pytest.mark.parametrize(
     "service,settings",
-    [("tracker", TrackerSettings), ("rollout", RolloutSettings), ("learner", LearnerSettings), ("evaluator", None)],
+    [
+        ("tracker", TrackerSettings),
+        ("rollout", RolloutSettings),
+        ("learner", LearnerSettings),
+        ("evaluator", None),
+    ],
 )
 def test_compose_environment_names_real_settings(service, settings):
     settings = settings or _evaluator_settings()

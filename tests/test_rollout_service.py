@@ -14,9 +14,9 @@ import torch
 from procs import cli, running
 from transformers import AutoModelForCausalLM
 
-from tools.sink import LearnerSink
 from runtime.tasks import generate_arithmetic_tasks
 from spopp.net import free_port
+from tools.sink import LearnerSink
 from tools.tiny_model import perturb_weights
 
 N_TASKS = 8

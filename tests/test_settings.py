@@ -28,7 +28,9 @@ def settings_class(command: str) -> type[Settings]:
 
 def resolved(command: str, args=(), env=None) -> dict:
     clean = {k: None for k in __import__("os").environ if k.startswith("SPOPP_")}
-    result = CliRunner().invoke(build(), [*command.split(), *args, "--print-config"], env={**clean, **(env or {})})
+    result = CliRunner().invoke(
+        build(), [*command.split(), *args, "--print-config"], env={**clean, **(env or {})}
+    )
     assert result.exit_code == 0, result.output
     return yaml.safe_load(result.output)
 
@@ -102,6 +104,14 @@ def test_text_stays_text_and_structured_values_are_read_as_yaml():
         env={"SPOPP_LEARNER_RUN": "123", "SPOPP_API_TOKEN": "0x1F"},
         flags={"model": "2024-01-01", "betas": "[0.9, 0.95]", "grad_clip": "null"},
     )
-    assert (s.run, s.api_token, str(s.model), s.betas, s.grad_clip) == ("123", "0x1F", "2024-01-01", (0.9, 0.95), None)
-    r = RolloutSettings.resolve(env={"SPOPP_ROLLOUT_ENGINE_OPTIONS": "{device: cpu, max_model_len: 512}"}, flags={"model": "m"})
+    assert (s.run, s.api_token, str(s.model), s.betas, s.grad_clip) == (
+        "123",
+        "0x1F",
+        "2024-01-01",
+        (0.9, 0.95),
+        None,
+    )
+    r = RolloutSettings.resolve(
+        env={"SPOPP_ROLLOUT_ENGINE_OPTIONS": "{device: cpu, max_model_len: 512}"}, flags={"model": "m"}
+    )
     assert r.engine_options == {"device": "cpu", "max_model_len": 512}

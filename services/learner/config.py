@@ -63,15 +63,17 @@ class LearnerSettings(Settings):
     # -- optimization --------------------------------------------------------------------------
     lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW learning rate (constant)")
     weight_decay: float = Field(0.1, ge=0.0, le=10.0, description="AdamW weight decay")
-    betas: tuple[
-        Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]
-    ] = Field((0.9, 0.999), description="AdamW betas, a list of two: [0.9, 0.999]")
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.999), description="AdamW betas, a list of two: [0.9, 0.999]"
+    )
     adam_eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW's epsilon")
     grad_clip: float | None = Field(
         1.0, gt=0.0, le=1e6, description="max global grad norm; null: no clipping"
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(1, description="DeepSpeed ZeRO stage")
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="training dtype (bf16 keeps fp32 master weights)")
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="training dtype (bf16 keeps fp32 master weights)"
+    )
     seed: int = Field(0, ge=0, description="seed of torch's RNG on every rank")
 
     @model_validator(mode="after")

@@ -1,19 +1,26 @@
 """Publishing the policy: full weights as an ordinary Hugging Face folder, atomically, newest K kept.
 
-Layout under `root`:
+Layout under `root` (the naming, the manifest's `version` and `step` and the holds are the shared
+contract in `spopp.snapshots`):
 
     v000007/                   one published policy version, never modified once it exists
       model.safetensors        full weights in the training dtype, tied aliases left out
       config.json, generation_config.json, tokenizer files   copied from the base model folder
-      manifest.json            version, sha256 and size of each weights file, base model, time
+      manifest.json            version, step (updates so far), sha256 and size of each weights
+                               file, base model, time
     v000008.tmp/               being written (or left by a crash; removed by the next publish)
     v000003.del/               being deleted (renamed first, so no half-deleted vNNNNNN exists)
+    .holds/<holder>.json       an evaluator's hold: versions it has still to score
 
 A consumer that sees `vNNNNNN/` sees it complete: the folder is written and fsynced under a
 `.tmp` name and then renamed, which is atomic on one file system. Publishing a version whose
 folder already exists succeeds only when the existing manifest names the same weights (the
 re-publish of a learner that crashed after the rename); anything else is an error rather than a
 silent change of a version replicas may already have loaded.
+
+Pruning keeps the newest K snapshots and every version an unexpired hold covers (`v >=
+from_version` and `v % every == 0`). That is all the learner knows of an evaluator: it never
+waits for one, and a dead evaluator's hold expires by itself.
 
 Tied weights (lm_head = embed_tokens) are stored once, under the name the module registered
 first, which is what save_pretrained writes; loaders re-tie from the config. Writing safetensors
@@ -24,17 +31,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import re
 import shutil
-from collections.abc import Collection
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from spopp.snapshots import MANIFEST, held, list_snapshots, read_holds, version_dirname
+
+log = logging.getLogger("spopp.learner")
+
 WEIGHTS_FILE = "model.safetensors"
-MANIFEST = "manifest.json"
-_FINAL = re.compile(r"^v(\d{6,})$")
 # What a model folder needs besides its weights; copied when the base folder has them.
 _AUX_FILES = (
     "config.json",
@@ -110,21 +118,23 @@ def _clean_leftovers(root: Path) -> None:
             shutil.rmtree(p)
 
 
-def list_snapshots(root: str | Path) -> list[tuple[int, Path]]:
-    """Published (complete) snapshots under root as (version, path), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _FINAL.match(p.name))]
-    return sorted(found)
-
-
-def prune_snapshots(root: str | Path, keep: int, protect: Collection[int] = ()) -> list[Path]:
-    """Delete all but the newest `keep` snapshots, and never the versions in `protect` (those an
-    evaluation still has to read); returns the deleted paths."""
+def prune_snapshots(root: str | Path, keep: int, now: float | None = None) -> list[Path]:
+    """Delete all but the newest `keep` snapshots, sparing every version an unexpired hold under
+    `root/.holds/` covers (at unix time `now`, default the clock); returns the deleted paths."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    doomed = [p for v, p in list_snapshots(root)[:-keep] if v not in protect]
+    holds = read_holds(root, now)
+    old = list_snapshots(root)[:-keep]
+    doomed = [p for v, p in old if not held(v, holds)]
+    spared = [v for v, _ in old if held(v, holds)]
+    if spared:
+        log.info(
+            "pruning spares %d held snapshot(s), versions %d..%d (holders: %s)",
+            len(spared),
+            spared[0],
+            spared[-1],
+            ", ".join(h.holder for h in holds),
+        )
     for p in doomed:
         # Rename first: a reader never finds a vNNNNNN folder with files missing.
         trash = p.with_name(p.name + ".del")
@@ -133,7 +143,9 @@ def prune_snapshots(root: str | Path, keep: int, protect: Collection[int] = ()) 
     return doomed
 
 
-def _write_folder(state: dict[str, Any], aliases: set[str], model_dir: Path, tmp: Path, version: int) -> dict:
+def _write_folder(
+    state: dict[str, Any], aliases: set[str], model_dir: Path, tmp: Path, version: int, step: int | None
+) -> dict:
     from safetensors.torch import save_file
 
     tmp.mkdir()
@@ -149,6 +161,7 @@ def _write_folder(state: dict[str, Any], aliases: set[str], model_dir: Path, tmp
     weights = tmp / WEIGHTS_FILE
     manifest = {
         "version": version,
+        "step": step,
         "files": {WEIGHTS_FILE: {"sha256": _sha256(weights), "bytes": weights.stat().st_size}},
         "base_model": str(model_dir.resolve()),
         "created_at": datetime.now(UTC).isoformat(),
@@ -171,12 +184,14 @@ def publish_snapshot(
     version: int,
     *,
     keep: int,
-    protect: Collection[int] = (),
+    step: int | None = None,
 ) -> Path | None:
     """Write the engine's weights as snapshot `version` under `root`; every rank calls it.
 
     Returns the snapshot folder on rank 0 and None elsewhere. `model_dir` is the base model folder
-    (config, generation config and tokenizer are copied from it). Raises FileExistsError when
+    (config, generation config and tokenizer are copied from it); `step`, the number of updates
+    behind these weights, goes into the manifest. Afterwards the newest `keep` snapshots and the
+    held ones are kept (see prune_snapshots). Raises FileExistsError when
     `root/vNNNNNN` exists with different weights, ValueError on a negative version or keep < 1.
     """
     if version < 0:
@@ -189,10 +204,10 @@ def publish_snapshot(
     model_dir, root = Path(model_dir), Path(root)
     root.mkdir(parents=True, exist_ok=True)
     _clean_leftovers(root)
-    name = f"v{version:06d}"
+    name = version_dirname(version)
     final, tmp = root / name, root / f"{name}.tmp"
     try:
-        manifest = _write_folder(state, tied_aliases(engine.module), model_dir, tmp, version)
+        manifest = _write_folder(state, tied_aliases(engine.module), model_dir, tmp, version, step)
         if final.exists():
             existing = json.loads((final / MANIFEST).read_text()) if (final / MANIFEST).is_file() else {}
             if not _same_weights(existing, manifest):
@@ -204,5 +219,5 @@ def publish_snapshot(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    prune_snapshots(root, keep, protect)
+    prune_snapshots(root, keep)
     return final

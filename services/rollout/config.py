@@ -45,9 +45,7 @@ class RolloutSettings(Settings):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: int = Field(-1, ge=-1, description="top-k sampling (-1: off)")
     seed: int = Field(0, ge=0, description="base of the per-episode sampling seeds")
-    poll_seconds: float = Field(
-        0.2, gt=0, le=60, description="wait between dispatches when no task is idle"
-    )
+    poll_seconds: float = Field(0.2, gt=0, le=60, description="wait between dispatches when no task is idle")
     renew_fraction: float = Field(0.33, gt=0, lt=1, description="renew a lease after this share of it")
     host: str = Field("127.0.0.1", description="address of this replica's /healthz and /metrics")
     port: int = Field(8200, ge=0, le=65535, description="port of /healthz and /metrics")

@@ -11,9 +11,10 @@ import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import generate_latest
 
-from .config import RolloutSettings
 from runtime.envs import env_factory
 from runtime.envs.base import Task
+
+from .config import RolloutSettings
 from .worker import Worker
 
 log = logging.getLogger("spopp.rollout")

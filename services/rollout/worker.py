@@ -15,31 +15,22 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 
+from runtime.agent import Budget, Episode, prompts_over_budget, run_episode
+from runtime.chat import ChatRenderer
+from runtime.engines.base import Engine, SamplingConfig
+from runtime.envs.base import Environment, Task
 from spopp.client import AsyncTrackerClient, StalePolicy, TrackerError
+from spopp.snapshots import snapshot_path
 from spopp.tracker_api import Lease
 from spopp.trajectory import Trajectory
 
-from runtime.agent import Budget, Episode, prompts_over_budget, run_episode
-from runtime.chat import ChatRenderer
 from .config import RolloutSettings
-from runtime.engines.base import Engine, SamplingConfig
-from runtime.envs.base import Environment, Task
 from .metrics import RolloutMetrics
 
 log = logging.getLogger("spopp.rollout")
-
-
-def snapshot_path(uri: str) -> Path:
-    """`file:///abs/dir` or a plain path; other schemes need a fetcher we do not have yet."""
-    parsed = urlparse(uri)
-    if parsed.scheme in ("", "file"):
-        return Path(parsed.path if parsed.scheme else uri)
-    raise ValueError(f"unsupported snapshot URI {uri!r}: use a path on shared storage or file://")
 
 
 class Worker:

@@ -1,0 +1,121 @@
+"""The evaluator's settings (`spopp evaluator run --help`; env `SPOPP_EVALUATOR_<FIELD>`; a YAML file).
+
+One model for both commands: `run` follows a training run at the tracker and needs `run`;
+`score` scores model folders given on its command line and reads only the task, engine and
+sampling settings. No torch or vLLM import here, so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from spopp.settings import Settings
+from spopp.snapshots import HOLDER_PATTERN
+
+
+class EvaluatorSettings(Settings):
+    env_prefix: ClassVar[str] = "SPOPP_EVALUATOR_"
+
+    # -- what to follow ------------------------------------------------------------------------
+    tracker: str = Field(
+        "http://127.0.0.1:8000", min_length=1, max_length=4096, description="tracker base URL"
+    )
+    run: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="run name at the tracker (required by `evaluator run`, unused by `score`)",
+    )
+    api_token: str | None = Field(
+        None, max_length=4096, description="bearer token of the tracker (prefer SPOPP_API_TOKEN)"
+    )
+    model: Path | None = Field(
+        None,
+        description="model folder of policy version 0 (the base model); unset: the run's "
+        "base_snapshot at the tracker",
+    )
+    snapshots: Path | None = Field(
+        None,
+        description="root of the shared snapshot folder (vNNNNNN/, .holds/); unset: the parent "
+        "folder of the policy's snapshot path",
+    )
+    every: int = Field(
+        1, ge=1, le=1_000_000, description="score policy version v when v % every == 0"
+    )
+    at_start: bool = Field(True, description="also score policy version 0, the base model")
+    until_version: int | None = Field(
+        None,
+        ge=0,
+        description="exit once every version up to this one is scored or skipped; unset: follow "
+        "the run until stopped",
+    )
+    poll_seconds: float = Field(
+        5.0, gt=0, le=3600, description="wait between reads of the tracker's policy clock"
+    )
+    hold_seconds: float = Field(
+        600.0,
+        ge=1,
+        le=7 * 24 * 3600,
+        description="lifetime of the hold on snapshots still to score, refreshed every third of "
+        "it; a dead evaluator's hold ends after this long",
+    )
+    holder: str | None = Field(
+        None,
+        pattern=HOLDER_PATTERN,
+        description="id of this evaluator's hold file (.holds/<holder>.json); unset: evaluator-<run>",
+    )
+    out_dir: Path = Field(
+        Path("spopp-data/eval"),
+        description="records: evals.jsonl, episodes/vNNNNNN.jsonl, tb/ (TensorBoard)",
+    )
+    host: str = Field("127.0.0.1", min_length=1, max_length=255, description="address of /healthz and /metrics")
+    port: int = Field(8300, ge=0, le=65535, description="port of /healthz and /metrics (0: any free port)")
+
+    # -- held-out tasks and episodes -----------------------------------------------------------
+    tasks: Path = Field(..., description="held-out tasks (JSONL/parquet: prompt, answer, task_id)")
+    max_tasks: int | None = Field(
+        None, ge=1, le=10_000_000, description="score only the first N tasks of the file"
+    )
+    env: Literal["math-tir"] = Field("math-tir", description="environment plug-in")
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="generation engine (transformers: CPU unless engine_options.device)"
+    )
+    engine_options: dict = Field(
+        default_factory=dict,
+        description="extra engine arguments, a mapping: {device: cuda:1} (transformers), "
+        "{gpu_memory_utilization: 0.8} (vllm)",
+    )
+    greedy: bool = Field(True, description="one temperature-0 episode per task")
+    samples: int = Field(
+        4, ge=0, le=1024, description="sampled episodes per task (avg@k, pass@k); 0: none"
+    )
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="temperature of the sampled episodes")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass of the sampled episodes")
+    max_turns: int = Field(8, ge=1, le=1000, description="model turns per episode")
+    max_tokens_per_turn: int = Field(1024, ge=1, le=1_000_000, description="tokens per model turn")
+    max_total_tokens: int = Field(
+        4096, ge=1, le=10_000_000, description="tokens per episode, prompt included"
+    )
+    concurrency: int = Field(32, ge=1, le=4096, description="episodes in flight on the engine")
+    seed: int = Field(
+        0, ge=0, lt=2**62, description="base of the sampled episodes' seeds (fixed per task and sample)"
+    )
+
+    @model_validator(mode="after")
+    def _something_to_play(self) -> EvaluatorSettings:
+        if not self.greedy and self.samples == 0:
+            raise ValueError("nothing to score: set greedy: true or samples >= 1")
+        return self
+
+    def holder_id(self) -> str:
+        """The hold file's id: `holder`, or evaluator-<run> with characters a file name cannot
+        carry replaced by `_`."""
+        if self.holder is not None:
+            return self.holder
+        if self.run is None:
+            raise ValueError("a hold needs `holder` or `run`")
+        return ("evaluator-" + re.sub(r"[^A-Za-z0-9_.-]", "_", self.run))[:200]
