@@ -13,6 +13,7 @@ from spopp import __version__
 
 
 def build() -> click.Group:
+    from services.evaluator.cli import group as evaluator
     from services.learner.cli import group as learner
     from services.rollout.cli import group as rollout
     from services.tracker.cli import group as tracker
@@ -23,7 +24,7 @@ def build() -> click.Group:
         params=[click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True,
                              callback=_print_version, help="print the version and exit")],
     )  # fmt: skip
-    for group in (tracker, rollout, learner):
+    for group in (tracker, rollout, learner, evaluator):
         app.add_command(group)
     return app
 

@@ -1,14 +1,17 @@
 """Typed client for the tracker's REST API, sync (`TrackerClient`) and async (`AsyncTrackerClient`).
 
 Each API method is written once in `_Api` and describes its call; the two subclasses only differ
-in how they send it. Connection errors are retried with exponential backoff; that is safe because
-every state-changing route is idempotent (dispatch through an idempotency key that the client
-makes up when the caller gives none, outcomes by request, consume by update, policy by version).
+in how they send it. Connection errors and 502/503/504 answers (a tracker or its Redis
+restarting) are retried with capped exponential backoff and jitter for up to `retry_seconds`
+(five minutes by default; see spopp.retry). That is safe because every state-changing route is
+idempotent: dispatch through an idempotency key that the client makes up once per call when the
+caller gives none, outcomes by request, consume by update, policy by version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -17,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from .retry import DEFAULT_RETRY_SECONDS, RETRYABLE_ERRORS, RETRYABLE_STATUS, RetryPolicy, retry_after
 from .tracker_api import (
     ConsumeResult,
     Dispatched,
@@ -31,7 +35,7 @@ from .tracker_api import (
     TaskValue,
 )
 
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.RemoteProtocolError)
+log = logging.getLogger("spopp.client")
 
 
 class TrackerError(Exception):
@@ -89,12 +93,14 @@ class _Api:
         base_url: str,
         token: str | None = None,
         timeout: float = 30.0,
-        retries: int = 5,
+        retry_seconds: float = DEFAULT_RETRY_SECONDS,
         backoff: float = 0.1,
+        max_backoff: float = 5.0,
     ) -> None:
-        """`retries` more attempts after a connection error, backoff doubling from `backoff` s."""
+        """Retry a call for up to `retry_seconds` (0: one attempt), backoff doubling from `backoff`
+        seconds up to `max_backoff`."""
         self.http = self._http_class(base_url=base_url, headers=_headers(token), timeout=timeout)
-        self.retries, self.backoff = retries, backoff
+        self.retry = RetryPolicy(retry_seconds, backoff, max(backoff, max_backoff))
 
     def _do(self, call: _Call) -> Any:  # pragma: no cover - defined by the transports
         raise NotImplementedError
@@ -187,20 +193,42 @@ def _decode(call: _Call, response: httpx.Response) -> Any:
     return call.parse(response.text if call.parse is _jsonl else response.json())
 
 
+def _wait_before_retry(call: _Call, attempts, error: Exception | None, response: httpx.Response | None):
+    """Seconds to wait before retrying `call`, or None to give up (the time bound is spent)."""
+    delay = attempts.next_delay(retry_after(response) if response is not None else None)
+    why = f"{type(error).__name__}: {error}" if error is not None else f"HTTP {response.status_code}"
+    if delay is None:
+        log.error(
+            "tracker %s %s: %s; giving up after %d attempts in %.0f s",
+            call.method, call.path, why, attempts.count, attempts.elapsed,
+        )  # fmt: skip
+    elif attempts.count in (1, 10) or attempts.count % 50 == 0:  # a line now and then, not per try
+        log.warning(
+            "tracker %s %s: %s; retrying (attempt %d, %.0f s so far)",
+            call.method, call.path, why, attempts.count, attempts.elapsed,
+        )  # fmt: skip
+    return delay
+
+
 class TrackerClient(_Api):
     """Blocking client."""
 
     _http_class = httpx.Client
 
     def _do(self, call: _Call) -> Any:
-        for attempt in range(self.retries + 1):
+        attempts = self.retry.start()
+        while True:
             try:
                 response = self.http.request(call.method, call.path, json=call.body)
-                return _decode(call, response)
-            except _RETRYABLE:
-                if attempt == self.retries:
+            except RETRYABLE_ERRORS as exc:
+                if (delay := _wait_before_retry(call, attempts, exc, None)) is None:
                     raise
-                time.sleep(self.backoff * 2**attempt)
+            else:
+                if response.status_code not in RETRYABLE_STATUS:
+                    return _decode(call, response)
+                if (delay := _wait_before_retry(call, attempts, None, response)) is None:
+                    return _decode(call, response)  # raises the last answer's error
+            time.sleep(delay)
 
     def close(self) -> None:
         self.http.close()
@@ -218,14 +246,19 @@ class AsyncTrackerClient(_Api):
     _http_class = httpx.AsyncClient
 
     async def _do(self, call: _Call) -> Any:
-        for attempt in range(self.retries + 1):
+        attempts = self.retry.start()
+        while True:
             try:
                 response = await self.http.request(call.method, call.path, json=call.body)
-                return _decode(call, response)
-            except _RETRYABLE:
-                if attempt == self.retries:
+            except RETRYABLE_ERRORS as exc:
+                if (delay := _wait_before_retry(call, attempts, exc, None)) is None:
                     raise
-                await asyncio.sleep(self.backoff * 2**attempt)
+            else:
+                if response.status_code not in RETRYABLE_STATUS:
+                    return _decode(call, response)
+                if (delay := _wait_before_retry(call, attempts, None, response)) is None:
+                    return _decode(call, response)  # raises the last answer's error
+            await asyncio.sleep(delay)
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -76,22 +76,25 @@ def test_other_version_is_409_and_advance_drops_leftovers(intake):
 
 
 @pytest.mark.parametrize(
-    "change,field",
+    "change,field,needle",
     [
-        ({"run": "other"}, None),
-        ({"action_mask": [0, 1, 1]}, "one length"),
-        ({"rollout_logprobs": [0.0, 0.0, "NaN", -0.2]}, "rollout_logprobs"),
-        ({"reward": 1.5}, "reward"),
-        ({"token_ids": []}, "token_ids"),
+        ({"run": "other"}, None, "trains run"),
+        ({"action_mask": [0, 1, 1]}, "action_mask", "one length"),
+        ({"action_mask": [1, 0, 1, 1]}, "action_mask", "action_mask[0] must be 0"),
+        ({"rollout_logprobs": [0.0, 0.0, "NaN", -0.2]}, "rollout_logprobs.2", "finite"),
+        ({"reward": 1.5}, "reward", "less than or equal to 1"),
+        ({"token_ids": []}, "token_ids", "at least 1"),
     ],
 )
-def test_malformed_trajectories_are_422_and_never_enter_a_batch(intake, change, field):
+def test_malformed_trajectories_are_422_and_never_enter_a_batch(intake, change, field, needle):
     buffer, url = intake
     r = post(url, traj(0, **change))
     assert r.status_code == 422, r.text
     detail = r.json()["detail"]
+    assert needle in detail["message"]
     if field:
-        assert field in detail["message"]
+        assert detail["code"] == "invalid" and detail["errors"][0]["field"] == field
+        assert detail["message"].startswith(f"{field}: ")
     else:
         assert detail["code"] == "unknown_run"
     assert len(buffer) == 0

@@ -327,8 +327,9 @@ def test_real_learner_keeps_training_through_hostile_trajectories(
         }  # fmt: skip
 
     def hostile(version):
-        # Each would have broken an update had it been buffered: an embedding index past the table,
-        # a sequence past the context, position 0 trained on, SPO++ without its advantage.
+        # What an update must never see: an index past the embedding (an IndexError mid-update on
+        # CPU, a device fault on GPU), positions past the context, a trained position 0, SPO++
+        # without its advantage, an advantage that would swamp the batch's normalisation.
         b = good(0, version)
         n = len(b["token_ids"])
         return [

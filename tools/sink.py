@@ -15,10 +15,10 @@ from spopp.trajectory import Trajectory
 
 
 class LearnerSink:
-    def __init__(self, run: str, max_body_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, run: str, max_body_bytes: int = 64 * 1024 * 1024, port: int = 0) -> None:
         self.buffer = TrajectoryBuffer(run, capacity=1 << 62)
         self.accepted: list[Trajectory] = []
-        self._server = ThreadedServer(ingest_app(self.buffer, max_body_bytes))
+        self._server = ThreadedServer(ingest_app(self.buffer, max_body_bytes), port=port)
         self.url = self._server.url
 
     @property

@@ -43,9 +43,7 @@ class EvaluatorSettings(Settings):
         description="root of the shared snapshot folder (vNNNNNN/, .holds/); unset: the parent "
         "folder of the policy's snapshot path",
     )
-    every: int = Field(
-        1, ge=1, le=1_000_000, description="score policy version v when v % every == 0"
-    )
+    every: int = Field(1, ge=1, le=1_000_000, description="score policy version v when v % every == 0")
     at_start: bool = Field(True, description="also score policy version 0, the base model")
     until_version: int | None = Field(
         None,
@@ -72,7 +70,9 @@ class EvaluatorSettings(Settings):
         Path("spopp-data/eval"),
         description="records: evals.jsonl, episodes/vNNNNNN.jsonl, tb/ (TensorBoard)",
     )
-    host: str = Field("127.0.0.1", min_length=1, max_length=255, description="address of /healthz and /metrics")
+    host: str = Field(
+        "127.0.0.1", min_length=1, max_length=255, description="address of /healthz and /metrics"
+    )
     port: int = Field(8300, ge=0, le=65535, description="port of /healthz and /metrics (0: any free port)")
 
     # -- held-out tasks and episodes -----------------------------------------------------------
@@ -90,9 +90,7 @@ class EvaluatorSettings(Settings):
         "{gpu_memory_utilization: 0.8} (vllm)",
     )
     greedy: bool = Field(True, description="one temperature-0 episode per task")
-    samples: int = Field(
-        4, ge=0, le=1024, description="sampled episodes per task (avg@k, pass@k); 0: none"
-    )
+    samples: int = Field(4, ge=0, le=1024, description="sampled episodes per task (avg@k, pass@k); 0: none")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="temperature of the sampled episodes")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass of the sampled episodes")
     max_turns: int = Field(8, ge=1, le=1000, description="model turns per episode")

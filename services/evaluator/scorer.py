@@ -1,44 +1,31 @@
-"""Held-out evaluation: the rollout's agent loop and environment, scored on each published policy.
+"""Scoring one model folder on the held-out tasks: the rollout's agent loop and environment.
 
-Rank 0 owns an `Evaluator`. Every `eval.every` updates, right after the publish, it queues the new
-snapshot; a background thread with its own event loop and generation engine loads the snapshot
-and plays one greedy episode (temperature 0) and `samples` sampled episodes per held-out task.
-Training does not wait for it: the learner picks up finished evaluations after each update and
-logs them beside the training records, at the update they scored. A learner that evaluated in
-line would hold every other rank in a collective for the whole evaluation (gloo's timeout is 30
-minutes) and would stall the rollouts' consumer.
+A `Scorer` owns the held-out tasks and one generation engine, built from the base model; each
+`score(folder)` swaps the folder's weights into the engine (when they are not loaded already)
+and plays one greedy episode (temperature 0) and `samples` sampled episodes per task, at most
+`concurrency` in flight. The episodes are played by `runtime.agent.run_episode`, the function the
+rollout replicas use, so a held-out score measures the policy as it acts in training.
 
-Sampled episodes get seeds fixed per (task, sample) and equal at every evaluation, so two
-points on the curve differ by their weights, not by sampling noise. Per-episode results go to
-`log_dir/eval/vNNNNNN.jsonl` for inspection.
-
-Queued snapshots are read after the learner may have published more; the learner passes
-`pending_versions()` to the snapshot pruning so a queued snapshot is never deleted before it is
-scored.
+Sampled episodes get seeds fixed per (task, sample) and equal at every evaluation, so two points
+on the curve differ by their weights, not by sampling noise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.agent import Budget, Episode, prompts_over_budget, run_episode
 from runtime.chat import ChatRenderer
-from runtime.engines.base import SamplingConfig
+from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs import env_factory
 from runtime.envs.base import Task
 from runtime.tasks import load_tasks
 
-from .config import EvalConfig
-
-log = logging.getLogger("spopp.learner.eval")
+from .config import EvaluatorSettings
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -48,23 +35,14 @@ def sample_seed(base: int, task_index: int, sample: int) -> int:
     return ((base * 1_000_003 + task_index) * 4099 + sample) & _SEED_MASK
 
 
+class SnapshotUnreadable(RuntimeError):
+    """The folder's weights could not be loaded into the engine (missing, partial, misfit)."""
+
+
 @dataclass(frozen=True)
-class EvalResult:
-    step: int
-    version: int
-    metrics: dict[str, float]
-
-
-class EvaluationSkipped(RuntimeError):
-    """A newer snapshot took this one's place in the queue before its turn came."""
-
-
-@dataclass
-class _Job:
-    step: int
-    version: int
-    snapshot: Path
-    future: Future = field(default_factory=Future)
+class Scored:
+    metrics: dict[str, float]  # flat keys: eval/greedy/success_rate, eval/sampled/pass_at_k, ...
+    episodes: list[dict]  # one row per episode, in play order
 
 
 def summarize(episodes: list[tuple[int, Episode]], prefix: str) -> dict[str, float]:
@@ -90,154 +68,85 @@ def pass_at_k(episodes: list[tuple[int, Episode]]) -> float:
     return sum(solved.values()) / len(solved)
 
 
-class Evaluator:
-    """Scores snapshots on held-out tasks in a background thread (rank 0 only)."""
+def load_held_out(s: EvaluatorSettings) -> list[Task]:
+    tasks = load_tasks(s.tasks)
+    if s.max_tasks is not None:
+        tasks = tasks[: s.max_tasks]
+    if not tasks:
+        raise ValueError(f"tasks {s.tasks}: no tasks")
+    return tasks
 
-    def __init__(self, cfg: EvalConfig, base_model: str | Path, out_dir: str | Path) -> None:
-        self.cfg = cfg
-        tasks = load_tasks(cfg.tasks)
-        if cfg.max_tasks is not None:
-            tasks = tasks[: cfg.max_tasks]
-        if not tasks:
-            raise ValueError(f"eval.tasks {cfg.tasks}: no tasks")
-        self.tasks: list[Task] = tasks
-        self.base_model = Path(base_model)
-        self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.make_env = env_factory(cfg.env)
-        self.budget = Budget(cfg.max_turns, cfg.max_tokens_per_turn, cfg.max_total_tokens)
-        # Submitted jobs in order, until collected. One evaluation runs at a time (the engine holds
-        # one set of weights) and at most one waits: a newer submission takes the waiting one's
-        # place, so a slow evaluation never piles up snapshots on disk or falls ever further behind.
-        self._jobs: list[_Job] = []
-        self._waiting: _Job | None = None
-        self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._wake = asyncio.Event()
-        self._worker: Future | None = None
-        self.running_step: int | None = None  # the update whose snapshot is being scored now
-        self._thread = threading.Thread(target=self._loop.run_forever, name="spopp-eval", daemon=True)
-        self._thread.start()
-        try:
-            # Built on the evaluation loop: vLLM's AsyncLLM binds to the loop that creates it.
-            self.engine = self._call(self._build())
-            self.renderer = ChatRenderer(self.engine.tokenizer)
-            too_long = prompts_over_budget(self.tasks, self.make_env, self.renderer, self.budget)
-            if too_long:
-                raise ValueError(
-                    f"{len(too_long)} held-out task prompts leave no room under eval.max_total_tokens="
-                    f"{self.budget.max_total_tokens}: {', '.join(too_long[:5])}"
-                )
-        except BaseException:
-            self.close()
-            raise
-        self.loaded: Path = self.base_model
-        self._worker = asyncio.run_coroutine_threadsafe(self._work(), self._loop)
-        log.info(
-            "evaluation: %d held-out tasks, greedy=%s, %d samples each, engine %s",
-            len(self.tasks),
-            cfg.greedy,
-            cfg.samples,
-            cfg.engine,
-        )
 
-    def _call(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+def check_model_folder(folder: str | Path) -> Path:
+    """`folder` if it holds a model (config.json), else FileNotFoundError naming it."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"not a model folder (no config.json): {folder}")
+    return folder
 
-    async def _build(self):
-        import torch
 
+class Scorer:
+    """Held-out tasks + one engine; open it with `await Scorer.open(settings, model)`, inside the
+    event loop that will drive it (vLLM's async engine binds to the loop that creates it)."""
+
+    def __init__(self, s: EvaluatorSettings, engine: Engine, tasks: list[Task], model: Path) -> None:
+        self.s = s
+        self.engine = engine
+        self.tasks = tasks
+        self.make_env = env_factory(s.env)
+        self.budget = Budget(s.max_turns, s.max_tokens_per_turn, s.max_total_tokens)
+        self.renderer = ChatRenderer(engine.tokenizer)
+        self.loaded: Path | None = model.resolve()
+
+    @classmethod
+    async def open(cls, s: EvaluatorSettings, model: str | Path) -> Scorer:
+        """Load the tasks, build the engine on `model` and refuse prompts over the token budget."""
         from runtime.engines.factory import make_engine
 
-        options = dict(self.cfg.engine_options)
-        if torch.cuda.is_available():
-            # Beside rank 0's training on its GPU: the transformers engine's own default is the CPU,
-            # vLLM's is 90% of the GPU, which DeepSpeed already holds in part.
-            if self.cfg.engine == "transformers":
-                options.setdefault("device", f"cuda:{torch.cuda.current_device()}")
-            else:
-                options.setdefault("gpu_memory_utilization", 0.25)
-        return make_engine(self.cfg.engine, self.base_model, **options)
-
-    # -- the learner's side --------------------------------------------------------------------
-    def submit(self, step: int, version: int, snapshot: str | Path) -> Future:
-        """Queue an evaluation of `snapshot` (policy `version`, after update `step`); answers a
-        future of its EvalResult (EvaluationSkipped if a newer submission replaced it)."""
-        job = _Job(step, version, Path(snapshot))
-        with self._lock:
-            replaced, self._waiting = self._waiting, job
-            self._jobs.append(job)
-        if replaced is not None:
-            replaced.future.set_exception(EvaluationSkipped(f"replaced by policy version {version}"))
-        self._loop.call_soon_threadsafe(self._wake.set)
-        return job.future
-
-    def pending_versions(self) -> set[int]:
-        """Versions submitted and not yet finished: their snapshots must stay on disk."""
-        with self._lock:
-            return {job.version for job in self._jobs if not job.future.done()}
-
-    def collect(self, wait: bool = False, timeout: float | None = None) -> list[EvalResult]:
-        """Finished evaluations in submission order; with `wait`, all of them, waiting at most
-        `timeout` seconds in all (the rest stay queued). A failed one is logged with its
-        traceback and dropped, a skipped one with a warning: evaluation never stops training."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            jobs = list(self._jobs)
-        results = []
-        for job in jobs:
-            if wait:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                futures_wait([job.future], timeout=left)
-            if not job.future.done():
-                break  # keep the order: a later one is reported after an earlier one
-            try:
-                results.append(job.future.result())
-            except EvaluationSkipped as why:
-                log.warning(
-                    "evaluation of policy version %d (update %d) skipped: %s", job.version, job.step, why
+        tasks = load_held_out(s)
+        model = check_model_folder(model)
+        # CPU for transformers unless engine_options says {device: cuda:N}; vLLM takes the GPU
+        # that CUDA_VISIBLE_DEVICES gives this process. Either way the GPU is not training's.
+        engine = make_engine(s.engine, model, **s.engine_options)
+        try:
+            scorer = cls(s, engine, tasks, model)
+            too_long = prompts_over_budget(tasks, scorer.make_env, scorer.renderer, scorer.budget)
+            if too_long:
+                raise ValueError(
+                    f"{len(too_long)} held-out task prompts leave no room under max_total_tokens="
+                    f"{scorer.budget.max_total_tokens}: {', '.join(too_long[:5])}"
                 )
-            except Exception:
-                log.exception("evaluation of policy version %d (update %d) failed", job.version, job.step)
-            with self._lock:
-                self._jobs.remove(job)
-        return results
+        except BaseException:
+            await engine.close()
+            raise
+        return scorer
 
-    # -- the evaluation thread -----------------------------------------------------------------
-    async def _work(self) -> None:
-        """The only consumer: takes the waiting job, runs it to the end, and so on."""
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            with self._lock:
-                job, self._waiting = self._waiting, None
-            if job is None or job.future.done():
-                continue
-            self.running_step = job.step
-            try:
-                result = await self._evaluate(job.step, job.version, job.snapshot)
-            except asyncio.CancelledError:
-                job.future.cancel()
-                raise
-            except Exception as exc:
-                if not job.future.done():  # close() may have cancelled it meanwhile
-                    job.future.set_exception(exc)
-            else:
-                if not job.future.done():
-                    job.future.set_result(result)
-            finally:
-                self.running_step = None
+    async def close(self) -> None:
+        await self.engine.close()
 
-    async def _evaluate(self, step: int, version: int, snapshot: Path) -> EvalResult:
+    async def load(self, folder: str | Path) -> float:
+        """Swap `folder`'s weights in (unless loaded already); answers the seconds it took.
+
+        Raises SnapshotUnreadable when they cannot be loaded; the engine then reloads whatever
+        it is asked for next, since a load that failed half way leaves unknown weights."""
+        folder = Path(folder).resolve()
+        if folder == self.loaded:
+            return 0.0
         t0 = time.perf_counter()
-        if snapshot != self.loaded:
-            self.loaded = None  # a load that fails half way leaves unknown weights: reload next time
-            await self.engine.load_weights(snapshot)
-            self.loaded = snapshot
-        load_s = time.perf_counter() - t0
-        cfg = self.cfg
-        gate = asyncio.Semaphore(cfg.concurrency)
-        budget_tokens = cfg.max_tokens_per_turn
+        self.loaded = None
+        try:
+            await self.engine.load_weights(folder)
+        except Exception as exc:
+            raise SnapshotUnreadable(f"could not load the weights of {folder}: {exc}") from exc
+        self.loaded = folder
+        return time.perf_counter() - t0
+
+    async def score(self, folder: str | Path) -> Scored:
+        """Load `folder` and play the held-out episodes; metrics and one row per episode."""
+        t0 = time.perf_counter()
+        load_s = await self.load(folder)
+        s = self.s
+        gate = asyncio.Semaphore(s.concurrency)
 
         async def play(index: int, sampling: SamplingConfig) -> tuple[int, Episode]:
             async with gate:
@@ -249,107 +158,85 @@ class Evaluator:
                 finally:
                     env.close()
 
-        jobs: list[tuple[str, asyncio.Task]] = []
+        jobs: list[tuple[str, int | None, asyncio.Task]] = []
         # A TaskGroup: if one episode fails, the others are cancelled before the error leaves, so
         # none of them is still generating when the next evaluation swaps the weights.
         async with asyncio.TaskGroup() as group:
             for i in range(len(self.tasks)):
-                if cfg.greedy:
-                    greedy = SamplingConfig(max_tokens=budget_tokens, temperature=0.0)
-                    jobs.append(("greedy", group.create_task(play(i, greedy))))
-                for j in range(cfg.samples):
+                if s.greedy:
+                    greedy = SamplingConfig(max_tokens=s.max_tokens_per_turn, temperature=0.0)
+                    jobs.append(("greedy", None, group.create_task(play(i, greedy))))
+                for j in range(s.samples):
+                    seed = sample_seed(s.seed, i, j)
                     sampled = SamplingConfig(
-                        max_tokens=budget_tokens,
-                        temperature=cfg.temperature,
-                        top_p=cfg.top_p,
-                        seed=sample_seed(cfg.seed, i, j),
+                        max_tokens=s.max_tokens_per_turn, temperature=s.temperature, top_p=s.top_p, seed=seed
                     )
-                    jobs.append((f"sample{j}", group.create_task(play(i, sampled))))
-        done = [task.result() for _, task in jobs]
-        greedy_eps = [ep for (mode, _), ep in zip(jobs, done, strict=True) if mode == "greedy"]
-        sampled_eps = [ep for (mode, _), ep in zip(jobs, done, strict=True) if mode != "greedy"]
+                    jobs.append((f"sample{j}", seed, group.create_task(play(i, sampled))))
+        done = [task.result() for _, _, task in jobs]
+        greedy_eps = [ep for (mode, _, _), ep in zip(jobs, done, strict=True) if mode == "greedy"]
+        sampled_eps = [ep for (mode, _, _), ep in zip(jobs, done, strict=True) if mode != "greedy"]
 
-        metrics: dict[str, float] = {"eval/policy_version": version, "eval/tasks": len(self.tasks)}
+        metrics: dict[str, float] = {"eval/tasks": len(self.tasks)}
         metrics.update(summarize(greedy_eps, "eval/greedy"))
         metrics.update(summarize(sampled_eps, "eval/sampled"))
         if sampled_eps:
             metrics["eval/sampled/pass_at_k"] = pass_at_k(sampled_eps)
-            metrics["eval/sampled/k"] = cfg.samples
+            metrics["eval/sampled/k"] = s.samples
         metrics["eval/load_s"] = load_s
         metrics["eval/seconds"] = time.perf_counter() - t0
-        self._write_episodes(version, step, jobs, done)
-        return EvalResult(step=step, version=version, metrics=metrics)
 
-    def _write_episodes(self, version: int, step: int, jobs, done) -> None:
         tok = self.engine.tokenizer
-        path = self.out_dir / f"v{version:06d}.jsonl"
-        with path.open("w", encoding="utf-8") as f:
-            for (mode, _), (i, ep) in zip(jobs, done, strict=True):
-                row = {
-                    "step": step,
-                    "policy_version": version,
-                    "task_id": self.tasks[i].task_id,
-                    "mode": mode,
-                    "reward": ep.reward,
-                    "finish_reason": ep.finish_reason,
-                    "turns": ep.num_turns,
-                    "response_tokens": ep.generated_tokens,
-                    "response": tok.decode(ep.token_ids[ep.prompt_tokens :], skip_special_tokens=False),
-                }
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-    def close(self) -> None:
-        """Stop the evaluation thread: the running evaluation is cancelled, queued ones are
-        dropped (collect(wait=True) first to keep them), the engine and the loop are closed."""
-        if not self._loop.is_running():
-            return
-        if self._worker is not None:
-            self._worker.cancel()
-        with self._lock:
-            jobs, self._jobs, self._waiting = self._jobs, [], None
-        for job in jobs:
-            job.future.cancel()
-        if getattr(self, "engine", None) is not None:
-            try:
-                self._call(self.engine.close(), timeout=60)
-            except Exception:  # closing is best effort: the process is ending
-                log.warning("evaluation engine did not close cleanly", exc_info=True)
-            self.engine = None
-        try:  # threads of env.step still running would otherwise hold up the interpreter's exit
-            self._call(self._loop.shutdown_default_executor(), timeout=30)
-        except Exception:
-            log.warning("evaluation threads did not stop within 30 s", exc_info=True)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self._loop.close()
+        rows = [
+            {
+                "task_id": self.tasks[i].task_id,
+                "mode": mode,
+                "seed": seed,
+                "reward": ep.reward,
+                "finish_reason": ep.finish_reason,
+                "turns": ep.num_turns,
+                "response_tokens": ep.generated_tokens,
+                "response": tok.decode(ep.token_ids[ep.prompt_tokens :], skip_special_tokens=False),
+            }
+            for (mode, seed, _), (i, ep) in zip(jobs, done, strict=True)
+        ]
+        return Scored(metrics=metrics, episodes=rows)
 
 
-def snapshot_version(folder: str | Path) -> int:
-    """The policy version a snapshot's manifest names; 0 for a plain model folder (the base)."""
-    manifest = Path(folder) / "manifest.json"
-    if manifest.is_file():
-        return int(json.loads(manifest.read_text())["version"])
-    return 0
+async def score_folders(s: EvaluatorSettings, folders: list[Path]) -> list[dict]:
+    """Score model folders one after another, outside training (`spopp evaluator score`).
 
-
-def evaluate_folders(
-    cfg: EvalConfig, base_model: str | Path, folders: list[Path], out_dir: Path
-) -> list[EvalResult]:
-    """Score model folders one after another, outside training (`spopp learner eval`).
-
-    Each is labelled with its manifest's version; the episodes land in `out_dir/vNNNNNN.jsonl`.
+    Each result is labelled with the folder's manifest version and step (0 and null for a plain
+    model folder); its episodes land in `out_dir/scored/<n>-vNNNNNN.jsonl`, n its position.
+    Every folder is checked before the engine starts: FileNotFoundError names those that are not
+    model folders.
     """
+    from spopp.snapshots import read_manifest, version_dirname
+
     missing = [str(f) for f in folders if not (Path(f) / "config.json").is_file()]
     if missing:
         raise FileNotFoundError(f"not a model folder (no config.json): {', '.join(missing)}")
-    ev = Evaluator(cfg, base_model, out_dir)
+    labels = []
+    for folder in folders:
+        if (Path(folder) / "manifest.json").is_file():
+            m = read_manifest(folder)
+            labels.append((m.version, m.step))
+        else:
+            labels.append((0, None))
+    out = Path(s.out_dir) / "scored"
+    out.mkdir(parents=True, exist_ok=True)
+    scorer = await Scorer.open(s, s.model or folders[0])
     results = []
     try:
-        for folder in folders:
-            version = snapshot_version(folder)
-            results.append(ev.submit(version, version, Path(folder).resolve()).result())  # errors raise here
-            ev.collect()
+        for n, (folder, (version, step)) in enumerate(zip(folders, labels, strict=True)):
+            scored = await scorer.score(folder)
+            path = out / f"{n}-{version_dirname(version)}.jsonl"
+            with path.open("w", encoding="utf-8") as f:
+                for row in scored.episodes:
+                    f.write(json.dumps({"policy_version": version, **row}, ensure_ascii=False) + "\n")
+            results.append(
+                {"snapshot": str(folder), "policy_version": version, "step": step, "episodes": str(path),
+                 **scored.metrics}
+            )  # fmt: skip
     finally:
-        ev.close()
+        await scorer.close()
     return results

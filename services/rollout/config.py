@@ -47,6 +47,20 @@ class RolloutSettings(Settings):
     seed: int = Field(0, ge=0, description="base of the per-episode sampling seeds")
     poll_seconds: float = Field(0.2, gt=0, le=60, description="wait between dispatches when no task is idle")
     renew_fraction: float = Field(0.33, gt=0, lt=1, description="renew a lease after this share of it")
+    retry_seconds: float = Field(
+        300.0,
+        ge=0,
+        le=86_400,
+        description="how long a call to the tracker or the learner is retried through an outage "
+        "(connection errors, 502/503/504) before it is given up, logged and counted",
+    )
+    shutdown_seconds: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="on SIGTERM, how long in-flight episodes may finish and report; then they are "
+        "cancelled and their leases released",
+    )
     host: str = Field("127.0.0.1", description="address of this replica's /healthz and /metrics")
     port: int = Field(8200, ge=0, le=65535, description="port of /healthz and /metrics")
     max_episodes: int | None = Field(

@@ -33,6 +33,15 @@ class RolloutMetrics:
             "trajectory POSTs retried (learner unreachable or 5xx)",
             registry=r,
         )
+        self.lost = Counter(
+            "spopp_rollout_lost",
+            "outcome reports and trajectories given up after the retry bound, or cut by shutdown",
+            ["what"],
+            registry=r,
+        )
+        self.tracker_errors = Counter(
+            "spopp_rollout_tracker_errors", "dispatches that failed after the retry bound", registry=r
+        )
         self.reloads = Counter("spopp_rollout_weight_reloads", "snapshots loaded", registry=r)
         self.reload_seconds = Histogram("spopp_rollout_reload_seconds", "weight swap time", registry=r)
         self.policy_version = Gauge(

@@ -5,6 +5,13 @@ the tracker answers a dispatch with 409, a newer policy is out: the worker stops
 drains (`finish`: in-flight episodes complete and report; `abort`: their leases are released),
 swaps in the new snapshot's weights and goes on. Leases of long episodes are renewed. The
 replica keeps nothing the system needs: killed at any moment, its leases expire at the tracker.
+
+Outages: every call to the tracker and the learner is retried for up to `retry_seconds`
+(spopp.retry), so a replica rides out a restart of either, or of Redis, keeping its in-flight
+episodes, which report once the service is back. What still fails after that bound is logged and
+counted (`spopp_rollout_lost`), never dropped silently; a dispatch that fails is tried again on
+the next turn of the loop, so a replica outlives any outage. On SIGTERM it stops dispatching and
+gives in-flight work `shutdown_seconds` to finish, then cancels it and releases its leases.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Environment, Task
 from spopp.client import AsyncTrackerClient, StalePolicy, TrackerError
+from spopp.retry import RETRYABLE_ERRORS, RETRYABLE_STATUS, RetryPolicy, retry_after
 from spopp.snapshots import snapshot_path
 from spopp.tracker_api import Lease
 from spopp.trajectory import Trajectory
@@ -47,7 +55,10 @@ class Worker:
         self.make_env = make_env
         self.tasks = tasks
         self.metrics = metrics or RolloutMetrics()
-        self.tracker = AsyncTrackerClient(settings.tracker, token=settings.api_token)
+        self.tracker = AsyncTrackerClient(
+            settings.tracker, token=settings.api_token, retry_seconds=settings.retry_seconds
+        )
+        self.retry = RetryPolicy(settings.retry_seconds)
         # The learner's intake takes the same bearer token as the tracker.
         auth = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
         self.learner = httpx.AsyncClient(base_url=settings.learner, timeout=60.0, headers=auth)
@@ -117,12 +128,21 @@ class Worker:
             got: list[Lease] = []
             if free > 0:
                 try:
-                    d = await self.tracker.dispatch(self.s.run, self.s.worker_id, self.version, free)
-                    got = d.requests
+                    d = await self._unless_stopping(
+                        self.tracker.dispatch(self.s.run, self.s.worker_id, self.version, free)
+                    )
+                    got = d.requests if d is not None else []
                 except StalePolicy as stale:
                     await self._drain()
                     await self._switch(stale.policy_version, stale.snapshot)
                     continue
+                except (TrackerError, httpx.HTTPError) as exc:
+                    if isinstance(exc, TrackerError) and exc.status not in RETRYABLE_STATUS:
+                        raise  # 401, 404 unknown run...: configuration, which no waiting fixes
+                    # The tracker stayed away longer than the retry bound: keep the episodes in
+                    # flight and try again, rather than exit and lose them.
+                    self.metrics.tracker_errors.inc()
+                    log.error("dispatch failed after %.0f s of retries: %s", self.s.retry_seconds, exc)
             for lease in got:
                 task = asyncio.create_task(self._episode(lease))
                 self.inflight[task] = lease
@@ -135,9 +155,45 @@ class Worker:
                 )
             else:
                 await asyncio.sleep(self.s.poll_seconds)
-        await self._drain()
+        if self.stopping.is_set():
+            await self._finish_for_shutdown()
+        else:
+            await self._drain()
         if self.fatal is not None:
             raise self.fatal
+
+    async def _unless_stopping(self, call):
+        """Await `call`, unless a shutdown comes first (then None): a dispatch retrying through an
+        outage must not hold up SIGTERM. A dispatch cut off this way may have leased tasks the
+        answer never brought back; their leases expire at the tracker."""
+        work = asyncio.ensure_future(call)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return None
+
+    async def _finish_for_shutdown(self) -> None:
+        """Give in-flight episodes `shutdown_seconds` to finish and report, then cancel the rest
+        (their leases are released, what they had not delivered is counted as lost)."""
+        if not self.inflight:
+            return
+        log.info(
+            "shutting down: %d episodes in flight, %.0f s to finish",
+            len(self.inflight),
+            self.s.shutdown_seconds,
+        )
+        _, late = await asyncio.wait(list(self.inflight), timeout=self.s.shutdown_seconds)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        if late:
+            log.warning("cancelled %d episodes at shutdown", len(late))
 
     def _finished(self, task: asyncio.Task) -> None:
         self.inflight.pop(task, None)
@@ -187,20 +243,35 @@ class Worker:
             await self._release(lease)
             return
         self.metrics.observe_episode(ep)
-        [result] = await self.tracker.outcomes(self.s.run, [(lease.request_id, ep.reward)])
+        try:
+            [result] = await self.tracker.outcomes(self.s.run, [(lease.request_id, ep.reward)])
+        except asyncio.CancelledError:
+            self.metrics.lost.labels("outcome").inc()
+            raise
+        except (TrackerError, httpx.HTTPError) as exc:
+            # Past the retry bound, or refused (409: the lease expired during a long outage).
+            # Without the tracker's value there is no advantage to train on: the episode is lost.
+            self.metrics.lost.labels("outcome").inc()
+            log.error("outcome of %s not reported: %s", lease.request_id, exc)
+            return
         await self._post(lease, ep, result.value, result.advantage)
 
     async def _release(self, lease: Lease) -> None:
         try:
-            await self.tracker.release(self.s.run, lease.request_id)
-        except (TrackerError, httpx.HTTPError) as exc:  # the lease expires by itself anyway
+            # Bounded: the lease expires by itself anyway, and a shutdown must not wait on this.
+            await asyncio.wait_for(self.tracker.release(self.s.run, lease.request_id), timeout=10.0)
+        except (TrackerError, httpx.HTTPError, TimeoutError) as exc:
             log.warning("release of %s failed: %s", lease.request_id, exc)
 
     async def _renew(self, lease: Lease) -> None:
         period = max(0.05, self.lease_seconds * self.s.renew_fraction)
         while True:
             await asyncio.sleep(period)
-            await self.tracker.renew(self.s.run, lease.request_id)
+            try:
+                await self.tracker.renew(self.s.run, lease.request_id)
+            except (TrackerError, httpx.HTTPError) as exc:
+                # The episode goes on: its outcome may still land if the lease outlives the outage.
+                log.warning("renewal of %s failed: %s", lease.request_id, exc)
 
     async def _post(self, lease: Lease, ep: Episode, value: float, advantage: float | None) -> None:
         body = Trajectory(
@@ -218,24 +289,42 @@ class Worker:
             finish_reason=ep.finish_reason,
             timings=ep.timings,
         ).model_dump(mode="json")
-        for attempt in range(8):
-            try:
-                r = await self.learner.post("/v1/trajectories", json=body)
-            except httpx.TransportError as exc:
-                log.warning("learner unreachable (%s), retry %d", exc, attempt + 1)
+        attempts = self.retry.start()
+        try:
+            while True:
+                try:
+                    r = await self.learner.post("/v1/trajectories", json=body)
+                except RETRYABLE_ERRORS as exc:
+                    r, why = None, f"{type(exc).__name__}: {exc}"
+                else:
+                    why = f"HTTP {r.status_code}"
+                if r is not None and r.status_code < 500:
+                    break
+                # Unreachable or 5xx (a learner still starting, restarting or busy): the intake
+                # counts a request_id once, so sending again is safe.
+                delay = attempts.next_delay(retry_after(r) if r is not None else None)
+                if delay is None:
+                    log.error(
+                        "trajectory %s not delivered after %.0f s: %s",
+                        lease.request_id,
+                        attempts.elapsed,
+                        why,
+                    )
+                    self.metrics.lost.labels("trajectory").inc()
+                    self.metrics.posted.labels("unreachable").inc()
+                    return
+                if attempts.count in (1, 10) or attempts.count % 50 == 0:
+                    log.warning(
+                        "learner: %s; retrying %s (attempt %d)", why, lease.request_id, attempts.count
+                    )
                 self.metrics.learner_retries.inc()
-                await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
-                continue
-            if r.status_code == 409:
-                # An old version's episode: SPO++ already has its outcome, the learner has moved on.
-                self.metrics.drained.inc()
-            elif r.status_code >= 500:
-                self.metrics.learner_retries.inc()
-                await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
-                continue
-            elif r.status_code >= 400:
-                log.error("learner refused %s: %s %s", lease.request_id, r.status_code, r.text[:500])
-            self.metrics.posted.labels(str(r.status_code)).inc()
-            return
-        log.error("gave up posting %s to the learner", lease.request_id)
-        self.metrics.posted.labels("unreachable").inc()
+                await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            self.metrics.lost.labels("trajectory").inc()
+            raise
+        if r.status_code == 409:
+            # An old version's episode: SPO++ already has its outcome, the learner has moved on.
+            self.metrics.drained.inc()
+        elif r.status_code >= 400:
+            log.error("learner refused %s: %s %s", lease.request_id, r.status_code, r.text[:500])
+        self.metrics.posted.labels(str(r.status_code)).inc()

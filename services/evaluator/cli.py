@@ -1,0 +1,76 @@
+"""`spopp evaluator ...`: follow a run and score its snapshots, or score model folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from spopp.settings import settings_command
+
+from .config import EvaluatorSettings
+
+
+def _logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _run(settings: EvaluatorSettings) -> None:
+    import asyncio
+
+    from .follow import follow
+
+    if settings.run is None:
+        raise click.UsageError("run is required: give --run, SPOPP_EVALUATOR_RUN or `run:` in the config file")
+    _logging()
+    asyncio.run(follow(settings))
+
+
+def _score(settings: EvaluatorSettings, snapshot: tuple[Path, ...]) -> None:
+    import asyncio
+    import json
+
+    from .scorer import score_folders
+
+    _logging()
+    try:
+        results = asyncio.run(score_folders(settings, list(snapshot)))
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    for result in results:
+        click.echo(json.dumps(result))
+
+
+group = click.Group("evaluator", help="Held-out evaluation of the policy, in its own process.")
+group.add_command(
+    settings_command(
+        EvaluatorSettings,
+        "run",
+        _run,
+        help="Follow a run's policy clock at the tracker and score every k-th published snapshot "
+        "on held-out tasks (records in out_dir; /metrics). Training never waits for it.",
+    )
+)
+group.add_command(
+    settings_command(
+        EvaluatorSettings,
+        "score",
+        _score,
+        help="Score model folders (snapshots or any Hugging Face model) on the held-out tasks and "
+        "print one JSON line of metrics each.",
+        extra_params=[
+            click.Option(
+                ["--snapshot"],
+                type=click.Path(file_okay=False, path_type=Path),
+                multiple=True,
+                required=True,
+                help="a model folder to score (repeatable)",
+            )
+        ],
+    )
+)
+
+if __name__ == "__main__":
+    group(prog_name="spopp evaluator")

@@ -1,0 +1,309 @@
+"""`spopp evaluator run`: follow a run's policy clock and score every k-th published snapshot.
+
+The loop reads the tracker's policy version every `poll_seconds`. Each version v with
+`v % every == 0` that it has not handled yet (version 0, the base model, too unless `at_start`
+is off) is scored on the held-out tasks and recorded (see records.py), in version order, or, when
+its snapshot is gone or cannot be read, recorded as skipped with the reason and a warning. The
+learner knows nothing of this process: it never waits for it. What keeps a snapshot on disk
+until it is scored is a hold file under `<snapshots>/.holds/` (spopp.snapshots), which this
+process writes at start, refreshes every `hold_seconds / 3` from a thread of its own (so a long
+evaluation does not let it lapse), advances after each version and removes on a clean exit; if
+the process dies, the hold expires and the learner prunes as usual.
+
+A restart reads the records and goes on after the last recorded version: nothing is scored
+twice, and a version whose evaluation was cut off is scored again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import generate_latest
+
+from spopp.client import AsyncTrackerClient, TrackerError
+from spopp.snapshots import (
+    Hold,
+    read_manifest,
+    remove_hold,
+    snapshot_path,
+    version_dirname,
+    write_hold,
+)
+
+from .config import EvaluatorSettings
+from .metrics import EvaluatorMetrics
+from .records import Records
+from .scorer import Scorer, SnapshotUnreadable, check_model_folder
+
+log = logging.getLogger("spopp.evaluator")
+
+
+def first_version(s: EvaluatorSettings, last: int | None) -> int:
+    """The first version to handle, given the last one recorded (None: none yet)."""
+    if last is None:
+        return 0 if s.at_start else s.every
+    return (last // s.every + 1) * s.every
+
+
+class HoldKeeper:
+    """This evaluator's hold on the snapshots it has still to score, kept fresh by a thread."""
+
+    def __init__(self, root: Path, holder: str, every: int, seconds: float) -> None:
+        self.root, self.holder, self.every, self.seconds = Path(root), holder, every, seconds
+        self.from_version = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh, name="spopp-eval-hold", daemon=True)
+
+    def start(self, from_version: int) -> None:
+        self.from_version = from_version
+        self.write()  # before anything else: a failure to write the hold stops the start
+        self._thread.start()
+        log.info(
+            "hold %s: versions >= %d that are multiples of %d, renewed every %.0f s",
+            self.path, from_version, self.every, self.seconds / 3,
+        )  # fmt: skip
+
+    @property
+    def path(self) -> Path:
+        return self.root / ".holds" / f"{self.holder}.json"
+
+    def advance(self, from_version: int) -> None:
+        self.from_version = from_version
+        self.write()
+
+    def write(self) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return
+            hold = Hold(self.holder, self.from_version, self.every, time.time() + self.seconds)
+            write_hold(self.root, hold)
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                self.write()
+            except OSError:  # shared storage hiccup: try again at the next tick, before expiry
+                log.warning("could not renew the hold %s", self.path, exc_info=True)
+
+    def stop(self) -> None:
+        """Stop renewing and remove the hold: the learner may prune everything again."""
+        with self._lock:
+            self._stop.set()
+            remove_hold(self.root, self.holder)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+
+class Follower:
+    def __init__(self, s: EvaluatorSettings, metrics: EvaluatorMetrics | None = None) -> None:
+        if s.run is None:
+            raise ValueError("run is required: give --run, SPOPP_EVALUATOR_RUN or `run:` in the config file")
+        self.s = s
+        self.metrics = metrics or EvaluatorMetrics()
+        self.records = Records(s.out_dir)
+        self.next_version = first_version(s, self.records.last_version)
+        self.metrics.next_version.set(self.next_version)
+        if (last := self.records.last_scored) is not None:
+            self.metrics.last_scored_version.set(last["policy_version"])
+            self.metrics.show_last(last)
+        self.policy_version: int | None = None
+        self.scoring: int | None = None
+        self.root: Path | None = s.snapshots
+        self.model: Path | None = s.model
+        self.hold: HoldKeeper | None = None
+        self.scorer: Scorer | None = None
+        self._tb = None
+        self.tracker = AsyncTrackerClient(s.tracker, token=s.api_token)
+
+    # -- the tracker ---------------------------------------------------------------------------
+    async def _read(self, what: str, call):
+        """A tracker read, retried every poll_seconds while the tracker is away or the run unknown."""
+        said = False
+        while True:
+            try:
+                return await call()
+            except (httpx.HTTPError, TrackerError) as exc:
+                if isinstance(exc, TrackerError) and exc.status not in (404, 502, 503, 504):
+                    raise
+                if not said:
+                    log.warning("waiting for the tracker (%s of run %s): %s", what, self.s.run, exc)
+                    said = True
+                await asyncio.sleep(self.s.poll_seconds)
+
+    async def _poll(self) -> int:
+        policy = await self._read("policy", lambda: self.tracker.policy(self.s.run))
+        self.policy_version = policy.version
+        self.metrics.policy_version.set(policy.version)
+        if self.root is None and policy.version >= 1 and policy.snapshot:
+            # The snapshot of version >= 1 lies in the learner's snapshot folder; version 0's
+            # (the run's base_snapshot) may lie anywhere.
+            self.root = snapshot_path(policy.snapshot).parent
+            log.info("snapshot folder: %s (the parent of the policy's snapshot)", self.root)
+        if self.root is not None and self.hold is None:
+            self.hold = HoldKeeper(self.root, self.s.holder_id(), self.s.every, self.s.hold_seconds)
+            self.hold.start(self.next_version)
+        return policy.version
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        s = self.s
+        try:
+            if self.model is None:
+                run = await self._read("config", lambda: self.tracker.get_run(s.run))
+                if not run.config.base_snapshot:
+                    raise ValueError(
+                        f"no base model: set `model`, or the base_snapshot of run {s.run} at the tracker"
+                    )
+                self.model = snapshot_path(run.config.base_snapshot)
+            check_model_folder(self.model)
+            await self._poll()  # the hold goes up before the (slow) engine start when it can
+            self.scorer = await Scorer.open(s, self.model)
+            log.info(
+                "evaluator for run %s: %d held-out tasks, greedy=%s, %d samples each, engine %s; "
+                "scoring every %d versions from version %d",
+                s.run, len(self.scorer.tasks), s.greedy, s.samples, s.engine, s.every, self.next_version,
+            )  # fmt: skip
+            while not self._finished():
+                current = await self._poll()
+                while self.next_version <= current and not self._finished():
+                    await self._handle(self.next_version)
+                    self.next_version = first_version(s, self.next_version)
+                    self.metrics.next_version.set(self.next_version)
+                    if self.hold is not None:
+                        self.hold.advance(self.next_version)
+                if not self._finished():
+                    await asyncio.sleep(s.poll_seconds)
+            log.info("every version up to %s handled; exiting", s.until_version)
+        finally:
+            await self.close()
+
+    def _finished(self) -> bool:
+        return self.s.until_version is not None and self.next_version > self.s.until_version
+
+    async def _handle(self, version: int) -> None:
+        if version == 0:
+            folder, step = self.model, 0
+        else:
+            folder = self.root / version_dirname(version)
+            if not folder.is_dir():
+                return self._skip(version, f"pruned: {folder} does not exist (deleted before it was scored)")
+            try:
+                manifest = read_manifest(folder)
+            except FileNotFoundError:
+                return self._skip(version, self._gone_or(folder, "has no manifest.json"))
+            except (OSError, ValueError) as exc:
+                return self._skip(version, self._gone_or(folder, f"bad manifest: {exc}"))
+            if manifest.version != version:
+                return self._skip(
+                    version, f"unreadable: {folder}'s manifest names version {manifest.version}"
+                )
+            step = manifest.step
+        self.scoring = version
+        try:
+            scored = await self.scorer.score(folder)
+        except SnapshotUnreadable as exc:
+            return self._skip(version, self._gone_or(folder, str(exc)))
+        finally:
+            self.scoring = None
+        line = self.records.write_scored(version, step, folder, scored.metrics, scored.episodes)
+        self.metrics.observe_scored(version, scored.metrics)
+        self._scalars(version, scored.metrics)
+        log.info(
+            "policy version %d (step %s): greedy success %s, sampled success %s, %.1f s",
+            version, step, line.get("eval/greedy/success_rate"), line.get("eval/sampled/success_rate"),
+            scored.metrics["eval/seconds"],
+        )  # fmt: skip
+
+    @staticmethod
+    def _gone_or(folder: Path, why: str) -> str:
+        if not folder.exists():
+            return f"pruned: {folder} was deleted while it was read"
+        return f"unreadable: {folder}: {why}"
+
+    def _skip(self, version: int, reason: str) -> None:
+        log.warning("policy version %d skipped: %s", version, reason)
+        self.records.write_skipped(version, reason)
+        self.metrics.observe_skipped(reason)
+
+    def _scalars(self, version: int, metrics: dict) -> None:
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.s.out_dir / "tb"))
+        for key, value in metrics.items():
+            if isinstance(value, int | float):
+                self._tb.add_scalar(key, value, version)
+        self._tb.flush()
+
+    async def close(self) -> None:
+        if self.hold is not None:
+            self.hold.stop()
+        if self.scorer is not None:
+            with contextlib.suppress(Exception):
+                await self.scorer.close()
+            self.scorer = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        await self.tracker.aclose()
+
+    def health(self) -> dict:
+        last = self.records.last_scored
+        return {
+            "status": "ok",
+            "run": self.s.run,
+            "policy_version": self.policy_version,
+            "next_version": self.next_version,
+            "scoring": self.scoring,
+            "last_scored_version": None if last is None else last["policy_version"],
+        }
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal capture: SIGTERM must stop the follower (and drop its hold)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def health_app(follower: Follower) -> FastAPI:
+    app = FastAPI(title="spopp evaluator")
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return follower.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(follower.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def follow(s: EvaluatorSettings) -> None:
+    """The process: the follower loop beside /healthz and /metrics, until done or signalled."""
+    follower = Follower(s)
+    server = _Server(uvicorn.Config(health_app(follower), host=s.host, port=s.port, log_level="warning"))
+    http = asyncio.create_task(server.serve())
+    main = asyncio.create_task(follower.run())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, main.cancel)
+    try:
+        await main
+    except asyncio.CancelledError:
+        log.info("stopped by a signal")
+    finally:
+        server.should_exit = True
+        await http

@@ -1,0 +1,139 @@
+"""A replica rides out outages of the tracker, its Redis and the learner, and stops in bounded time.
+
+Each test starts a real replica through the CLI on the tiny model (transformers engine), a real
+tracker process on a real redis-server, and the stand-in learner (tools.sink), then takes one of
+them away for longer than the old client's fixed retries lasted (5 connection retries, about 3 s,
+against the tracker; 8 retries, about 21 s, against the learner).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+from procs import cli, running
+from test_rollout_service import N_TASKS, _metric
+
+from runtime.tasks import generate_arithmetic_tasks
+from services.tracker.embedded import EmbeddedRedis
+from services.tracker.launcher import TrackerProcess
+from spopp.client import TrackerClient
+from spopp.net import free_port
+from tools.sink import LearnerSink
+
+
+def _replica(tiny_model, tracker_url, learner_url, run, port, log_path, *extra):
+    args = cli(
+        "rollout", "serve", "--model", str(tiny_model), "--tracker", tracker_url, "--learner", learner_url,
+        "--run", run, "--engine", "transformers", "--env", "math-tir", "--generated-tasks", str(N_TASKS),
+        "--concurrency", "4", "--max-turns", "3", "--max-tokens-per-turn", "48", "--max-total-tokens", "900",
+        "--port", str(port), *extra,
+    )  # fmt: skip
+    return running(args, log_path)
+
+
+def _make_run(url: str, run: str, tiny_model) -> None:
+    with TrackerClient(url) as c:
+        c.put_run(run, {"recipe": "spopp", "lease_seconds": 120, "base_snapshot": str(tiny_model)})
+        tasks = generate_arithmetic_tasks(N_TASKS, seed=0)
+        c.put_tasks(run, [{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in tasks])
+
+
+def _reported(url: str, run: str) -> int:
+    with TrackerClient(url) as c:
+        return sum(row["outcomes"] for row in c.export(run))
+
+
+@pytest.mark.slow
+def test_replica_rides_out_a_tracker_and_a_redis_restart(tiny_model, run_name, tmp_path):
+    redis_port, tracker_port, port = free_port(), free_port(), free_port()
+    redis = EmbeddedRedis(tmp_path / "redis", port=redis_port).start()
+    tracker = TrackerProcess(redis.url, port=tracker_port)
+    _make_run(tracker.url, run_name, tiny_model)
+    with (
+        LearnerSink(run_name) as sink,
+        _replica(tiny_model, tracker.url, sink.url, run_name, port, tmp_path / "r.log") as proc,
+    ):
+        try:
+            sink.wait_for(4, timeout=120)
+            # The tracker dies: connections are refused for 6 s, then it comes back on its port.
+            tracker.kill()
+            time.sleep(6.0)
+            assert proc.poll() is None, "the replica exited while the tracker was down"
+            tracker = TrackerProcess(redis.url, port=tracker_port)
+            before = len(sink.trajectories())
+            sink.wait_for(before + 4, timeout=120)
+            # Redis stops behind the tracker: every /v1 route answers 503 for 6 s.
+            redis.stop()
+            time.sleep(6.0)
+            assert proc.poll() is None, "the replica exited while Redis was down"
+            redis = EmbeddedRedis(tmp_path / "redis", port=redis_port).start()
+            before = len(sink.trajectories())
+            sink.wait_for(before + 4, timeout=120)
+            assert _metric(f"http://127.0.0.1:{port}", "spopp_rollout_tracker_errors_total") == 0
+            # Nothing the tracker acknowledged went missing: every trajectory the learner got was
+            # reported first, and the tracker's counts hold at least those.
+            assert _reported(tracker.url, run_name) >= len(sink.trajectories())
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+            tracker.stop()
+            redis.stop()
+        assert proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_replica_waits_for_a_learner_that_starts_late(tiny_model, tracker, client, run_name, tmp_path):
+    """The learner's intake comes up 25 s after the replica: no trajectory is dropped."""
+    _make_run(tracker.url, run_name, tiny_model)
+    learner_port, port = free_port(), free_port()
+    with _replica(
+        tiny_model, tracker.url, f"http://127.0.0.1:{learner_port}", run_name, port, tmp_path / "r.log"
+    ) as proc:
+        try:
+            deadline = time.monotonic() + 120
+            while _reported(tracker.url, run_name) < 4:  # episodes finish and report meanwhile
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.5)
+            time.sleep(25.0)
+            with LearnerSink(run_name, port=learner_port) as sink:
+                got = sink.wait_for(4, timeout=60)
+                assert len({t.request_id for t in got}) == len(got)
+                url = f"http://127.0.0.1:{port}"
+                assert _metric(url, 'spopp_rollout_lost_total{what="trajectory"}') == 0
+                assert proc.poll() is None
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_replica_in_bounded_time_while_the_learner_is_gone(
+    tiny_model, tracker, run_name, tmp_path
+):
+    _make_run(tracker.url, run_name, tiny_model)
+    port = free_port()
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    log_path = tmp_path / "r.log"
+    with _replica(
+        tiny_model, tracker.url, nowhere, run_name, port, log_path, "--shutdown-seconds", "2"
+    ) as proc:
+        deadline = time.monotonic() + 120
+        while _reported(tracker.url, run_name) < 2:  # its posts are now retrying against nothing
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        took = time.monotonic() - t0
+        assert took < 2 + 10, f"stopping took {took:.1f} s"
+        assert proc.returncode == 0
+    assert "cancelled" in log_path.read_text()  # the undelivered work is named, not dropped silently
+    with httpx.Client() as h:  # and its leases were released: every task is idle again
+        tasks = [
+            h.get(f"{tracker.url}/v1/runs/{run_name}/tasks/{t.task_id}").json()
+            for t in generate_arithmetic_tasks(N_TASKS, seed=0)
+        ]
+    assert not any(t["in_flight"] for t in tasks)
