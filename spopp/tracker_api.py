@@ -4,10 +4,18 @@ Validation lives here so that the service answers 422 before it touches Redis an
 fails before it sends: finite numbers, rewards in [0, 1], positive priors, bounded batch sizes.
 Batch-size caps answered with 413 (tasks per call; see the README's route table) are checked by the
 service, not here.
+
+Every number has both bounds (the LIMITS below), chosen generous for real use and small enough
+that nothing the tracker computes from them later overflows or turns into nan: prior masses and
+(alpha0, beta0) up to 1e6 keep a + b finite, versions below 2^31 keep the event coordinate
+z = version * -ln(retention) far from overflow, and the lower bounds keep a Jeffreys prior from
+underflowing to 0 (which would make the value 0/0). The tracker's Lua scripts check the same
+LIMITS again before their first write.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -19,6 +27,36 @@ Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 
 MAX_TASKS_PER_CALL = 10_000
 MAX_BATCH = 10_000
+MAX_REQUESTS = 1024  # leases per dispatch
+MAX_OUTCOMES_PER_TASK = 100_000  # offline outcomes of one task's Jeffreys prior
+MIN_PRIOR, MAX_PRIOR = 1e-6, 1e6  # alpha0, beta0 and the prior mass
+MAX_VERSION = 2**31 - 1  # policy versions
+MIN_RETENTION = 1e-6
+MIN_LEASE_SECONDS, MAX_LEASE_SECONDS = 0.001, 7 * 24 * 3600.0
+MIN_D_HALF, MAX_D_HALF = 1e-6, 1e6
+MIN_RHO = 1e-6
+MAX_DRIFT = 1e6
+MAX_SNAPSHOT_CHARS = 4096
+
+Prior = Annotated[float, Field(ge=MIN_PRIOR, le=MAX_PRIOR, allow_inf_nan=False)]
+
+# What the Lua scripts check again before they write (names as the scripts see them).
+LIMITS = {
+    "MAX_TASKS_PER_CALL": MAX_TASKS_PER_CALL,
+    "MAX_BATCH": MAX_BATCH,
+    "MAX_REQUESTS": MAX_REQUESTS,
+    "MIN_PRIOR_MASS": MIN_PRIOR,
+    "MAX_PRIOR": MAX_PRIOR,
+    "MAX_VERSION": MAX_VERSION,
+    "MAX_LAM": -math.log(MIN_RETENTION),
+    "MIN_LEASE_MS": 1,
+    "MAX_LEASE_MS": round(MAX_LEASE_SECONDS * 1000),
+    "MIN_D_HALF": MIN_D_HALF,
+    "MAX_D_HALF": MAX_D_HALF,
+    "MIN_RHO": MIN_RHO,
+    "MAX_DRIFT": MAX_DRIFT,
+    "MAX_SNAPSHOT_CHARS": MAX_SNAPSHOT_CHARS,
+}
 
 
 class _Body(BaseModel):
@@ -30,14 +68,36 @@ class RunConfig(_Body):
     """A run: one recipe, its prior mass, its retention and leases. Only `recipe` is required."""
 
     recipe: Literal["spopp", "spo"]
-    base_snapshot: str | None = Field(None, max_length=4096, description="snapshot of policy version 0")
-    retention: float = Field(0.875, gt=0.0, lt=1.0, description="rho per policy event (spopp)")
-    prior_mass: Positive = Field(8.0, description="total Beta mass of the offline prior")
-    lease_seconds: float = Field(900.0, gt=0.0, le=7 * 24 * 3600.0, allow_inf_nan=False)
-    seed: int = Field(0, ge=0, lt=2**63, description="seed of the sampler's draws")
-    d_half: Positive = Field(0.06, description="SPO drift half-life")
-    rho_min: float = Field(0.875, gt=0.0, le=1.0)
-    rho_max: float = Field(0.96, gt=0.0, le=1.0)
+    base_snapshot: str | None = Field(
+        None, max_length=MAX_SNAPSHOT_CHARS, description="snapshot of policy version 0 (up to 4096 chars)"
+    )
+    retention: float = Field(
+        0.875, ge=MIN_RETENTION, lt=1.0, description="rho per policy event (spopp), in [1e-6, 1)"
+    )
+    prior_mass: float = Field(
+        8.0,
+        ge=MIN_PRIOR,
+        le=MAX_PRIOR,
+        allow_inf_nan=False,
+        description="total Beta mass of the offline (outcomes-form) prior, in [1e-6, 1e6]",
+    )
+    lease_seconds: float = Field(
+        900.0,
+        ge=MIN_LEASE_SECONDS,
+        le=MAX_LEASE_SECONDS,
+        allow_inf_nan=False,
+        description="lease length, renewable, in [0.001, 604800] (one week)",
+    )
+    seed: int = Field(0, ge=0, lt=2**63, description="seed of the sampler's draws, in [0, 2^63)")
+    d_half: float = Field(
+        0.06,
+        ge=MIN_D_HALF,
+        le=MAX_D_HALF,
+        allow_inf_nan=False,
+        description="SPO drift half-life, in [1e-6, 1e6]",
+    )
+    rho_min: float = Field(0.875, ge=MIN_RHO, le=1.0, description="SPO's smallest retention, in [1e-6, 1]")
+    rho_max: float = Field(0.96, ge=MIN_RHO, le=1.0, description="SPO's largest retention, in [1e-6, 1]")
 
     @model_validator(mode="after")
     def _rho_order(self) -> RunConfig:
@@ -69,9 +129,13 @@ class TaskPrior(_Body):
     """A task with an explicit prior (alpha0, beta0) or with offline 0/1 outcomes (Jeffreys init)."""
 
     task_id: Id
-    alpha0: Positive | None = None
-    beta0: Positive | None = None
-    outcomes: list[Annotated[int, Field(ge=0, le=1)]] | None = Field(None, max_length=100_000)
+    alpha0: Prior | None = Field(None, description="explicit prior's alpha, in [1e-6, 1e6]")
+    beta0: Prior | None = Field(None, description="explicit prior's beta, in [1e-6, 1e6]")
+    outcomes: list[Annotated[int, Field(ge=0, le=1)]] | None = Field(
+        None,
+        max_length=MAX_OUTCOMES_PER_TASK,
+        description="offline 0/1 outcomes (up to 100,000) for a Jeffreys prior of the run's prior mass",
+    )
 
     @model_validator(mode="after")
     def _one_form(self) -> TaskPrior:
@@ -104,9 +168,13 @@ class TaskState(BaseModel):
 
 class DispatchBody(_Body):
     worker_id: Id
-    policy_version: int = Field(ge=0)
-    max_requests: int = Field(ge=1, le=1024)
-    idempotency_key: Id | None = None
+    policy_version: int = Field(ge=0, le=MAX_VERSION, description="the caller's policy version, < 2^31")
+    max_requests: int = Field(ge=1, le=MAX_REQUESTS, description="leases wanted, 1 to 1024")
+    idempotency_key: Id | None = Field(
+        None,
+        description="the same key answers the same leases; remembered for the tracker's "
+        "idempotency_ttl_seconds (an hour by default), longer than any client retries",
+    )
 
 
 class Lease(BaseModel):
@@ -168,11 +236,14 @@ class ValuesResult(BaseModel):
 class ConsumeItem(_Body):
     task_id: Id
     reward: Reward
-    drift: float = Field(ge=0.0, allow_inf_nan=False)
+    drift: float = Field(ge=0.0, le=MAX_DRIFT, allow_inf_nan=False, description="policy drift, in [0, 1e6]")
 
 
 class ConsumeBody(_Body):
-    update_id: Id
+    update_id: Id = Field(
+        description="applied once: a repeat within the tracker's idempotency_ttl_seconds (an hour by "
+        "default) answers the first results"
+    )
     items: list[ConsumeItem] = Field(min_length=1, max_length=MAX_BATCH)
 
 
@@ -185,8 +256,8 @@ class ConsumeResult(BaseModel):
 
 
 class PolicyBody(_Body):
-    version: int = Field(ge=1)
-    snapshot: str = Field(min_length=1, max_length=4096)
+    version: int = Field(ge=1, le=MAX_VERSION, description="the next policy version, in [1, 2^31)")
+    snapshot: str = Field(min_length=1, max_length=MAX_SNAPSHOT_CHARS, description="up to 4096 chars")
 
 
 class Policy(BaseModel):

@@ -431,32 +431,54 @@ def test_killed_mid_evaluation_then_restarted_catches_up_without_scoring_twice(
         except httpx.HTTPError:
             return None
 
+    def versions() -> list[int]:
+        return [x["policy_version"] for x in recorded(out)]
+
     with running(args, tmp_path / "first.log") as proc:
-        # Kill it in the middle of an evaluation of version 1 or 2, after version 0 is recorded.
-        busy = wait_for(
-            lambda: (h := health()) and h["scoring"] in (1, 2) and h, 60, "an evaluation under way", proc
+        # Caught up with the clock at version 2, it waits: its metrics say so.
+        wait_for(
+            lambda: (h := health()) and h["next_version"] == 3 and h["scoring"] is None, 60, "idle", proc
         )
-        cut = busy["scoring"]
-        assert busy["last_scored_version"] == cut - 1 and busy["policy_version"] == 2
+        assert versions() == [0, 1, 2]
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    assert f"spopp_evaluator_versions_scored_total {cut}.0" in metrics
-    assert f"spopp_evaluator_last_scored_version {cut - 1}.0" in metrics
-    assert "spopp_evaluator_policy_version 2.0" in metrics
-    handled = [x["policy_version"] for x in recorded(out)]
-    assert cut not in handled and handled == list(range(cut))
+        for line in (
+            "spopp_evaluator_versions_scored_total 3.0", "spopp_evaluator_last_scored_version 2.0",
+            "spopp_evaluator_policy_version 2.0", "spopp_evaluator_next_version 3.0",
+            "spopp_evaluator_evaluation_seconds_count 3.0",
+        ):  # fmt: skip
+            assert line in metrics, line
+        assert "\nspopp_evaluator_versions_skipped_total{" not in metrics  # none skipped: no sample
+        # Kill it in the middle of an evaluation: frozen by SIGSTOP once it reports scoring v, it
+        # is killed if v has no record yet (else, the rare race lost, it goes on to the next one).
+        for v in (3, 4, 5):
+            publish(client, run, root, tiny_model, v)
+            wait_for(lambda v=v: (health() or {}).get("scoring") == v or v in versions(), 60, f"v{v}", proc)
+            proc.send_signal(signal.SIGSTOP)
+            if v not in versions():
+                cut = v
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+                break
+            proc.send_signal(signal.SIGCONT)
+        else:
+            pytest.fail("never caught an evaluation under way")
+    assert versions() == list(range(cut))
     assert hold_file(root, f"evaluator-{run}").exists()  # a killed evaluator leaves its hold behind
-    for v in (3, 4):
+    for v in range(cut + 1, 7):
         publish(client, run, root, tiny_model, v)
-    args, _ = evaluator_args(tracker, run, held_out, out, *base, "--until-version", "4")
+    args, _ = evaluator_args(tracker, run, held_out, out, *base, "--until-version", "6")
     with running(args, tmp_path / "second.log") as proc:
         assert proc.wait(90) == 0
     lines = recorded(out)
-    assert [x["policy_version"] for x in lines] == [0, 1, 2, 3, 4]  # each once, the cut one again
+    assert versions() == list(range(7))  # each once, the cut one scored again
     for line in lines:
         check_scored(line, out, n_tasks=7, samples=3)
     assert f"scoring every 1 versions from version {cut}" in (tmp_path / "second.log").read_text()
+    # Once more: everything up to 6 is recorded, so it exits without scoring anything.
+    with running(args, tmp_path / "third.log") as proc:
+        assert proc.wait(60) == 0
+    assert recorded(out) == lines
+    assert "every version up to 6 is recorded" in (tmp_path / "third.log").read_text()
 
 
 def test_a_pruned_or_unreadable_version_is_recorded_as_skipped(
@@ -567,3 +589,24 @@ def test_a_dead_evaluators_hold_expires(tracker, client, make_run, tiny_model, h
     prune_snapshots(root, keep=1)
     assert [v for v, _ in list_snapshots(root)] == [4]
     assert read_manifest(root / "v000004").step == 4 * STEPS_PER_VERSION
+
+
+def test_sigterm_stops_it_cleanly_and_drops_its_hold(
+    tracker, client, make_run, tiny_model, held_out, tmp_path
+):
+    run = make_run()
+    root, out = tmp_path / "snapshots", tmp_path / "eval"
+    root.mkdir()
+    publish(client, run, root, tiny_model, 1)
+    args, _ = evaluator_args(
+        tracker, run, held_out, out, "--model", str(tiny_model), "--snapshots", str(root)
+    )
+    path = hold_file(root, f"evaluator-{run}")
+    with running(args, tmp_path / "evaluator.log") as proc:
+        wait_for(lambda: len(recorded(out)) == 2, 60, "versions 0 and 1", proc)  # then it waits for 2
+        wait_for(lambda: json.loads(path.read_text())["from_version"] == 2, 10, "the hold to advance", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert not path.exists()
+    assert "stopped by a signal" in (tmp_path / "evaluator.log").read_text()
+    assert [v for v, _ in list_snapshots(root)] == [1]

@@ -29,7 +29,7 @@ def secured(redis_server):
 
 def _post_all(url: str, bodies: list[dict], deadline_s: float = 180) -> None:
     deadline = time.monotonic() + deadline_s
-    with httpx.Client(timeout=10) as http:
+    with httpx.Client(timeout=10, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
         for body in bodies:
             while True:
                 try:

@@ -15,6 +15,7 @@ def _logging() -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per poll of the tracker
 
 
 def _run(settings: EvaluatorSettings) -> None:
@@ -23,7 +24,9 @@ def _run(settings: EvaluatorSettings) -> None:
     from .follow import follow
 
     if settings.run is None:
-        raise click.UsageError("run is required: give --run, SPOPP_EVALUATOR_RUN or `run:` in the config file")
+        raise click.UsageError(
+            "run is required: give --run, SPOPP_EVALUATOR_RUN or `run:` in the config file"
+        )
     _logging()
     asyncio.run(follow(settings))
 

@@ -95,11 +95,13 @@ class HoldKeeper:
             except OSError:  # shared storage hiccup: try again at the next tick, before expiry
                 log.warning("could not renew the hold %s", self.path, exc_info=True)
 
-    def stop(self) -> None:
-        """Stop renewing and remove the hold: the learner may prune everything again."""
+    def stop(self, remove: bool = True) -> None:
+        """Stop renewing and remove the hold: the learner may prune everything again. With
+        `remove=False` (a crash, likely followed by a restart) the hold is left to expire."""
         with self._lock:
             self._stop.set()
-            remove_hold(self.root, self.holder)
+            if remove:
+                remove_hold(self.root, self.holder)
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
@@ -157,6 +159,7 @@ class Follower:
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
         s = self.s
+        clean = False
         try:
             if self.model is None:
                 run = await self._read("config", lambda: self.tracker.get_run(s.run))
@@ -166,6 +169,12 @@ class Follower:
                     )
                 self.model = snapshot_path(run.config.base_snapshot)
             check_model_folder(self.model)
+            if self._finished():
+                log.info(
+                    "every version up to %s is recorded in %s already", s.until_version, self.records.path
+                )
+                clean = True
+                return
             await self._poll()  # the hold goes up before the (slow) engine start when it can
             self.scorer = await Scorer.open(s, self.model)
             log.info(
@@ -184,8 +193,12 @@ class Follower:
                 if not self._finished():
                     await asyncio.sleep(s.poll_seconds)
             log.info("every version up to %s handled; exiting", s.until_version)
+            clean = True
+        except asyncio.CancelledError:  # SIGTERM, SIGINT: a clean stop
+            clean = True
+            raise
         finally:
-            await self.close()
+            await self.close(remove_hold=clean)
 
     def _finished(self) -> bool:
         return self.s.until_version is not None and self.next_version > self.s.until_version
@@ -200,7 +213,7 @@ class Follower:
             try:
                 manifest = read_manifest(folder)
             except FileNotFoundError:
-                return self._skip(version, self._gone_or(folder, "has no manifest.json"))
+                return self._skip(version, self._gone_or(folder, f"{folder} has no manifest.json"))
             except (OSError, ValueError) as exc:
                 return self._skip(version, self._gone_or(folder, f"bad manifest: {exc}"))
             if manifest.version != version:
@@ -228,7 +241,7 @@ class Follower:
     def _gone_or(folder: Path, why: str) -> str:
         if not folder.exists():
             return f"pruned: {folder} was deleted while it was read"
-        return f"unreadable: {folder}: {why}"
+        return f"unreadable: {why}"
 
     def _skip(self, version: int, reason: str) -> None:
         log.warning("policy version %d skipped: %s", version, reason)
@@ -245,9 +258,13 @@ class Follower:
                 self._tb.add_scalar(key, value, version)
         self._tb.flush()
 
-    async def close(self) -> None:
+    async def close(self, remove_hold: bool = True) -> None:
+        """Release the engine and the records; the hold is removed unless `remove_hold` is off
+        (after an error: a restarted evaluator finds its snapshots still there)."""
         if self.hold is not None:
-            self.hold.stop()
+            self.hold.stop(remove=remove_hold)
+            if not remove_hold:
+                log.warning("leaving the hold %s to expire by itself", self.hold.path)
         if self.scorer is not None:
             with contextlib.suppress(Exception):
                 await self.scorer.close()

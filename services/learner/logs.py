@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 # Shown beside the progress bar: the newest value of each.
-_SHOWN = ("reward_mean", "clip_fraction", "tokens_per_s", "eval/greedy/success_rate")
+_SHOWN = ("reward_mean", "clip_fraction", "tokens_per_s")
 
 
 class MetricsLog:

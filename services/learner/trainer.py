@@ -13,7 +13,6 @@ rewards and drifts in receipt order (/consume).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -247,7 +246,11 @@ class Learner:
         t0 = time.perf_counter()
         version = self.version + 1
         path = publish_snapshot(
-            self.engine, self.cfg.model, self.cfg.snapshots, version, keep=self.cfg.keep_snapshots,
+            self.engine,
+            self.cfg.model,
+            self.cfg.snapshots,
+            version,
+            keep=self.cfg.keep_snapshots,
             step=self.step,
         )
         if self.rank == 0:

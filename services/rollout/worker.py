@@ -73,6 +73,9 @@ class Worker:
         self.version: int | None = None
         self.snapshot: str | None = None
         self.inflight: dict[asyncio.Task, Lease] = {}
+        # Trajectory POSTs under way. They leave the episode once its outcome is reported, so a
+        # drain waits for generation and reports only, never for a learner that is away.
+        self.deliveries: set[asyncio.Task] = set()
         self.stopping = asyncio.Event()
         self.fatal: Exception | None = None
         self.lease_seconds = 900.0
@@ -157,8 +160,9 @@ class Worker:
                 await asyncio.sleep(self.s.poll_seconds)
         if self.stopping.is_set():
             await self._finish_for_shutdown()
-        else:
+        else:  # max_episodes reached: finish the work, deliveries included (bounded by the retries)
             await self._drain()
+            await asyncio.gather(*self.deliveries, return_exceptions=True)
         if self.fatal is not None:
             raise self.fatal
 
@@ -179,21 +183,23 @@ class Worker:
         return None
 
     async def _finish_for_shutdown(self) -> None:
-        """Give in-flight episodes `shutdown_seconds` to finish and report, then cancel the rest
-        (their leases are released, what they had not delivered is counted as lost)."""
-        if not self.inflight:
-            return
-        log.info(
-            "shutting down: %d episodes in flight, %.0f s to finish",
-            len(self.inflight),
-            self.s.shutdown_seconds,
-        )
-        _, late = await asyncio.wait(list(self.inflight), timeout=self.s.shutdown_seconds)
-        for task in late:
-            task.cancel()
-        await asyncio.gather(*late, return_exceptions=True)
-        if late:
-            log.warning("cancelled %d episodes at shutdown", len(late))
+        """Give in-flight episodes and deliveries `shutdown_seconds` to finish, then cancel the rest
+        (leases released; what was not delivered is logged and counted as lost)."""
+        deadline = time.monotonic() + self.s.shutdown_seconds
+        for pending in (self.inflight, self.deliveries):  # episodes first: they add deliveries
+            if not pending:
+                continue
+            log.info(
+                "shutting down: %d %s to finish",
+                len(pending),
+                "episodes" if pending is self.inflight else "deliveries",
+            )
+            _, late = await asyncio.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            if late:
+                log.warning("cancelled %d unfinished tasks at shutdown", len(late))
 
     def _finished(self, task: asyncio.Task) -> None:
         self.inflight.pop(task, None)
@@ -254,7 +260,9 @@ class Worker:
             self.metrics.lost.labels("outcome").inc()
             log.error("outcome of %s not reported: %s", lease.request_id, exc)
             return
-        await self._post(lease, ep, result.value, result.advantage)
+        delivery = asyncio.create_task(self._post(lease, ep, result.value, result.advantage))
+        self.deliveries.add(delivery)
+        delivery.add_done_callback(self.deliveries.discard)
 
     async def _release(self, lease: Lease) -> None:
         try:

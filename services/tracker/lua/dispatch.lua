@@ -1,9 +1,19 @@
 -- ARGV: prefix, stream start, seed, prior mass, worker_id, policy_version, max_requests,
--- idempotency_key, then max_requests draws; the j-th task popped keeps draw j for its return.
--- Reclaims expired leases, then pops the smallest race keys; the race clock moves to the last.
+-- idempotency_key, ttl_ms, then max_requests draws; the j-th task popped keeps draw j for its
+-- return. Reclaims expired leases, then pops the smallest race keys; the race clock moves to the
+-- last. The idempotency record (and every request that finishes here) is kept for ttl_ms.
 local missing = need_run()
 if missing then return missing end
-local worker, version, k, idem = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+local worker, idem = ARGV[5], ARGV[8]
+local version = whole(ARGV[6], 0, MAX_VERSION)
+if not version then return invalid('policy_version', ARGV[6]) end
+local k = whole(ARGV[7], 1, MAX_REQUESTS)
+if not k or #ARGV ~= 9 + k then return invalid('max_requests', ARGV[7]) end
+local ttl_ms = whole(ARGV[9], 1, 1e12)
+if not ttl_ms then return invalid('ttl_ms', ARGV[9]) end
+if worker == '' or idem == nil then return invalid('worker_id', worker) end
+local bad = bad_draws(10, k)
+if bad then return bad end
 local fingerprint = worker .. '\31' .. ARGV[6] .. '\31' .. ARGV[7]
 local idem_key = P .. 'idem:' .. idem
 if idem ~= '' then
@@ -29,7 +39,12 @@ local now = now_ms()
 local clock, floor = hnum(RUN, 'clock'), hnum(RUN, 'floor')
 local expired = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now, 'LIMIT', 0, 4096)
 for _, rid in ipairs(expired) do
-  expire(rid, load_req(rid), clock, floor)
+  local req = load_req(rid)
+  if req then
+    expire(rid, req, clock, floor, ttl_ms)
+  else
+    redis.call('ZREM', LEASES, rid) -- no record to reclaim from (cannot happen: leases never expire)
+  end
 end
 local popped = redis.call('ZPOPMIN', IDLE, k)
 local lease_ms = hnum(RUN, 'lease_ms')
@@ -43,7 +58,7 @@ for i = 1, #popped, 2 do
   local value = fmt(a / (a + b))
   local rid = 'r' .. redis.call('HINCRBY', RUN, 'reqseq', 1)
   redis.call('HSET', req_key(rid), 'task', tid, 'ver', version, 'value', value, 'exp', exp,
-    'state', 'leased', 'worker', worker, 'E', ARGV[8 + (i + 1) / 2])
+    'state', 'leased', 'worker', worker, 'E', ARGV[9 + (i + 1) / 2])
   redis.call('ZADD', LEASES, exp, rid)
   redis.call('HSET', tk, 'req', rid)
   redis.call('HINCRBY', tk, 'dispatches', 1)
@@ -55,6 +70,7 @@ redis.call('HINCRBY', RUN, 'draws', #out)
 local resp = { policy_version = version, snapshot = snapshot, requests = out }
 if idem ~= '' then
   redis.call('HSET', idem_key, 'fp', fingerprint, 'resp', cjson.encode(resp))
+  redis.call('PEXPIRE', idem_key, ttl_ms)
 end
 resp.draws_used = #out
 return ok(resp)

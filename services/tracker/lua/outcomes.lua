@@ -1,10 +1,18 @@
--- ARGV: prefix, then (request_id, reward) pairs. Checked whole (404 before 409), then applied.
+-- ARGV: prefix, ttl_ms, then (request_id, reward) pairs. Checked whole (422, then 404 before 409),
+-- then applied. A reported request's record is kept for ttl_ms: a repeat of the same report
+-- answers the same meanwhile.
 local missing = need_run()
 if missing then return missing end
-local n = (#ARGV - 1) / 2
+local ttl_ms = whole(ARGV[2], 1, 1e12)
+if not ttl_ms then return invalid('ttl_ms', ARGV[2]) end
+local n = (#ARGV - 2) / 2
+if n < 1 or n ~= math.floor(n) or n > MAX_BATCH then return invalid('outcome count', n) end
+for i = 0, n - 1 do
+  if not within(ARGV[4 + 2 * i], 0, 1) then return invalid('reward of ' .. ARGV[3 + 2 * i], ARGV[4 + 2 * i]) end
+end
 local reqs, unknown = {}, {}
 for i = 0, n - 1 do
-  local rid = ARGV[2 + 2 * i]
+  local rid = ARGV[3 + 2 * i]
   local req = load_req(rid)
   if not req then table.insert(unknown, rid) end
   reqs[rid] = req
@@ -15,7 +23,7 @@ end
 local now = now_ms()
 local pending, bad_reward, not_live = {}, {}, {}
 for i = 0, n - 1 do
-  local rid, reward = ARGV[2 + 2 * i], tonumber(ARGV[3 + 2 * i])
+  local rid, reward = ARGV[3 + 2 * i], tonumber(ARGV[4 + 2 * i])
   local req = reqs[rid]
   local known = pending[rid] or (req.state == 'reported' and tonumber(req.reward))
   if known then
@@ -36,12 +44,14 @@ local spopp = redis.call('HGET', RUN, 'recipe') == 'spopp'
 local lam, clock, floor = hnum(RUN, 'lam'), hnum(RUN, 'clock'), hnum(RUN, 'floor')
 local applied, results = 0, {}
 for i = 0, n - 1 do
-  local rid, reward = ARGV[2 + 2 * i], tonumber(ARGV[3 + 2 * i])
+  local rid, reward = ARGV[3 + 2 * i], tonumber(ARGV[4 + 2 * i])
   local req = reqs[rid]
   if req.state == 'leased' then
     local tk = task_key(req.task)
     if spopp then
       -- Event-time placement at the request's own policy coordinate (eq. 3, incremental form).
+      -- z <= version * lam stays finite; the shrink and the weight lie in [0, 1], and after a
+      -- shrink the new term has weight 1, so a + b >= min(a0 + b0, 1) > 0 ever after.
       local z = tonumber(req.ver) * lam
       local a, b, zr = hnum(tk, 'a'), hnum(tk, 'b'), hnum(tk, 'zr')
       if z > zr then
@@ -52,8 +62,8 @@ for i = 0, n - 1 do
       a, b = a + w * reward, b + w * (1 - reward)
       redis.call('HSET', tk, 'a', fmt(a), 'b', fmt(b), 'zr', fmt(zr))
     end
-    redis.call('HSET', req_key(rid), 'state', 'reported', 'reward', ARGV[3 + 2 * i])
-    redis.call('ZREM', LEASES, rid)
+    redis.call('HSET', req_key(rid), 'reward', ARGV[4 + 2 * i])
+    finish(rid, 'reported', ttl_ms)
     redis.call('HINCRBY', tk, 'outcomes', 1)
     make_idle(req.task, tonumber(req.E), clock, floor)
     req.state = 'reported'

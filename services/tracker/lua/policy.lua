@@ -1,7 +1,9 @@
 -- ARGV: prefix, version, snapshot. Advances the policy clock by exactly one version.
 local missing = need_run()
 if missing then return missing end
-local version, snapshot = tonumber(ARGV[2]), ARGV[3]
+local version, snapshot = whole(ARGV[2], 1, MAX_VERSION), ARGV[3]
+if not version then return invalid('version', ARGV[2]) end
+if snapshot == nil or snapshot == '' or #snapshot > MAX_SNAPSHOT_CHARS then return invalid('snapshot', '') end
 local current = hnum(RUN, 'version')
 local cur_snap = redis.call('HGET', RUN, 'snapshot') or ''
 if version == current + 1 then

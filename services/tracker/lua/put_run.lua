@@ -1,5 +1,22 @@
 -- ARGV: prefix, run, config_json, then field/value pairs of the run's derived settings
 -- (recipe, lam, floor, lease_ms, seed, prior_mass, d_half, rho_min, rho_max, snapshot).
+-- Every field is checked against the LIMITS before the run is written.
+if (#ARGV - 3) % 2 ~= 0 then return invalid('field/value pairs', #ARGV) end
+local f = {}
+for i = 4, #ARGV, 2 do f[ARGV[i]] = ARGV[i + 1] end
+if f.recipe ~= 'spopp' and f.recipe ~= 'spo' then return invalid('recipe', f.recipe) end
+if not positive(f.lam, MAX_LAM) then return invalid('lam', f.lam) end
+if not positive(f.floor, 1) then return invalid('floor', f.floor) end
+if not whole(f.lease_ms, MIN_LEASE_MS, MAX_LEASE_MS) then return invalid('lease_ms', f.lease_ms) end
+if type(f.seed) ~= 'string' or not string.match(f.seed, '^%d+$') or #f.seed > 19 then
+  return invalid('seed', f.seed)
+end
+if not within(f.prior_mass, MIN_PRIOR_MASS, MAX_PRIOR) then return invalid('prior_mass', f.prior_mass) end
+if not within(f.d_half, MIN_D_HALF, MAX_D_HALF) then return invalid('d_half', f.d_half) end
+local rmin, rmax = within(f.rho_min, MIN_RHO, 1), within(f.rho_max, MIN_RHO, 1)
+if not rmin or not rmax or rmin > rmax then return invalid('rho_min/rho_max', f.rho_min) end
+if f.snapshot == nil or #f.snapshot > MAX_SNAPSHOT_CHARS then return invalid('snapshot', '') end
+if ARGV[2] == nil or ARGV[3] == nil then return invalid('run and config', '') end
 local existing = redis.call('HGET', RUN, 'config')
 if existing then
   if existing == ARGV[3] then return ok({ created = 0 }) end

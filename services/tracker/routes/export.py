@@ -1,8 +1,14 @@
-"""GET /v1/runs/{run}/export: every task's evidence as JSON lines, streamed."""
+"""GET /v1/runs/{run}/export: every task's evidence as JSON lines, streamed.
+
+Every line is strict JSON (RFC 8259: no NaN or Infinity). The API's bounds keep every number
+finite; should a stored value not be (state written before those bounds), it is exported as null
+rather than as a token that JSON parsers refuse.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
@@ -10,6 +16,11 @@ from fastapi.responses import StreamingResponse
 from ..deps import RunName, StoreDep
 
 router = APIRouter(tags=["export"])
+
+
+def _line(row: dict) -> str:
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
 
 
 @router.get("/runs/{run}/export", response_class=StreamingResponse)
@@ -20,8 +31,8 @@ async def export(run: RunName, store: StoreDep) -> StreamingResponse:
 
     async def lines():
         if first is not None:
-            yield json.dumps(first) + "\n"
+            yield _line(first)
         async for row in rows:
-            yield json.dumps(row) + "\n"
+            yield _line(row)
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
