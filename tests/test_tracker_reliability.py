@@ -189,59 +189,17 @@ def _script_cases(store: Store, run: str, rids: list[str]):
         "dispatch version 2^53": lambda: store._call(
             "dispatch", run, "0", "0", "8.0", "w", str(2**53), "1", "", "1000", "1.0"
         ),
-        "put_run inf lam": lambda: store._call(
-            "put_run",
-            run + "-new",
-            run + "-new",
-            "{}",
-            "recipe",
-            "spo",
-            "lam",
-            "inf",
-            "floor",
-            "0.05",
-            "lease_ms",
-            "1000",
-            "seed",
-            "0",
-            "prior_mass",
-            "8.0",
-            "d_half",
-            "0.06",
-            "rho_min",
-            "0.875",
-            "rho_max",
-            "0.96",
-            "snapshot",
-            "",
-        ),  # fmt: skip
-        "put_run prior mass 1e308": lambda: store._call(
-            "put_run",
-            run + "-new",
-            run + "-new",
-            "{}",
-            "recipe",
-            "spo",
-            "lam",
-            "0.1",
-            "floor",
-            "0.05",
-            "lease_ms",
-            "1000",
-            "seed",
-            "0",
-            "prior_mass",
-            "1e308",
-            "d_half",
-            "0.06",
-            "rho_min",
-            "0.875",
-            "rho_max",
-            "0.96",
-            "snapshot",
-            "",
-        ),  # fmt: skip
+        "put_run inf lam": lambda: _put_run(store, run + "-new", lam="inf"),
+        "put_run prior mass 1e308": lambda: _put_run(store, run + "-new", prior_mass="1e308"),
     }
+
+
+def _put_run(store: Store, run: str, **bad):
+    fields = {
+        "recipe": "spo", "lam": "0.1", "floor": "0.05", "lease_ms": "1000", "seed": "0", "prior_mass": "8.0",
+        "d_half": "0.06", "rho_min": "0.875", "rho_max": "0.96", "snapshot": "", **bad,
+    }  # fmt: skip
+    return store._call("put_run", run, run, "{}", *[x for kv in fields.items() for x in kv])
 
 
 async def _dispatch_bad_draw(store: Store, run: str):
@@ -322,6 +280,18 @@ def test_export_is_strict_json_at_the_extremes(tracker, client, run_name):
             for key in ("alpha", "beta", "value"):
                 assert isinstance(row[key], float | int) and math.isfinite(row[key]), row
             assert 0.0 <= row["value"] <= 1.0
+
+
+def test_export_of_state_written_before_the_bounds_is_still_json(tracker, client, make_run, rdb):
+    """A run damaged by the old unbounded API (a task whose alpha is inf) still exports strict
+    JSON: the numbers that are not finite come out as null."""
+    run = make_run(
+        tasks=[{"task_id": "ok", "alpha0": 1, "beta0": 3}, {"task_id": "bad", "alpha0": 1, "beta0": 1}]
+    )
+    rdb.hset(prefix(run) + "t:bad", mapping={"a": "inf", "a0": "inf"})
+    rows = {r["task_id"]: r for r in _export_lines(tracker.url, run)}
+    assert rows["ok"]["value"] == 0.25
+    assert rows["bad"]["alpha"] is None and rows["bad"]["value"] is None and rows["bad"]["beta"] == 1.0
 
 
 # -- 2. the embedded Redis is supervised ------------------------------------------------------

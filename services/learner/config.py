@@ -33,7 +33,13 @@ class LearnerSettings(Settings):
         3, ge=1, le=10_000, description="snapshots kept on disk: the newest K, and any an evaluator holds"
     )
     checkpoints: Path = Field(Path("spopp-data/checkpoints"), description="training state for --resume")
-    checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="updates between checkpoints")
+    checkpoint_every: int = Field(
+        10,
+        ge=1,
+        le=1_000_000,
+        description="updates between checkpoints besides those of every publish (each published "
+        "version is checkpointed before it is announced, so --resume works after a crash anywhere)",
+    )
     log_dir: Path = Field(Path("spopp-data/logs"), description="metrics.jsonl and TensorBoard events")
     host: str = Field("127.0.0.1", description="address of POST /v1/trajectories (rank 0)")
     port: int = Field(8100, ge=0, le=65535, description="port of POST /v1/trajectories and /metrics")

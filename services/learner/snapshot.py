@@ -136,10 +136,25 @@ def prune_snapshots(root: str | Path, keep: int, now: float | None = None) -> li
             ", ".join(h.holder for h in holds),
         )
     for p in doomed:
-        # Rename first: a reader never finds a vNNNNNN folder with files missing.
-        trash = p.with_name(p.name + ".del")
-        p.rename(trash)
-        shutil.rmtree(trash)
+        _delete(p)
+    return doomed
+
+
+def _delete(folder: Path) -> None:
+    # Rename first: a reader never finds a vNNNNNN folder with files missing.
+    trash = folder.with_name(folder.name + ".del")
+    folder.rename(trash)
+    shutil.rmtree(trash)
+
+
+def discard_unannounced(root: str | Path, announced: int) -> list[Path]:
+    """Delete snapshots above version `announced`, the tracker's: a learner killed after writing
+    one and before checkpointing it leaves a folder no replica can have loaded (replicas load
+    only what the tracker announces), which the resumed learner writes again with its own
+    weights. Answers the deleted paths."""
+    doomed = [p for v, p in list_snapshots(root) if v > announced]
+    for p in doomed:
+        _delete(p)
     return doomed
 
 

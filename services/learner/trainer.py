@@ -25,11 +25,12 @@ from spopp.client import TrackerClient
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import LearnerSettings
 from .engine import build_engine, init_distributed
+from .failpoints import failpoint
 from .ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from .logprobs import token_logprobs
 from .logs import MetricsLog
 from .metrics import LearnerMetrics
-from .snapshot import publish_snapshot
+from .snapshot import discard_unannounced, publish_snapshot
 from .spo import SpoDriftCache
 from .update import run_update
 
@@ -54,12 +55,12 @@ class Learner:
     optimizer, step, policy version, RNG, SPO cache, buffered trajectories); with none there it
     starts fresh from `cfg.model` (logged as a warning).
 
-    A checkpoint is written after every `checkpoint_every`-th update, after that update's publish,
-    so the version it holds is the published one. Updates published after the last checkpoint are
-    lost to a crash: on resume, if the tracker's policy is ahead of the checkpoint, ResumeError.
-    checkpoint_every = updates_per_publish checkpoints right after every publish, which leaves only
-    the moment between a publish and its checkpoint; with updates_per_publish x k (k > 1) a crash
-    after any of the k - 1 unchecked publishes needs the recovery the error describes.
+    Publishing is one step that a crash anywhere leaves resumable: the snapshot folder is written,
+    then a checkpoint of the new version's training state, then the tracker is told. Killed
+    before the checkpoint, the learner resumes from the previous one and the unannounced folder,
+    which no replica can have loaded, is discarded; killed between checkpoint and announcement, it
+    resumes and announces again (the tracker takes the same version and snapshot twice as one).
+    Besides every publish, `checkpoint_every` adds checkpoints between publishes.
     """
 
     def __init__(self, cfg: LearnerSettings, resume: bool = False) -> None:
@@ -89,6 +90,9 @@ class Learner:
         self.resumed_from: str | None = None
         if resume:
             self._resume(tracker_version=self.version)
+        if self.rank == 0:
+            for gone in discard_unannounced(cfg.snapshots, self.version):
+                log.warning("removed %s: written but never announced before a crash", gone)
 
     # -- checkpoints -------------------------------------------------------------------------
     def _resume(self, tracker_version: int) -> None:
@@ -98,23 +102,15 @@ class Learner:
             log.warning("--resume: no checkpoint under %s; starting fresh", self.cfg.checkpoints)
             return
         where = Path(self.cfg.checkpoints) / state["tag"]
-        if state["version"] != tracker_version:
-            current = None
-            if self.rank == 0:
-                try:
-                    current = self.tracker.policy(self.cfg.run).snapshot
-                except Exception:  # the message matters more than the detail
-                    current = None
-            current = current or f"{self.cfg.snapshots}/v{tracker_version:06d}"
+        announce = state["version"] == tracker_version + 1 and state.get("snapshot")
+        if state["version"] != tracker_version and not announce:
             if tracker_version > state["version"]:
                 why = (
-                    "versions were published after the last checkpoint and their training state is "
-                    "lost; resuming would publish a different policy under version numbers the "
-                    f"rollouts already used. To recover, start a new run whose model is the current "
-                    f"snapshot ({current}), the tracker's current policy. To avoid it, set "
-                    "checkpoint_every = updates_per_publish (every publish is checkpointed right "
-                    "after it); with checkpoint_every = updates_per_publish x k, k > 1, a crash "
-                    "after an unchecked publish lands here."
+                    "the tracker has versions this checkpoint never saw: the checkpoint folder is "
+                    "not the one this run wrote (every publish is checkpointed before it is "
+                    "announced), or its newest checkpoints were lost. Resuming would publish a "
+                    "different policy under version numbers the rollouts already used; start a "
+                    "new run from the tracker's current snapshot instead."
                 )
             else:
                 why = "the tracker is behind the checkpoint: wrong run, or wrong tracker?"
@@ -127,7 +123,18 @@ class Learner:
         self.buffer.restore(state["buffer"])
         if self.spo is not None and state.get("spo") is not None:
             self.spo.restore(state["spo"])
+        self.snapshot = state.get("snapshot")
         self.resumed_from = str(where)
+        if self.metrics is not None:
+            self.metrics.rewind(self.step, state.get("record"))
+        if announce and self.rank == 0:
+            # Killed between the checkpoint and the announcement: announce now (idempotent).
+            log.info(
+                "announcing policy version %d (%s), checkpointed before the crash",
+                self.version,
+                self.snapshot,
+            )
+            self.tracker.publish(self.cfg.run, self.version, self.snapshot)
         log.info(
             "resumed from %s: update %d, policy version %d (%.2fs)",
             where,
@@ -136,13 +143,17 @@ class Learner:
             time.perf_counter() - t0,
         )
 
-    def checkpoint(self) -> float:
+    def checkpoint(self, record: dict | None = None) -> float:
+        """Save the training state; `record` is this update's metrics record, kept so that a
+        learner killed before writing it to the log writes it on resume."""
         t0 = time.perf_counter()
         state = None
         if self.rank == 0:
             state = {
+                "record": record,
                 "step": self.step,
                 "version": self.version,
+                "snapshot": self.snapshot,
                 "run": self.cfg.run,
                 "spo": self.spo.state() if self.spo is not None else None,
                 "buffer": self.buffer.state(),
@@ -234,15 +245,15 @@ class Learner:
             batch_wait_s=waited,
         )
         if self.step % self.cfg.updates_per_publish == 0:
-            stats["publish_s"] = self.publish()
-        if self.step % self.cfg.checkpoint_every == 0:  # after the publish: it saves that version
-            stats["checkpoint_s"] = self.checkpoint()
+            stats.update(self.publish(record={"step": self.step, "time": time.time(), **stats}))
+        elif self.step % self.cfg.checkpoint_every == 0:
+            stats["checkpoint_s"] = self.checkpoint(record={"step": self.step, "time": time.time(), **stats})
         if self.metrics is not None:
             self.metrics.write(self.step, stats)
         return stats
 
-    def publish(self) -> float:
-        """Snapshot the weights as the next version, then advance the tracker's clock."""
+    def publish(self, record: dict | None = None) -> dict[str, float]:
+        """Snapshot the weights as the next version, checkpoint, then advance the tracker's clock."""
         t0 = time.perf_counter()
         version = self.version + 1
         path = publish_snapshot(
@@ -253,16 +264,23 @@ class Learner:
             keep=self.cfg.keep_snapshots,
             step=self.step,
         )
+        failpoint("after_snapshot", self.step)
         if self.rank == 0:
             self.snapshot = str(Path(path).resolve())
-            self.tracker.publish(self.cfg.run, version, self.snapshot)
         self.version = version
         self.buffer.advance(version)
+        publish_s = time.perf_counter() - t0
+        checkpoint_s = self.checkpoint(record)
+        failpoint("after_checkpoint", self.step)
+        t1 = time.perf_counter()
+        if self.rank == 0:
+            self.tracker.publish(self.cfg.run, version, self.snapshot)
+        failpoint("after_announce", self.step)
         if dist.get_world_size() > 1:
             dist.barrier()
-        elapsed = time.perf_counter() - t0
-        self.prometheus.publish_seconds.observe(elapsed)
-        return elapsed
+        publish_s += time.perf_counter() - t1
+        self.prometheus.publish_seconds.observe(publish_s)
+        return {"publish_s": publish_s, "checkpoint_s": checkpoint_s}
 
     def run(self) -> None:
         self.serve()
