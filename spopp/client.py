@@ -24,6 +24,7 @@ from .retry import DEFAULT_RETRY_SECONDS, RETRYABLE_ERRORS, RETRYABLE_STATUS, Re
 from .tracker_api import (
     ConsumeResult,
     Dispatched,
+    LookupResult,
     OutcomeResult,
     Policy,
     PutTasksResult,
@@ -148,6 +149,12 @@ class _Api:
     def release(self, run: str, request_id: str) -> Any:
         path = f"/v1/runs/{run}/requests/{request_id}/release"
         return self._do(_Call("POST", path, None, RequestState.model_validate))
+
+    def lookup(self, run: str, request_ids: Iterable[str]) -> Any:
+        """What the tracker knows of each request id (RequestInfo, in order)."""
+        body = {"request_ids": list(request_ids)}
+        parse = lambda data: LookupResult.model_validate(data).requests  # noqa: E731
+        return self._do(_Call("POST", f"/v1/runs/{run}/requests/lookup", body, parse))
 
     def values(self, run: str, task_ids: Iterable[str]) -> Any:
         body = {"task_ids": list(task_ids)}

@@ -218,6 +218,24 @@ class RequestState(BaseModel):
     lease_expires_at: str
 
 
+class LookupBody(_Body):
+    request_ids: list[Id] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class RequestInfo(BaseModel):
+    """What the tracker knows of a request id: `unknown` when this run never issued it (or its
+    record expired after the run's idempotency time)."""
+
+    request_id: str
+    state: Literal["leased", "reported", "released", "expired", "unknown"]
+    task_id: str | None = None
+    policy_version: int | None = None
+
+
+class LookupResult(BaseModel):
+    requests: list[RequestInfo]
+
+
 class ValuesBody(_Body):
     task_ids: list[Id] = Field(min_length=1, max_length=MAX_BATCH)
 

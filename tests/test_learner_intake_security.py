@@ -313,7 +313,7 @@ def test_real_learner_keeps_training_through_hostile_trajectories(
     client.put_run(run_name, {"recipe": "spopp", "lease_seconds": 30, "base_snapshot": str(tiny_model)})
     config, port = learner_config(
         tmp_path, tracker.url, tiny_model, run_name, batch_size=B, mini_batches=2, micro_batch_size=2,
-        max_updates=2, checkpoint_every=1, lr=1e-4,
+        max_updates=2, checkpoint_every=1, lr=1e-4, verify_requests=False,  # request ids made up here
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     trajs, _ = make_batch(tiny_model, n=B)

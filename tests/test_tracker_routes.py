@@ -190,3 +190,22 @@ def test_health_ready_metrics(tracker, client, make_run):
     assert "spopp_tracker_request_seconds_bucket" in text
     assert 'spopp_tracker_requests_total{method="POST"' in text
     assert httpx.get(tracker.url + "/docs").status_code == 200
+
+
+def test_lookup_tells_each_request_state(client, make_run, tracker):
+    run = make_run(lease_seconds=60, tasks=[{"task_id": f"q{i}", "alpha0": 1, "beta0": 1} for i in range(3)])
+    a, b, c = client.dispatch(run, "w", 0, max_requests=3).requests
+    client.outcomes(run, [(a.request_id, 1.0)])
+    client.release(run, b.request_id)
+    got = client.lookup(run, [a.request_id, b.request_id, c.request_id, "never-issued"])
+    assert [(r.request_id, r.state) for r in got] == [
+        (a.request_id, "reported"), (b.request_id, "released"), (c.request_id, "leased"), ("never-issued", "unknown"),
+    ]  # fmt: skip
+    assert (got[0].task_id, got[0].policy_version) == (a.task_id, 0)
+    assert got[3].task_id is None and got[3].policy_version is None
+    # Bad input: an empty list is 422, an unknown run 404; nothing is written either way.
+    r = httpx.post(f"{tracker.url}/v1/runs/{run}/requests/lookup", json={"request_ids": []})
+    assert r.status_code == 422
+    with pytest.raises(TrackerError) as err:
+        client.lookup(run + "-nope", ["x"])
+    assert err.value.status == 404

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from .base import Environment
 
-ENVIRONMENTS = ("math-tir",)
+ENVIRONMENTS = ("math-tir", "toy-calc")
 
 
 def env_factory(name: str) -> Callable[[], Environment]:
@@ -26,4 +26,9 @@ def env_factory(name: str) -> Callable[[], Environment]:
             return MathTIREnv(SandboxConfig())
 
         return make
+    if name == "toy-calc":
+        # No machine dependency: the tool is evaluated in-process by a tiny integer parser.
+        from .toy_calc import ToyCalcEnv
+
+        return ToyCalcEnv
     raise ValueError(f"unknown environment {name!r}; expected one of {', '.join(ENVIRONMENTS)}")

@@ -47,6 +47,13 @@ class LearnerSettings(Settings):
         64 * 1024 * 1024, ge=1024, le=1 << 31, description="larger trajectory bodies get 413"
     )
 
+    verify_requests: bool = Field(
+        True,
+        description="before training on a batch, check with the tracker that each trajectory's "
+        "request was issued for this run, for its task and version, and reported; others are "
+        "dropped (logged, counted)",
+    )
+
     # -- the recipe ----------------------------------------------------------------------------
     recipe: Literal["spopp", "spo"] = Field("spopp", description="must match the tracker run's recipe")
     normalization: Literal["token", "trajectory"] = Field(

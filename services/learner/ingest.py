@@ -144,6 +144,22 @@ class TrajectoryBuffer:
             self._taken += n
             return out
 
+    def putback(self, items: list[Trajectory]) -> None:
+        """Return taken trajectories to the front, in their order (a batch screened short)."""
+        with self._cond:
+            self._items = list(items) + self._items
+            self._taken -= len(items)
+            self._cond.notify_all()
+
+    def forget(self, request_ids) -> None:
+        """Drop trajectories found untrainable after their intake: their places in this version's
+        batches go to later arrivals."""
+        with self._cond:
+            gone = set(request_ids)
+            self._items = [t for t in self._items if t.request_id not in gone]
+            for rid in gone:
+                self._seen.pop(rid, None)
+
     def advance(self, version: int) -> None:
         """A new policy version is out: what was left of the old one is dropped."""
         with self._cond:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from spopp.advantages import normalize_advantages
-from spopp.client import TrackerClient
+from spopp.client import TrackerClient, TrackerError
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import LearnerSettings
@@ -181,24 +181,59 @@ class Learner:
         log.info("learner intake on %s (run %s, version %d)", self.server.url, self.cfg.run, self.version)
         return self.server.url
 
-    def _next_batch(self) -> tuple[list, float]:
+    def _next_batch(self) -> tuple[list, list[float] | None, float]:
+        """The next B trainable trajectories, broadcast to every rank, with SPO's values read at the
+        tracker before the update (None for SPO++); and the seconds waited for them."""
         t0 = time.perf_counter()
         while True:
-            batch = self.buffer.take(self.cfg.batch_size, timeout=30.0) if self.rank == 0 else None
-            batch = _broadcast(batch if batch is not None else _WAIT)
-            if batch != _WAIT:
-                return batch, time.perf_counter() - t0
+            got = None
+            if self.rank == 0:
+                batch = self.buffer.take(self.cfg.batch_size, timeout=30.0)
+                if batch is not None:
+                    kept, values = self._screen(batch)
+                    if len(kept) == len(batch):
+                        got = (batch, values)
+                    else:  # wait for later arrivals to take the dropped ones' places
+                        self.buffer.putback(kept)
+            got = _broadcast(got if got is not None else _WAIT)
+            if got != _WAIT:
+                return *got, time.perf_counter() - t0
+
+    def _screen(self, batch: list) -> tuple[list, list[float] | None]:
+        """Rank 0: drop what the intake could not judge alone, so that no trajectory stops the
+        learner: requests the tracker never issued for this run (with `verify_requests`), and, for
+        SPO, tasks the tracker does not know (its values call would fail). Answers the kept
+        trajectories and, when none was dropped, SPO's values for them."""
+        bad: dict[str, str] = {}
+        if self.cfg.verify_requests:
+            infos = self.tracker.lookup(self.cfg.run, [t.request_id for t in batch])
+            for t, info in zip(batch, infos, strict=True):
+                if info.state != "reported":
+                    bad[t.request_id] = f"request {info.state}"
+                elif (info.task_id, info.policy_version) != (t.task_id, t.policy_version):
+                    bad[t.request_id] = f"issued for task {info.task_id!r} at version {info.policy_version}"
+        values = None
+        if self.cfg.recipe == "spo" and not bad:
+            try:
+                values = [v.value for v in self.tracker.values(self.cfg.run, [t.task_id for t in batch])]
+            except TrackerError as err:
+                if err.code != "unknown_task":
+                    raise
+                unknown = set(err.detail.get("task_ids", ()))
+                bad = {t.request_id: "unknown task" for t in batch if t.task_id in unknown}
+        if bad:
+            self.buffer.forget(bad)
+            for rid, why in bad.items():
+                log.warning("dropped trajectory %s: %s", rid, why)
+                self.prometheus.refuse("unissued")
+            return [t for t in batch if t.request_id not in bad], None
+        return batch, values
 
     # -- one update --------------------------------------------------------------------------
-    def _advantages(self, batch: list) -> list[float]:
+    def _advantages(self, batch: list, values: list[float] | None) -> list[float]:
         if self.cfg.recipe == "spopp":
             return [float(t.advantage) for t in batch]
-        values = None
-        if self.rank == 0:  # SPO reads the values before the update
-            got = self.tracker.values(self.cfg.run, [t.task_id for t in batch])
-            values = [v.value for v in got]
-        values = _broadcast(values)
-        return [t.reward - v for t, v in zip(batch, values, strict=True)]
+        return [t.reward - v for t, v in zip(batch, values, strict=True)]  # SPO: values pre-update
 
     def _logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Token log-probs of whole sequences under the current weights (SPO's drift)."""
@@ -219,8 +254,8 @@ class Learner:
         return out
 
     def update_once(self) -> dict:
-        batch, waited = self._next_batch()
-        raw = self._advantages(batch)
+        batch, values, waited = self._next_batch()
+        raw = self._advantages(batch, values)
         lengths = [t.action_tokens for t in batch]
         adv = normalize_advantages(
             torch.tensor(raw, dtype=torch.float64), torch.tensor(lengths), measure=self.cfg.normalization
@@ -231,7 +266,14 @@ class Learner:
             drifts = self.spo.after_update(batch, self._logprobs)
             if self.rank == 0:
                 items = [(t.task_id, t.reward, d) for t, d in zip(batch, drifts, strict=True)]
-                self.tracker.consume(self.cfg.run, f"{self.cfg.run}-u{self.step + 1}", items)
+                try:
+                    self.tracker.consume(self.cfg.run, f"{self.cfg.run}-u{self.step + 1}", items)
+                except TrackerError as err:
+                    if err.code != "idempotency_conflict":
+                        raise
+                    # A resumed learner redoing an update whose consume landed before the crash:
+                    # that evidence is in; drifts that differ in the last bits must not stop us.
+                    log.warning("update %d's evidence was already consumed before a restart", self.step + 1)
             stats["drift_mean"] = sum(drifts) / len(drifts)
         self.step += 1
         rewards = [t.reward for t in batch]

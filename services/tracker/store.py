@@ -22,7 +22,9 @@ from spopp.tracker_api import LIMITS, RunConfig, TaskPrior
 
 from .errors import ApiError
 
-_SCRIPTS = ("put_run put_tasks dispatch outcomes renew release consume policy read_tasks read_run").split()
+_SCRIPTS = (
+    "put_run put_tasks dispatch outcomes renew release consume policy read_tasks read_run read_requests"
+).split()
 
 
 def _limits_lua() -> str:
@@ -232,6 +234,18 @@ class Store:
             "policy_version": int(r["ver"]),
             "lease_expires_at": rfc3339(float(r["exp"])),
         }
+
+    async def read_requests(self, run: str, rids: list[str]) -> list[dict]:
+        out = await self._call("read_requests", run, *rids)
+        return [
+            {
+                "request_id": rid,
+                "state": state,
+                "task_id": task or None,
+                "policy_version": int(ver) if int(ver) >= 0 else None,
+            }
+            for rid, state, task, ver, _exp in _list(out["rows"])
+        ]
 
     async def renew(self, run: str, rid: str) -> dict:
         return await self._request("renew", run, rid)

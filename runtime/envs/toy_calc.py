@@ -1,0 +1,271 @@
+"""Toy calculator tool use (`toy-calc`): the CPU demo's task family, where calling the tool really helps.
+
+A task is `a*b+c` (a in 100-999, b and c in 10-99), the prompt is the bare expression and the
+answer its value. An episode: `reset(task)` gives [user]; each model turn must be exactly one block:
+
+* `<code>EXPR</code>` or `<code>print(EXPR)</code>`: the environment evaluates EXPR itself with a
+  tiny integer evaluator (digits, + - *, parentheses, unary minus; never `eval`) and answers with a
+  `tool` message `<out>VALUE</out>`, or `<out>error</out>` for anything else; the episode goes on;
+* `<ans>N</ans>`: the episode ends, reward 1 iff N is the exact integer answer.
+
+Anything else (text around a block, an unclosed block, two blocks) ends the episode with reward 0
+(`finish == "malformed"`): a toy model's only way to earn reward is the clean format. Tool calls
+beyond `max_tool_calls` end it with reward 0 (`finish == "tool_budget"`). Stop strings `</code>` and
+`</ans>` end a turn right after its block, so the model never writes the tool output itself.
+
+Tasks: `generate_toy_calc_tasks(n, seed, split)`. The split is a function of the expression (a hash),
+not of the seed, so train and held-out sets are disjoint for every pair of seeds; the same
+(n, seed, split) gives the same tasks. `write_toy_calc_tasks` writes both as JSONL for `load_tasks`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from ..tasks import write_jsonl
+from .base import Environment, StepResult, Task
+
+__all__ = [
+    "ToyCalcEnv",
+    "ToolError",
+    "evaluate_tool_code",
+    "generate_toy_calc_tasks",
+    "heldout_expression",
+    "write_toy_calc_tasks",
+]
+
+SPLITS = ("train", "heldout")
+# One expression in eight is held out: about 911k of the 7.29M expressions, far more than any run sees.
+HELDOUT_EIGHTHS = 1
+
+MAX_CODE_CHARS = 64
+MAX_DEPTH = 16
+MAX_ABS_VALUE = 10**30
+
+_CODE_RE = re.compile(r"<code>(.*?)</code>", re.DOTALL)
+_ANS_RE = re.compile(r"<ans>(.*?)</ans>", re.DOTALL)
+_PRINT_RE = re.compile(r"print\((.*)\)", re.DOTALL)
+_INT_RE = re.compile(r"-?[0-9]+")
+_TOKEN_RE = re.compile(r"\s*(?:([0-9]+)|(.))", re.DOTALL)
+
+
+class ToolError(ValueError):
+    """The tool code is not an integer expression the calculator accepts."""
+
+
+def _tokens(expr: str) -> list[str]:
+    out = []
+    for m in _TOKEN_RE.finditer(expr):
+        number, char = m.groups()
+        if number is not None:
+            out.append(number)
+        elif char.strip():
+            if char not in "+-*()":
+                raise ToolError(f"unexpected character {char!r}")
+            out.append(char)
+    return out
+
+
+class _Parser:
+    """Recursive descent over: expr = term (('+'|'-') term)*; term = unary ('*' unary)*;
+    unary = '-' unary | atom; atom = INT | '(' expr ')'. Depth and magnitude are capped so that no
+    input can make the environment spend real time or memory."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self.toks = tokens
+        self.i = 0
+
+    def _peek(self) -> str | None:
+        return self.toks[self.i] if self.i < len(self.toks) else None
+
+    def _take(self) -> str:
+        tok = self._peek()
+        if tok is None:
+            raise ToolError("unexpected end of expression")
+        self.i += 1
+        return tok
+
+    @staticmethod
+    def _bounded(v: int) -> int:
+        if abs(v) > MAX_ABS_VALUE:
+            raise ToolError("value too large")
+        return v
+
+    def parse(self) -> int:
+        v = self._expr(0)
+        if self._peek() is not None:
+            raise ToolError(f"unexpected {self._peek()!r}")
+        return v
+
+    def _expr(self, depth: int) -> int:
+        if depth > MAX_DEPTH:
+            raise ToolError("nested too deeply")
+        v = self._term(depth)
+        while self._peek() in ("+", "-"):
+            op = self._take()
+            rhs = self._term(depth)
+            v = self._bounded(v + rhs if op == "+" else v - rhs)
+        return v
+
+    def _term(self, depth: int) -> int:
+        v = self._unary(depth)
+        while self._peek() == "*":
+            self._take()
+            v = self._bounded(v * self._unary(depth))
+        return v
+
+    def _unary(self, depth: int) -> int:
+        if self._peek() == "-":
+            self._take()
+            if depth > MAX_DEPTH:
+                raise ToolError("nested too deeply")
+            return -self._unary(depth + 1)
+        return self._atom(depth)
+
+    def _atom(self, depth: int) -> int:
+        tok = self._take()
+        if tok == "(":
+            v = self._expr(depth + 1)
+            if self._take() != ")":
+                raise ToolError("expected ')'")
+            return v
+        if tok.isdigit():
+            return self._bounded(int(tok))
+        raise ToolError(f"unexpected {tok!r}")
+
+
+def evaluate_tool_code(code: str) -> int:
+    """The value of `EXPR` or `print(EXPR)`; raises ToolError for anything else."""
+    code = code.strip()
+    if len(code) > MAX_CODE_CHARS:
+        raise ToolError(f"code longer than {MAX_CODE_CHARS} characters")
+    m = _PRINT_RE.fullmatch(code)
+    expr = m.group(1) if m else code
+    toks = _tokens(expr)
+    if not toks:
+        raise ToolError("empty expression")
+    return _Parser(toks).parse()
+
+
+class ToyCalcEnv(Environment):
+    name = "toy-calc"
+    stop = ("</code>", "</ans>")
+
+    def __init__(self, *, max_tool_calls: int = 2, system_prompt: str | None = None) -> None:
+        self.max_tool_calls = max_tool_calls
+        self.system_prompt = system_prompt
+        self.task: Task | None = None
+        self.tool_calls = 0
+        self.tool_errors = 0
+        self.turns = 0
+        self.done = False
+
+    def reset(self, task: Task) -> list[dict]:
+        self.task = task
+        self.tool_calls = self.tool_errors = self.turns = 0
+        self.done = False
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return messages + [{"role": "user", "content": task.prompt}]
+
+    def _info(self, **extra: Any) -> dict[str, Any]:
+        return {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "turns": self.turns, **extra}
+
+    def _end(self, reward: float, finish: str) -> StepResult:
+        self.done = True
+        return StepResult([], done=True, reward=reward, info=self._info(finish=finish))
+
+    def step(self, action: str) -> StepResult:
+        if self.task is None or self.done:
+            raise RuntimeError("step() needs a reset() first, and the episode is over")
+        self.turns += 1
+        text = action.strip()
+        ans = _ANS_RE.fullmatch(text)
+        if ans is not None and "<" not in ans.group(1):
+            return self._end(float(_is_exact(ans.group(1), self.task.answer)), "answer")
+        code = _CODE_RE.fullmatch(text)
+        if code is None or "<" in code.group(1):
+            return self._end(0.0, "malformed")
+        if self.tool_calls >= self.max_tool_calls:
+            return self._end(0.0, "tool_budget")
+        self.tool_calls += 1
+        try:
+            out = str(evaluate_tool_code(code.group(1)))
+        except ToolError:
+            self.tool_errors += 1
+            out = "error"
+        message = {"role": "tool", "content": f"<out>{out}</out>"}
+        return StepResult([message], done=False, reward=0.0, info=self._info())
+
+    def close(self) -> None:
+        self.task = None
+        self.done = True
+
+
+def _is_exact(text: str, answer: str | None) -> bool:
+    text = text.strip()
+    if answer is None or not _INT_RE.fullmatch(text):
+        return False
+    return int(text) == int(answer)
+
+
+# -- tasks ------------------------------------------------------------------------------------
+
+
+def heldout_expression(a: int, b: int, c: int) -> bool:
+    """Whether `a*b+c` belongs to the held-out split (a hash of the expression, whatever the seed)."""
+    digest = hashlib.sha1(f"{a}*{b}+{c}".encode()).digest()
+    return digest[0] % 8 < HELDOUT_EIGHTHS
+
+
+def make_task(a: int, b: int, c: int) -> Task:
+    expr = f"{a}*{b}+{c}"
+    split = "heldout" if heldout_expression(a, b, c) else "train"
+    return Task(
+        task_id=f"toycalc-{a}-{b}-{c}",
+        prompt=expr,
+        answer=str(a * b + c),
+        meta={"expression": expr, "split": split},
+    )
+
+
+def sample_operands(rng: random.Random, split: str) -> tuple[int, int, int]:
+    """Operands of one expression of `split`, drawn uniformly from that split."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    want = split == "heldout"
+    while True:
+        a, b, c = rng.randint(100, 999), rng.randint(10, 99), rng.randint(10, 99)
+        if heldout_expression(a, b, c) == want:
+            return a, b, c
+
+
+def generate_toy_calc_tasks(n: int, seed: int = 0, split: str = "train") -> list[Task]:
+    """`n` distinct tasks of `split`; the same (n, seed, split), the same tasks in the same order."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    # A string seed is hashed deterministically by `random` (unlike hash() of a str across runs).
+    rng = random.Random(f"toy-calc:{split}:{seed}")
+    seen: set[tuple[int, int, int]] = set()
+    tasks = []
+    while len(tasks) < n:
+        ops = sample_operands(rng, split)
+        if ops not in seen:
+            seen.add(ops)
+            tasks.append(make_task(*ops))
+    return tasks
+
+
+def write_toy_calc_tasks(
+    folder: str | Path, *, seed: int = 0, n_train: int = 512, n_heldout: int = 128
+) -> tuple[Path, Path]:
+    """Write `train.jsonl` and `heldout.jsonl` under `folder`; returns their paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    train, heldout = folder / "train.jsonl", folder / "heldout.jsonl"
+    write_jsonl(generate_toy_calc_tasks(n_train, seed, "train"), train)
+    write_jsonl(generate_toy_calc_tasks(n_heldout, seed, "heldout"), heldout)
+    return train, heldout
