@@ -112,3 +112,19 @@ class ThreadedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve_in_loop(app, host: str, port: int):
+    """A uvicorn server for a service whose own loop owns SIGTERM and SIGINT (a replica drains its
+    episodes, the evaluator drops its hold): uvicorn's signal capture is left out, so a signal
+    stops the service, which then stops the server. Answers the server; `await server.serve()`."""
+    import contextlib
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return _Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))

@@ -17,6 +17,7 @@ import pytest
 from learner_worker import make_batch
 from procs import cli, learner_config, running
 from prometheus_client.parser import text_string_to_metric_families
+from test_learner_ingest import traj
 
 from services.learner.batch import collate, trainable_tokens
 from services.learner.ingest import IntakeLimits, TrajectoryBuffer, ingest_app
@@ -27,24 +28,6 @@ from spopp.trajectory import Trajectory, count_action_tokens
 TOKEN = "intake-token-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MAX_BODY = 256 * 1024
-
-
-def traj(i, version=0, run="r", **change):
-    body = dict(
-        run=run,
-        request_id=f"q{i}",
-        task_id=f"t{i % 5}",
-        policy_version=version,
-        token_ids=[1, 2, 3, 4],
-        action_mask=[0, 0, 1, 1],
-        rollout_logprobs=[0.0, 0.0, -0.5, -0.25],
-        reward=1.0,
-        value=0.5,
-        advantage=0.5,
-        num_turns=1,
-        finish_reason="done",
-    )
-    return {**body, **change}
 
 
 def long(n):

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import generate_latest
 
+from spopp.asgi import serve_in_loop
 from spopp.client import AsyncTrackerClient, TrackerError
 from spopp.snapshots import (
     Hold,
@@ -286,14 +286,6 @@ class Follower:
         }
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its signal capture: SIGTERM must stop the follower (and drop its hold)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
 def health_app(follower: Follower) -> FastAPI:
     app = FastAPI(title="spopp evaluator")
 
@@ -311,7 +303,7 @@ def health_app(follower: Follower) -> FastAPI:
 async def follow(s: EvaluatorSettings) -> None:
     """The process: the follower loop beside /healthz and /metrics, until done or signalled."""
     follower = Follower(s)
-    server = _Server(uvicorn.Config(health_app(follower), host=s.host, port=s.port, log_level="warning"))
+    server = serve_in_loop(health_app(follower), s.host, s.port)
     http = asyncio.create_task(server.serve())
     main = asyncio.create_task(follower.run())
     loop = asyncio.get_running_loop()

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 
-import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import generate_latest
 
 from runtime.envs import env_factory
 from runtime.envs.base import Task
+from spopp.asgi import serve_in_loop
 
 from .config import RolloutSettings
 from .worker import Worker
@@ -30,14 +29,6 @@ def load_task_table(s: RolloutSettings) -> dict[str, Task]:
     else:
         raise ValueError("give --tasks FILE or --generated-tasks N")
     return {t.task_id: t for t in tasks}
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its signal capture: SIGTERM must drain the worker, not just stop HTTP."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
 
 
 def health_app(worker: Worker) -> FastAPI:
@@ -61,7 +52,7 @@ async def serve(s: RolloutSettings) -> None:
     make_env = env_factory(s.env)
     engine = make_engine(s.engine, s.model, **s.engine_options)
     worker = Worker(s, engine, make_env, tasks)
-    server = _Server(uvicorn.Config(health_app(worker), host=s.host, port=s.port, log_level="warning"))
+    server = serve_in_loop(health_app(worker), s.host, s.port)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(worker.shutdown()))
