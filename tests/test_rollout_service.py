@@ -96,7 +96,16 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
             assert sampled == pytest.approx(new, abs=2e-4)
             assert new != pytest.approx(old, abs=2e-4)
             # Kill the replica while it holds leases: they expire and the tasks come back.
-            _wait(lambda: client.get_run(run_name).counts.in_flight > 0, 60, "a lease in flight")
+            # Frozen first, so that no report lands between the check and the kill.
+            deadline = time.monotonic() + 60
+            while True:
+                proc.send_signal(signal.SIGSTOP)
+                time.sleep(0.3)  # a report already on the wire lands
+                if client.get_run(run_name).counts.in_flight > 0:
+                    break
+                proc.send_signal(signal.SIGCONT)
+                assert time.monotonic() < deadline, "timed out waiting for a lease in flight"
+                time.sleep(0.1)
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
             assert client.get_run(run_name).counts.in_flight > 0

@@ -28,7 +28,6 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 from runtime.agent import Budget, run_episode
 from runtime.chat import ChatRenderer
@@ -149,7 +148,9 @@ def train_cold_start(
         sched.step()
         loss_v = float(loss.detach())
         if log and (step % log_every == 0 or step == steps):
-            log(f"step {step}/{steps}  loss {loss_v:.4f}  lr {sched.get_last_lr()[0]:.2e}  {time.perf_counter() - t0:.1f}s")
+            log(
+                f"step {step}/{steps}  loss {loss_v:.4f}  lr {sched.get_last_lr()[0]:.2e}  {time.perf_counter() - t0:.1f}s"
+            )
     model.eval()
     return {
         "loss": loss_v,
@@ -204,7 +205,9 @@ def evaluate(engine, tasks: list[Task], *, temperature: float = 1.0, seed: int |
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description="Supervised cold start of the toy model on imperfect teacher traces")
+    p = argparse.ArgumentParser(
+        description="Supervised cold start of the toy model on imperfect teacher traces"
+    )
     p.add_argument("--out", required=True, help="model folder to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1000)
@@ -214,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--p-skip", type=float, default=0.3)
     p.add_argument("--p-expr", type=float, default=0.25)
     p.add_argument("--p-result", type=float, default=0.25)
-    p.add_argument("--eval-tasks", type=int, default=128, help="held-out tasks scored after training (0: none)")
+    p.add_argument(
+        "--eval-tasks", type=int, default=128, help="held-out tasks scored after training (0: none)"
+    )
     p.add_argument("--log-every", type=int, default=100)
     a = p.parse_args(argv)
 
@@ -234,7 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
         teacher=teacher, log_every=a.log_every,
     )  # fmt: skip
     out = save_toy_model(model, tok, a.out)
-    print(f"trained in {report['seconds']:.1f}s, teacher success {report['teacher_success']:.3f}; wrote {out}")
+    print(
+        f"trained in {report['seconds']:.1f}s, teacher success {report['teacher_success']:.3f}; wrote {out}"
+    )
     report.update(parameters=n_params, steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed)
     if a.eval_tasks:
         engine = TransformersEngine(out, max_batch=64)

@@ -43,7 +43,10 @@ from spopp.evidence import (
 from spopp.loss import policy_loss
 from tools.cold_start import evaluate, run_episodes
 
-RECIPES = {"spopp": {"normalization": "token", "dual_clip": 2.0}, "spo": {"normalization": "trajectory", "dual_clip": 10.0}}
+RECIPES = {
+    "spopp": {"normalization": "token", "dual_clip": 2.0},
+    "spo": {"normalization": "trajectory", "dual_clip": 10.0},
+}
 
 
 def _pad(seqs: list[list[int]], pad: int):
@@ -124,7 +127,9 @@ def run_probe(
         }
 
     evals = [score(0)]
-    log(f"[{recipe} B={batch_size} lr={lr:g} seed={seed}] update 0: sampled {evals[0]['sampled']:.3f} greedy {evals[0]['greedy']:.3f}")
+    log(
+        f"[{recipe} B={batch_size} lr={lr:g} seed={seed}] update 0: sampled {evals[0]['sampled']:.3f} greedy {evals[0]['greedy']:.3f}"
+    )
     gen_s, train_s, rewards, stats_log = [], [], [], []
     for k in range(1, updates + 1):
         t0 = time.perf_counter()

@@ -80,7 +80,7 @@ class EvaluatorSettings(Settings):
     max_tasks: int | None = Field(
         None, ge=1, le=10_000_000, description="score only the first N tasks of the file"
     )
-    env: Literal["math-tir"] = Field("math-tir", description="environment plug-in")
+    env: Literal["math-tir", "toy-calc"] = Field("math-tir", description="environment plug-in")
     engine: Literal["transformers", "vllm"] = Field(
         "transformers", description="generation engine (transformers: CPU unless engine_options.device)"
     )
