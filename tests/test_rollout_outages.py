@@ -137,3 +137,36 @@ def test_sigterm_stops_a_replica_in_bounded_time_while_the_learner_is_gone(
             for t in generate_arithmetic_tasks(N_TASKS, seed=0)
         ]
     assert not any(t["in_flight"] for t in tasks)
+
+
+@pytest.mark.slow
+def test_a_pruned_snapshot_sends_the_replica_back_to_the_tracker(
+    tiny_model, tracker, client, run_name, tmp_path
+):
+    """A lagging replica told of a version whose folder the learner has since pruned does not
+    exit: it asks the tracker again and loads the version that is there."""
+    from tools.tiny_model import perturb_weights
+
+    _make_run(tracker.url, run_name, tiny_model)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (
+        LearnerSink(run_name) as sink,
+        _replica(tiny_model, tracker.url, sink.url, run_name, port, tmp_path / "r.log") as proc,
+    ):
+        try:
+            sink.wait_for(2, timeout=120)
+            client.publish(run_name, 1, str(tmp_path / "snapshots" / "v000001"))  # never written: pruned
+            deadline = time.monotonic() + 60
+            while _metric(url, "spopp_rollout_weight_reload_failures_total") < 1:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+            snap = perturb_weights(tiny_model, tmp_path / "snapshots" / "v000002", scale=0.5, seed=2)
+            client.publish(run_name, 2, str(snap))
+            sink.version = 2
+            got = sink.wait_for(2, timeout=120, version=2)
+            assert got and httpx.get(url + "/healthz").json()["policy_version"] == 2
+            assert proc.poll() is None
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)

@@ -43,6 +43,11 @@ class RolloutMetrics:
             "spopp_rollout_tracker_errors", "dispatches that failed after the retry bound", registry=r
         )
         self.reloads = Counter("spopp_rollout_weight_reloads", "snapshots loaded", registry=r)
+        self.reload_failures = Counter(
+            "spopp_rollout_weight_reload_failures",
+            "snapshots that failed to load (pruned, unreadable)",
+            registry=r,
+        )
         self.reload_seconds = Histogram("spopp_rollout_reload_seconds", "weight swap time", registry=r)
         self.policy_version = Gauge(
             "spopp_rollout_policy_version", "policy version in the engine", registry=r

@@ -85,7 +85,28 @@ class Worker:
     async def sync_policy(self) -> None:
         """Load the tracker's current snapshot if it is not the one the engine holds."""
         policy = await self.tracker.policy(self.s.run)
-        await self._switch(policy.version, policy.snapshot)
+        await self._follow(policy.version, policy.snapshot)
+
+    async def _follow(self, version: int, snapshot: str | None) -> None:
+        """Switch to `version`; if its snapshot cannot be loaded, ask the tracker again and
+        load what it names then. A replica that lagged (a long drain, an outage) can find the
+        version it was told about already pruned by the learner, which keeps only its newest
+        snapshots; the tracker's current one is there."""
+        while True:
+            try:
+                await self._switch(version, snapshot)
+                return
+            except Exception as exc:  # noqa: BLE001 - any failed load: the weights are unknown now
+                self.version = None
+                log.warning(
+                    "policy v%d (%s) did not load: %s; asking the tracker again", version, snapshot, exc
+                )
+                self.metrics.reload_failures.inc()
+            await asyncio.sleep(self.s.poll_seconds)
+            if self.stopping.is_set():
+                return
+            policy = await self.tracker.policy(self.s.run)
+            version, snapshot = policy.version, policy.snapshot
 
     async def _switch(self, version: int, snapshot: str | None) -> None:
         if version == self.version:
@@ -137,7 +158,7 @@ class Worker:
                     got = d.requests if d is not None else []
                 except StalePolicy as stale:
                     await self._drain()
-                    await self._switch(stale.policy_version, stale.snapshot)
+                    await self._follow(stale.policy_version, stale.snapshot)
                     continue
                 except (TrackerError, httpx.HTTPError) as exc:
                     if isinstance(exc, TrackerError) and exc.status not in RETRYABLE_STATUS:
