@@ -82,18 +82,24 @@ class Manifest:
     step: int | None  # the learner's update count at the publish; None in manifests without it
 
 
-def read_manifest(folder: str | Path) -> Manifest:
-    """The version and step a snapshot's manifest.json names.
-
-    Raises FileNotFoundError when there is none, ValueError when it is not a manifest.
-    """
-    path = Path(folder) / MANIFEST
+def _json_object(path: Path) -> dict:
+    """A file holding one JSON object; ValueError naming the file otherwise (OSError if unreadable)."""
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected an object, got {type(data).__name__}")
+    return data
+
+
+def read_manifest(folder: str | Path) -> Manifest:
+    """The version and step a snapshot's manifest.json names.
+
+    Raises FileNotFoundError when there is none, ValueError when it is not a manifest.
+    """
+    path = Path(folder) / MANIFEST
+    data = _json_object(path)
     version, step = data.get("version"), data.get("step")
     if not _is_int(version) or version < 0:
         raise ValueError(f"{path}: version must be an integer >= 0, got {version!r}")
@@ -169,13 +175,7 @@ def remove_hold(root: str | Path, holder: str) -> bool:
 
 def read_hold(path: str | Path) -> Hold:
     """One hold file; ValueError (or OSError) when it is not a hold."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"expected an object, got {type(data).__name__}")
+    data = _json_object(Path(path))
     fields = {"holder", "from_version", "every", "expires_at"}
     if set(data) != fields:
         raise ValueError(f"expected the keys {sorted(fields)}, got {sorted(data)}")
