@@ -138,10 +138,15 @@ def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
         tiny_model, tracker, sink, run_name, port, tmp_path / "replica.log", "--drain", "abort"
     ) as proc:
         # The learner is not up yet: finished episodes keep their trajectories and retry.
+        # (The POST leaves the episode once its outcome is in, so wait for a retry itself.)
         _wait(lambda: client.get_run(run_name).counts.outcomes >= 2, 180, "outcomes")
+        _wait(
+            lambda: _metric(f"http://127.0.0.1:{port}", "spopp_rollout_learner_retries_total") > 0,
+            60,
+            "a trajectory POST retried",
+        )
         with sink:
             sink.wait_for(3, timeout=180, version=0)
-            assert _metric(f"http://127.0.0.1:{port}", "spopp_rollout_learner_retries_total") > 0
             # Publish while episodes are in flight; abort releases their leases at once (long
             # leases here, so nothing comes back by expiry). Episodes are short: try a few times.
             for version in range(1, 6):
