@@ -14,7 +14,11 @@ from spopp import __version__
 
 def build() -> click.Group:
     from services.evaluator.cli import group as evaluator
+    from services.evaluator.cli import prior_command as prior
+    from services.launch.cli import ablate_command as ablate
+    from services.launch.cli import launch_command as launch
     from services.learner.cli import group as learner
+    from services.report.cli import command as report
     from services.rollout.cli import group as rollout
     from services.tracker.cli import group as tracker
 
@@ -24,8 +28,9 @@ def build() -> click.Group:
         params=[click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True,
                              callback=_print_version, help="print the version and exit")],
     )  # fmt: skip
-    for group in (tracker, rollout, learner, evaluator):
-        app.add_command(group)
+    # The services' groups, then the experiment commands that compose them.
+    for command in (tracker, rollout, learner, evaluator, launch, prior, report, ablate):
+        app.add_command(command)
     return app
 
 

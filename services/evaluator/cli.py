@@ -1,4 +1,5 @@
-"""`spopp evaluator ...`: follow a run and score its snapshots, or score model folders."""
+"""`spopp evaluator ...`: follow a run and score its snapshots, or score model folders; and `spopp prior`,
+the cold-start policy's offline prompt values (the same episodes, on the training tasks)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import click
 from spopp.settings import settings_command
 
 from .config import EvaluatorSettings
+from .prior_config import PriorSettings
 
 
 def _logging() -> None:
@@ -73,6 +75,27 @@ group.add_command(
             )
         ],
     )
+)
+
+
+def _prior(settings: PriorSettings) -> None:
+    from .prior import PriorError, run_prior, summary
+
+    _logging()
+    try:
+        prior = run_prior(settings)
+    except (PriorError, FileExistsError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(summary(prior, settings.out))
+
+
+prior_command = settings_command(
+    PriorSettings,
+    "prior",
+    _prior,
+    help="Offline prompt values: play ROLLOUTS sampled episodes per training task with the cold-start "
+    "policy and write each task's Jeffreys prior (mass PRIOR_MASS) to OUT, the prior file every run of "
+    "a comparison loads. Refuses to replace OUT unless --overwrite.",
 )
 
 if __name__ == "__main__":

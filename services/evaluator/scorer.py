@@ -8,6 +8,10 @@ rollout replicas use, so a held-out score measures the policy as it acts in trai
 
 Sampled episodes get seeds fixed per (task, sample) and equal at every evaluation, so two points
 on the curve differ by their weights, not by sampling noise.
+
+`play(folder, on_episode)` plays the same episodes and hands each to a callback as it ends,
+keeping none: `spopp prior` (prior.py) uses it, greedy off, to count the base policy's successes
+on the training tasks in constant memory.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +48,16 @@ class SnapshotUnreadable(RuntimeError):
 class Scored:
     metrics: dict[str, float]  # flat keys: eval/greedy/success_rate, eval/sampled/pass_at_k, ...
     episodes: list[dict]  # one row per episode, in play order
+
+
+@dataclass(frozen=True)
+class Job:
+    """One episode to play: the task's index, "greedy" or "sample<j>", its seed (None: greedy)."""
+
+    index: int
+    mode: str
+    seed: int | None
+    sampling: SamplingConfig
 
 
 def summarize(episodes: list[tuple[int, Episode]], prefix: str) -> dict[str, float]:
@@ -99,15 +114,33 @@ class Scorer:
         self.loaded: Path | None = model.resolve()
 
     @classmethod
-    async def open(cls, s: EvaluatorSettings, model: str | Path) -> Scorer:
-        """Load the tasks, build the engine on `model` and refuse prompts over the token budget."""
+    async def open(
+        cls,
+        s: EvaluatorSettings,
+        model: str | Path,
+        *,
+        tasks: list[Task] | None = None,
+        engine: Engine | None = None,
+    ) -> Scorer:
+        """Load the tasks, build the engine on `model` and refuse prompts over the token budget.
+
+        `tasks` replaces the task file's (already loaded by the caller); `engine` replaces the
+        engine `s` describes (one already built on `model`, e.g. a test's scripted engine). The
+        scorer owns the engine and closes it (when opening fails too).
+        """
         from runtime.engines.factory import make_engine
 
-        tasks = load_held_out(s)
-        model = check_model_folder(model)
+        try:
+            tasks = load_held_out(s) if tasks is None else tasks
+            model = check_model_folder(model)
+        except BaseException:
+            if engine is not None:
+                await engine.close()
+            raise
         # CPU for transformers unless engine_options says {device: cuda:N}; vLLM takes the GPU
         # that CUDA_VISIBLE_DEVICES gives this process. Either way the GPU is not training's.
-        engine = make_engine(s.engine, model, **s.engine_options)
+        if engine is None:
+            engine = make_engine(s.engine, model, **s.engine_options)
         try:
             scorer = cls(s, engine, tasks, model)
             too_long = prompts_over_budget(tasks, scorer.make_env, scorer.renderer, scorer.budget)
@@ -141,40 +174,68 @@ class Scorer:
         self.loaded = folder
         return time.perf_counter() - t0
 
-    async def score(self, folder: str | Path) -> Scored:
-        """Load `folder` and play the held-out episodes; metrics and one row per episode."""
-        t0 = time.perf_counter()
-        load_s = await self.load(folder)
+    def jobs(self) -> Iterator[Job]:
+        """The episodes of one evaluation in play order: per task, greedy then the samples."""
         s = self.s
-        gate = asyncio.Semaphore(s.concurrency)
+        for i in range(len(self.tasks)):
+            if s.greedy:
+                yield Job(
+                    i, "greedy", None, SamplingConfig(max_tokens=s.max_tokens_per_turn, temperature=0.0)
+                )
+            for j in range(s.samples):
+                seed = sample_seed(s.seed, i, j)
+                sampling = SamplingConfig(
+                    max_tokens=s.max_tokens_per_turn, temperature=s.temperature, top_p=s.top_p, seed=seed
+                )
+                yield Job(i, f"sample{j}", seed, sampling)
 
-        async def play(index: int, sampling: SamplingConfig) -> tuple[int, Episode]:
-            async with gate:
+    def job_count(self) -> int:
+        return len(self.tasks) * (int(self.s.greedy) + self.s.samples)
+
+    async def play(self, folder: str | Path, on_episode: Callable[[int, Job, Episode], None]) -> float:
+        """Load `folder` and play every job, at most `concurrency` in flight, calling
+        `on_episode(position, job, episode)` as each ends; keeps nothing itself, so a caller that
+        needs only rewards plays a million episodes in constant memory. Answers the load seconds."""
+        load_s = await self.load(folder)
+        pending = enumerate(self.jobs())  # shared: each worker takes the next job in play order
+
+        async def worker() -> None:
+            for position, job in pending:
                 env = self.make_env()
                 try:
-                    return index, await run_episode(
-                        self.engine, env, self.tasks[index], self.budget, sampling, self.renderer
+                    episode = await run_episode(
+                        self.engine, env, self.tasks[job.index], self.budget, job.sampling, self.renderer
                     )
                 finally:
                     env.close()
+                on_episode(position, job, episode)
 
-        jobs: list[tuple[str, int | None, asyncio.Task]] = []
         # A TaskGroup: if one episode fails, the others are cancelled before the error leaves, so
         # none of them is still generating when the next evaluation swaps the weights.
         async with asyncio.TaskGroup() as group:
-            for i in range(len(self.tasks)):
-                if s.greedy:
-                    greedy = SamplingConfig(max_tokens=s.max_tokens_per_turn, temperature=0.0)
-                    jobs.append(("greedy", None, group.create_task(play(i, greedy))))
-                for j in range(s.samples):
-                    seed = sample_seed(s.seed, i, j)
-                    sampled = SamplingConfig(
-                        max_tokens=s.max_tokens_per_turn, temperature=s.temperature, top_p=s.top_p, seed=seed
-                    )
-                    jobs.append((f"sample{j}", seed, group.create_task(play(i, sampled))))
-        done = [task.result() for _, _, task in jobs]
-        greedy_eps = [ep for (mode, _, _), ep in zip(jobs, done, strict=True) if mode == "greedy"]
-        sampled_eps = [ep for (mode, _, _), ep in zip(jobs, done, strict=True) if mode != "greedy"]
+            for _ in range(min(self.s.concurrency, self.job_count())):
+                group.create_task(worker())
+        return load_s
+
+    async def score(
+        self, folder: str | Path, on_episode: Callable[[int, Job, Episode], None] | None = None
+    ) -> Scored:
+        """Load `folder` and play the held-out episodes; metrics and one row per episode.
+
+        `on_episode(position, job, episode)` is called as each episode ends (progress)."""
+        t0 = time.perf_counter()
+        played: dict[int, tuple[Job, Episode]] = {}
+
+        def keep(position: int, job: Job, episode: Episode) -> None:
+            played[position] = (job, episode)
+            if on_episode is not None:
+                on_episode(position, job, episode)
+
+        load_s = await self.play(folder, keep)
+        s = self.s
+        results = [played[p] for p in range(len(played))]
+        greedy_eps = [(job.index, ep) for job, ep in results if job.mode == "greedy"]
+        sampled_eps = [(job.index, ep) for job, ep in results if job.mode != "greedy"]
 
         metrics: dict[str, float] = {"eval/tasks": len(self.tasks)}
         metrics.update(summarize(greedy_eps, "eval/greedy"))
@@ -188,16 +249,16 @@ class Scorer:
         tok = self.engine.tokenizer
         rows = [
             {
-                "task_id": self.tasks[i].task_id,
-                "mode": mode,
-                "seed": seed,
+                "task_id": self.tasks[job.index].task_id,
+                "mode": job.mode,
+                "seed": job.seed,
                 "reward": ep.reward,
                 "finish_reason": ep.finish_reason,
                 "turns": ep.num_turns,
                 "response_tokens": ep.generated_tokens,
                 "response": tok.decode(ep.token_ids[ep.prompt_tokens :], skip_special_tokens=False),
             }
-            for (mode, seed, _), (i, ep) in zip(jobs, done, strict=True)
+            for job, ep in results
         ]
         return Scored(metrics=metrics, episodes=rows)
 

@@ -1,0 +1,114 @@
+"""The launcher's child processes: started from one config file each, logged to a file, never orphaned.
+
+Each child runs `python -m services.cli <service> <command> --config <file>` in a session of its
+own, so a Ctrl-C at the terminal reaches only the launcher, which then stops the children in
+order (replicas before the tracker they report to). A launcher that dies without that chance
+(SIGKILL, the OOM killer) takes them with it through the kernel's parent-death signal; each
+service's own children (the embedded redis-server, torchrun's ranks, vLLM's engine core) already
+die with their parent, so nothing is left holding a port, a folder or a GPU. Children are
+stopped by their own pid, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from spopp.lifetime import die_with_parent
+from spopp.settings import API_TOKEN_ENV
+
+
+def _die_with_launcher() -> None:  # runs between fork and exec
+    os.setsid()
+    die_with_parent(signal.SIGKILL)
+
+
+def child_env(token: str | None, devices: str) -> dict[str, str]:
+    """The launcher's environment minus SPOPP_* (each child reads its config file, nothing else),
+    plus the shared token and the child's devices."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = devices
+    if token:
+        env[API_TOKEN_ENV] = token
+    return env
+
+
+class Child:
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("a", buffering=1)
+        self._log.write(
+            f"\n===== spopp launch: {' '.join(args[2:])} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_launcher,
+        )
+        # Killed between the fork and the prctl, the launcher would not signal this child: check.
+        if self.proc.poll() is None and os.getppid() == 1:  # pragma: no cover - a race window
+            self.kill()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-chars:]
+
+    def wait_http(self, url: str, timeout: float, ok=(200,)) -> None:
+        """Wait until `url` answers one of `ok`; RuntimeError if the child exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.poll() is not None:
+                raise ChildFailed(self, f"exited with code {self.poll()} while starting")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=2).status_code in ok:
+                    return
+            time.sleep(0.2)
+        raise ChildFailed(self, f"did not answer {url} within {timeout:.0f} s")
+
+    def stop(self, timeout: float) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout` seconds; answers the exit code."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.poll()
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            self.proc.wait(30)
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, child: Child, what: str) -> None:
+        self.child = child
+        super().__init__(f"{child.name} {what}; the end of {child.log_path}:\n{child.tail()}")

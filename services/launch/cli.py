@@ -1,0 +1,159 @@
+"""`spopp launch CONFIG` (one run) and `spopp ablate CONFIG` (matched arms over seeds, then the report)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from spopp.settings import SettingsError, read_config_file
+
+from .config import LaunchSettings
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+_SET_HELP = (
+    "override one setting, KEY=VALUE with the value read as YAML; a dotted key reaches into a "
+    "section (learner.lr=1e-4, rollout.replicas=2); repeatable; wins over the file and SPOPP_LAUNCH_*"
+)
+
+
+def resolve(config: Path, sets: tuple[str, ...] = (), run_dir: Path | None = None) -> LaunchSettings:
+    """The file, then SPOPP_LAUNCH_<FIELD>, then --set and --run-dir; SettingsError on bad input."""
+    file_values = read_config_file(config)
+    flags: dict[str, Any] = {}
+    for item in sets:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise SettingsError(f"--set {item!r}: expected KEY=VALUE")
+        if "." not in key:
+            flags[key] = raw  # read by the field's type, like a flag (a run named 123 stays text)
+            continue
+        section, *path = key.split(".")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise SettingsError(f"--set {item!r}: the value is not YAML ({exc})") from None
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 3e-4 (no dot) as text
+        base = flags.get(section, file_values.get(section) or {})
+        if not isinstance(base, dict):
+            raise SettingsError(f"--set {item!r}: {section} is not a section of settings")
+        tree = node = dict(base)
+        for part in path[:-1]:
+            node[part] = dict(node.get(part) or {})
+            node = node[part]
+        node[path[-1]] = value
+        flags[section] = tree
+    if run_dir is not None:
+        flags["run_dir"] = str(run_dir)
+    return LaunchSettings.resolve(config, os.environ, flags)
+
+
+def _fail(message: str) -> None:
+    raise click.ClickException(message)
+
+
+def _launch(
+    config: Path, sets: tuple[str, ...], run_dir: Path | None, print_config: bool, check: bool
+) -> None:
+    from .run import Launcher, LaunchError
+
+    try:
+        settings = resolve(config, sets, run_dir)
+    except SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
+    if print_config:
+        click.echo(yaml.safe_dump(settings.redacted(), sort_keys=False), nl=False)
+        return
+    launcher = Launcher(settings, echo=lambda line: click.echo(line, err=False))
+    try:
+        plan = launcher.prepare()
+    except LaunchError as exc:
+        _fail(f"{config}: {exc}")
+    if check:
+        click.echo(f"{config}: good. run {settings.run} ({plan.arm()}) in {plan.run_dir}")
+        click.echo(f"  tracker  port {plan.tracker.port}")
+        click.echo(
+            f"  learner  port {plan.learner.port}, {plan.nproc} rank(s), devices {settings.gpus.learner or 'none'}"
+        )
+        for i, r in enumerate(plan.rollouts):
+            devices = settings.gpus.rollout[i] if i < len(settings.gpus.rollout) else "none"
+            click.echo(f"  {r.worker_id} port {r.port}, devices {devices}")
+        if plan.evaluator is not None:
+            click.echo(f"  evaluator port {plan.evaluator.port}, devices {settings.gpus.evaluator or 'none'}")
+        return
+    raise SystemExit(launcher.run())
+
+
+_CONFIG = click.Argument(["config"], type=click.Path(dir_okay=False, path_type=Path))
+_SET = click.Option(["--set", "sets"], multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
+_PRINT = click.Option(["--print-config"], is_flag=True, help="print the resolved launch config and exit")
+
+launch_command = click.Command(
+    "launch",
+    callback=_launch,
+    params=[
+        _CONFIG,
+        _SET,
+        click.Option(
+            ["--run-dir"], type=click.Path(file_okay=False, path_type=Path), help="the run's folder"
+        ),
+        _PRINT,
+        click.Option(["--check"], is_flag=True, help="check everything and print the plan; start nothing"),
+    ],
+    help="Run one whole training run on this machine from one config file: an embedded Redis and "
+    "the tracker, N rollout replicas, the learner, the evaluator. Progress every few seconds; "
+    "Ctrl-C stops every process; launching the same folder again resumes the run.",
+)
+
+
+def _ablate(config: Path, sets: tuple[str, ...], seeds: str, arms: str, out: Path) -> None:
+    from .compare import ARMS, compare
+    from .run import LaunchError
+
+    try:
+        base = resolve(config, sets)
+        seed_list = [int(x) for x in seeds.split(",") if x.strip()]
+    except SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
+    except ValueError:
+        raise click.UsageError(f"--seeds {seeds!r}: expected integers separated by commas") from None
+    arm_list = [a.strip() for a in arms.split(",") if a.strip()]
+    unknown = [a for a in arm_list if a not in ARMS]
+    if unknown or not arm_list or not seed_list:
+        raise click.UsageError(f"--arms: choose from {', '.join(ARMS)}; --seeds: at least one")
+    try:
+        code = compare(base, arm_list, seed_list, out, echo=click.echo)
+    except (LaunchError, ValueError) as exc:
+        _fail(str(exc))
+    raise SystemExit(code)
+
+
+ablate_command = click.Command(
+    "ablate",
+    callback=_ablate,
+    params=[
+        _CONFIG,
+        _SET,
+        click.Option(["--seeds"], default="0,1,2", show_default=True, help="seeds, comma-separated"),
+        click.Option(
+            ["--arms"],
+            default="spo,spopp-trajnorm,spopp",
+            show_default=True,
+            help="arms, comma-separated: spo, spopp, spopp-trajnorm (spo,spopp is the paired comparison)",
+        ),  # fmt: skip
+        click.Option(
+            ["--out"],
+            type=click.Path(file_okay=False, path_type=Path),
+            required=True,
+            help="folder of the runs (runs/<arm>-s<seed>/) and the report",
+        ),  # fmt: skip
+    ],
+    help="Matched runs of one config: each arm on each seed, all else equal, one after another; "
+    "then `spopp report` over them (Table 1 for SPO vs SPO++, Table 2's C10 when "
+    "spopp-trajnorm is among the arms).",
+)

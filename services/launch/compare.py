@@ -1,0 +1,83 @@
+"""Matched runs: one base config, several arms, several seeds, then `spopp report` over them.
+
+An arm changes the recipe and nothing else (the paper's protocol: same checkpoint, tasks, prior,
+decoding, budget and optimizer):
+
+    spo             recipe spo: drift retention, trajectory normalization, Dual-Clip 10
+    spopp           recipe spopp: event-time evidence, action-token normalization, Dual-Clip 2
+    spopp-trajnorm  SPO++ with trajectory normalization (Table 2's middle arm)
+
+Runs go one after another (each uses the whole machine) into `<out>/runs/<arm>-s<seed>/`, and
+the report (report.json, report.md, curves.png) into `<out>`; an
+interrupted comparison resumes where it stopped, since each finished run says so and each
+unfinished one resumes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import LaunchSettings
+
+ARMS: dict[str, dict[str, Any]] = {
+    "spo": {"recipe": "spo", "learner": {}},
+    "spopp": {"recipe": "spopp", "learner": {}},
+    "spopp-trajnorm": {"recipe": "spopp", "learner": {"normalization": "trajectory"}},
+}
+# Set per arm: a base config that fixed them would make every arm the same recipe.
+ARM_FIELDS = ("normalization", "dual_clip")
+
+
+def arm_settings(base: LaunchSettings, arm: str, seed: int, out: Path) -> LaunchSettings:
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
+    fixed = [k for k in ARM_FIELDS if k in base.learner]
+    if fixed:
+        raise ValueError(
+            f"learner.{', learner.'.join(fixed)} is set in the base config, but each arm sets it (its "
+            "recipe's value): remove it to compare recipes"
+        )
+    spec = ARMS[arm]
+    name = f"{arm}-s{seed}"
+    values = base.model_dump(exclude={"run", "run_dir"})
+    values.update(recipe=spec["recipe"], seed=seed, run=name, run_dir=out / "runs" / name)
+    values["learner"] = {**base.learner, **spec["learner"]}
+    return LaunchSettings.model_validate(values)
+
+
+def compare(base: LaunchSettings, arms: list[str], seeds: list[int], out: Path, echo=print,
+            report_args: tuple[str, ...] = ()) -> int:  # fmt: skip
+    """Run every (seed, arm), then report; answers the exit code."""
+    from .run import Launcher, LaunchError
+
+    planned = [arm_settings(base, arm, seed, out) for seed in seeds for arm in arms]
+    launchers = []
+    for s in planned:  # every run is checked before the first one starts
+        launcher = Launcher(s, echo=echo)
+        try:
+            launcher.prepare()
+        except LaunchError as exc:
+            raise LaunchError(f"{s.run}: {exc}") from None
+        launchers.append(launcher)
+    for n, launcher in enumerate(launchers, 1):
+        echo(f"=== run {n}/{len(launchers)}: {launcher.s.run}")
+        code = launcher.run()
+        if code != 0:
+            echo(
+                f"{launcher.s.run} ended with code {code}; the comparison stops here (launch it again to resume)"
+            )
+            return code
+    args = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "report",
+        str(out / "runs"),
+        "--out",
+        str(out),
+        *report_args,
+    ]
+    return subprocess.run(args).returncode

@@ -1,0 +1,326 @@
+"""`spopp launch`'s config: one file describes a whole run; each service's section is its own settings.
+
+    run: spopp-s0            # name at the tracker (default: <recipe>-s<seed>)
+    run_dir: runs/spopp-s0   # everything the run writes (default: runs/<run>)
+    recipe: spopp            # spopp | spo: the tracker's mode and the learner's recipe
+    seed: 0                  # the tracker's sampler, the replicas' sampling, the learner's torch
+    model: models/cold-start # policy version 0 (a Hugging Face folder)
+    tasks: data/train.jsonl  # training tasks, read by the replicas
+    prior: data/prior.json   # `spopp prior`'s file; unset: a flat Jeffreys prior per task
+    heldout: data/heldout.jsonl  # the evaluator's tasks; unset: no evaluator
+    env: toy-calc
+    updates: 40              # the budget: learner updates
+    run_config: {retention: 0.875, lease_seconds: 900}   # the tracker run's other fields
+    tracker:   {...}         # TrackerSettings fields
+    rollout:   {replicas: 2, concurrency: 8, ...}         # RolloutSettings fields
+    learner:   {nproc: 1, batch_size: 32, lr: 1e-4, ...}  # LearnerSettings fields
+    evaluator: {every: 4, samples: 4, ...}                # EvaluatorSettings fields
+    gpus:      {learner: [0], rollout: [[1], [2]], evaluator: [3]}
+
+A section takes its service's settings, less those the launcher owns (URLs, ports it picks, the
+run folder's paths, the run, model, tasks, seed): those are refused by name, so that a section
+can never point a service at something other than this run. The recipe sets its own defaults
+(normalization token and Dual-Clip 2 for spopp, trajectory and 10 for spo); a section may still
+override them, which is how `spopp ablate` builds SPO++ with trajectory normalization.
+`plan()` turns the file into the exact settings each child process will be started with, so
+every error of every service's settings is found before anything starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from services.evaluator.config import EvaluatorSettings
+from services.learner.config import LearnerSettings
+from services.rollout.config import RolloutSettings
+from services.tracker.config import TrackerSettings
+from spopp.settings import Settings, SettingsError
+from spopp.tracker_api import RunConfig
+
+from .gpus import GpuPlan
+
+# The full recipes of the paper's paired comparison (§5): what each arm's learner defaults to.
+RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "spopp": {"normalization": "token", "dual_clip": 2.0},
+    "spo": {"normalization": "trajectory", "dual_clip": 10.0},
+}
+
+# Fields the launcher sets itself in each section, and why the user may not.
+OWNED: dict[str, dict[str, str]] = {
+    "tracker": {
+        "data_dir": "the embedded Redis lives in <run_dir>/tracker",
+        "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
+    },
+    "rollout": {
+        "model": "use the top-level model",
+        "tracker": "the launcher's tracker",
+        "learner": "the launcher's learner",
+        "run": "use the top-level run",
+        "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
+        "env": "use the top-level env",
+        "tasks": "use the top-level tasks",
+        "generated_tasks": "use the top-level tasks",
+        "worker_id": "replicas are named rollout-0, rollout-1, ...",
+        "seed": "use the top-level seed",
+        "max_episodes": "the budget is `updates`",
+    },
+    "learner": {
+        "run": "use the top-level run",
+        "tracker": "the launcher's tracker",
+        "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
+        "model": "use the top-level model",
+        "snapshots": "snapshots live in <run_dir>/snapshots",
+        "checkpoints": "checkpoints live in <run_dir>/checkpoints",
+        "log_dir": "the learner logs to <run_dir>/learner",
+        "recipe": "use the top-level recipe",
+        "max_updates": "use the top-level updates",
+        "seed": "use the top-level seed",
+    },
+    "evaluator": {
+        "tracker": "the launcher's tracker",
+        "run": "use the top-level run",
+        "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
+        "model": "use the top-level model",
+        "snapshots": "snapshots live in <run_dir>/snapshots",
+        "out_dir": "evaluations live in <run_dir>/eval",
+        "tasks": "use the top-level heldout",
+        "env": "use the top-level env",
+        "until_version": "the launcher stops it after the budget's last version",
+        "holder": "the launcher names its hold",
+    },
+}
+# Keys of a section that belong to the launcher, not to the service's settings.
+LAUNCH_KEYS = {"rollout": {"replicas"}, "learner": {"nproc"}, "evaluator": {"enabled"}}
+SECTIONS = ("tracker", "rollout", "learner", "evaluator")
+
+
+class LaunchSettings(Settings):
+    env_prefix: ClassVar[str] = "SPOPP_LAUNCH_"
+
+    run: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="run name at the tracker; unset: <recipe>-s<seed>",
+    )  # fmt: skip
+    run_dir: Path | None = Field(None, description="folder of everything the run writes; unset: runs/<run>")
+    recipe: Literal["spopp", "spo"] = Field("spopp", description="spopp (SPO++) or spo")
+    seed: int = Field(0, ge=0, lt=2**31, description="seed of the sampler, the sampling and the learner")
+    model: Path = Field(..., description="policy version 0: a Hugging Face model folder")
+    tasks: Path = Field(..., description="training tasks (JSONL/parquet: prompt, answer, task_id)")
+    prior: Path | None = Field(
+        None, description="task prior from `spopp prior`; unset: a flat Jeffreys prior for every task"
+    )
+    heldout: Path | None = Field(None, description="held-out tasks of the evaluator; unset: no evaluator")
+    env: Literal["math-tir", "toy-calc"] = Field("math-tir", description="environment plug-in")
+    updates: int = Field(100, ge=1, le=10_000_000, description="budget: learner updates")
+    api_token: str | None = Field(
+        None, min_length=16, description="bearer token of every service (prefer SPOPP_API_TOKEN)"
+    )
+    run_config: dict = Field(
+        default_factory=dict,
+        description="the tracker run's fields besides recipe, seed and base_snapshot: retention, "
+        "prior_mass, lease_seconds, d_half, rho_min, rho_max",
+    )
+    tracker: dict = Field(default_factory=dict, description="TrackerSettings fields")
+    rollout: dict = Field(default_factory=dict, description="RolloutSettings fields, and replicas: N")
+    learner: dict = Field(default_factory=dict, description="LearnerSettings fields, and nproc: N")
+    evaluator: dict = Field(
+        default_factory=dict, description="EvaluatorSettings fields, and enabled: false to skip it"
+    )
+    gpus: GpuPlan = Field(default_factory=GpuPlan, description="device indices per process")
+    progress_seconds: float = Field(10.0, gt=0, le=3600, description="seconds between progress lines")
+    start_seconds: float = Field(
+        300.0, gt=0, le=86_400, description="how long each service may take to come up"
+    )
+    stop_seconds: float = Field(
+        30.0, gt=0, le=3600, description="how long a service may take to stop before it is killed"
+    )
+    wandb: bool = Field(False, description="also log to Weights & Biases (offline unless WANDB_MODE says)")
+    wandb_project: str = Field("spopp", min_length=1, description="W&B project name")
+
+    @model_validator(mode="after")
+    def _defaults(self) -> LaunchSettings:
+        if self.run is None:
+            self.run = f"{self.recipe}-s{self.seed}"
+        if self.run_dir is None:
+            self.run_dir = Path("runs") / self.run
+        return self
+
+
+@dataclass
+class Plan:
+    """What will be started: every child's settings, already validated."""
+
+    launch: LaunchSettings
+    run_config: RunConfig
+    tracker: TrackerSettings
+    rollouts: list[RolloutSettings]
+    learner: LearnerSettings
+    nproc: int
+    evaluator: EvaluatorSettings | None
+    final_version: int
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.launch.run_dir)
+
+    def identity(self) -> dict[str, Any]:
+        """What makes this the same run: a resume must not change any of it."""
+        s = self.launch
+        return {
+            "run": s.run,
+            "recipe": s.recipe,
+            "normalization": self.learner.normalization,
+            "seed": s.seed,
+            "model": str(Path(s.model).resolve()),
+            "tasks": str(Path(s.tasks).resolve()),
+            "prior": str(Path(s.prior).resolve()) if s.prior else None,
+            "env": s.env,
+            "run_config": self.run_config.model_dump(mode="json"),
+        }
+
+    def arm(self) -> str:
+        """The comparison arm: spo, spopp, or spopp-trajnorm (SPO++ with trajectory normalization)."""
+        if self.launch.recipe == "spo":
+            return "spo"
+        return "spopp" if self.learner.normalization == "token" else "spopp-trajnorm"
+
+
+def _section(name: str, given: dict) -> dict:
+    if not isinstance(given, dict):
+        raise SettingsError(f"{name}: expected a mapping of settings, got {type(given).__name__}")
+    owned = sorted(k for k in given if k in OWNED[name])
+    if owned:
+        raise SettingsError(
+            f"{name}: " + "; ".join(f"{k} is set by spopp launch ({OWNED[name][k]})" for k in owned)
+        )
+    return {k: v for k, v in given.items() if k not in LAUNCH_KEYS.get(name, ())}
+
+
+def _build(cls: type[Settings], section: str, values: dict) -> Settings:
+    try:
+        return cls.model_validate(values)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "settings"
+            if err["type"] == "extra_forbidden":
+                lines.append(f"{section}.{field}: unknown setting (see `spopp {_HELP[section]} --help`)")
+            else:
+                lines.append(f"{section}.{field}: {err['msg']}")
+        raise SettingsError("invalid launch config:\n  " + "\n  ".join(lines)) from None
+
+
+_HELP = {
+    "tracker": "tracker serve",
+    "rollout": "rollout serve",
+    "learner": "learner run",
+    "evaluator": "evaluator run",
+}
+
+
+def _count(section: str, key: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise SettingsError(f"{section}.{key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
+    """Every child's settings for a run of `s`, with the ports in `ports` (tracker, learner,
+    evaluator, rollout-<i>). Raises SettingsError naming the section and field of every problem."""
+    run_dir = Path(s.run_dir).resolve()
+    token = s.api_token
+    try:
+        run_config = RunConfig.model_validate(
+            {
+                **s.run_config,
+                "recipe": s.recipe,
+                "seed": s.seed,
+                "base_snapshot": str(Path(s.model).resolve()),
+            }
+        )
+    except ValidationError as exc:
+        raise SettingsError(
+            "invalid launch config:\n  "
+            + "\n  ".join(f"run_config.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        ) from None
+    for key in ("recipe", "seed", "base_snapshot"):
+        if key in s.run_config:
+            raise SettingsError(f"run_config.{key} is set by spopp launch (from the top-level settings)")
+
+    tracker_values = {"port": 0, "log_level": "warning", **_section("tracker", s.tracker)}
+    tracker_values.update(data_dir=run_dir / "tracker", api_token=token, port=ports["tracker"])
+    tracker = _build(TrackerSettings, "tracker", tracker_values)
+    tracker_url = f"http://127.0.0.1:{tracker.port}"
+
+    learner_values = {**RECIPE_DEFAULTS[s.recipe], **_section("learner", s.learner)}
+    learner_values.update(
+        run=s.run, tracker=tracker_url, api_token=token, model=Path(s.model).resolve(),
+        snapshots=run_dir / "snapshots", checkpoints=run_dir / "checkpoints", log_dir=run_dir / "learner",
+        recipe=s.recipe, max_updates=s.updates, seed=s.seed, port=ports["learner"], host="127.0.0.1",
+    )  # fmt: skip
+    learner = _build(LearnerSettings, "learner", learner_values)
+    nproc = _count("learner", "nproc", s.learner.get("nproc", 1), 1)
+    if s.updates % learner.updates_per_publish:
+        raise SettingsError(
+            f"updates {s.updates} must be a multiple of learner.updates_per_publish "
+            f"{learner.updates_per_publish}: the run ends on a published version"
+        )
+    final_version = s.updates // learner.updates_per_publish
+
+    replicas = _count("rollout", "replicas", s.rollout.get("replicas", 1), 1)
+    base = _section("rollout", s.rollout)
+    rollouts = []
+    for i in range(replicas):
+        values = {"shutdown_seconds": 5.0, **base}
+        values.update(
+            model=Path(s.model).resolve(), tracker=tracker_url, learner=f"http://127.0.0.1:{learner.port}",
+            run=s.run, api_token=token, env=s.env, tasks=Path(s.tasks).resolve(), worker_id=f"rollout-{i}",
+            # Distinct sampling streams per replica, all fixed by the run's seed.
+            seed=s.seed * 1000 + i, port=ports[f"rollout-{i}"], host="127.0.0.1",
+        )  # fmt: skip
+        rollouts.append(_build(RolloutSettings, "rollout", values))
+
+    evaluator = None
+    enabled = s.evaluator.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise SettingsError(f"evaluator.enabled must be true or false, got {enabled!r}")
+    if s.heldout is not None and enabled:
+        values = {"poll_seconds": 1.0, **_section("evaluator", s.evaluator)}
+        values.update(
+            tracker=tracker_url, run=s.run, api_token=token, model=Path(s.model).resolve(),
+            snapshots=run_dir / "snapshots", out_dir=run_dir / "eval", tasks=Path(s.heldout).resolve(),
+            env=s.env, until_version=final_version, holder=f"evaluator-{s.run}",
+            port=ports["evaluator"], host="127.0.0.1",
+        )  # fmt: skip
+        evaluator = _build(EvaluatorSettings, "evaluator", values)
+        if final_version % evaluator.every:
+            raise SettingsError(
+                f"the last version {final_version} (updates / updates_per_publish) must be a multiple of "
+                f"evaluator.every {evaluator.every}, so that the curve ends at the end of the run"
+            )
+    elif s.evaluator and enabled and s.heldout is None:
+        raise SettingsError(
+            "evaluator settings are given but heldout is not: the evaluator needs held-out tasks"
+        )
+    return Plan(s, run_config, tracker, rollouts, learner, nproc, evaluator, final_version)
+
+
+def port_requests(s: LaunchSettings) -> dict[str, int]:
+    """The ports the config asks for (0: any free port), per process name."""
+    replicas = s.rollout.get("replicas", 1) if isinstance(s.rollout, dict) else 1
+    replicas = (
+        replicas if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas > 0 else 1
+    )
+    base = s.rollout.get("port", 0) if isinstance(s.rollout, dict) else 0
+    out = {
+        "tracker": s.tracker.get("port", 0),
+        "learner": s.learner.get("port", 0),
+        "evaluator": s.evaluator.get("port", 0),
+    }
+    for i in range(replicas):
+        out[f"rollout-{i}"] = base + i if isinstance(base, int) and base else 0
+    return out

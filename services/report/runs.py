@@ -1,0 +1,184 @@
+"""Reading run folders: `run.json` (arm, seed, status) and the evaluator's `eval/evals.jsonl`.
+
+A run's curve is its scored evaluation lines in policy-version order, at the chosen metric; the
+skipped lines (pruned or unreadable snapshots) are left out and named in a warning. Anything that
+would make the tables wrong rather than incomplete (a malformed line, a missing metric, versions
+out of order) is an error naming the file and line, so that nobody reads a table built on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RUN_FILE = "run.json"
+EVALS_FILE = Path("eval") / "evals.jsonl"
+
+
+class RunError(ValueError):
+    """A run folder that cannot be read; the message is one line naming the file (and line)."""
+
+
+@dataclass
+class Run:
+    dir: Path
+    arm: str
+    seed: int
+    name: str
+    status: str | None
+    versions: list[int] = field(default_factory=list)
+    steps: list[int | None] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.dir})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dir": str(self.dir),
+            "arm": self.arm,
+            "seed": self.seed,
+            "run": self.name,
+            "status": self.status,
+            "versions": self.versions,
+            "steps": self.steps,
+            "rewards": self.rewards,
+            "skipped_versions": self.skipped,
+        }
+
+
+def expand(paths: list[Path]) -> list[Path]:
+    """The run folders named by `paths`: each a run folder, or a parent of run folders (one level down).
+
+    A parent lets `spopp report runs/` take every run launched under `runs/`. The same folder named
+    twice (directly and through its parent) counts once.
+    """
+    found: list[Path] = []
+    for path in paths:
+        if not path.exists():
+            raise RunError(f"{path}: no such folder")
+        if not path.is_dir():
+            raise RunError(f"{path}: not a folder (give a run folder or a folder of run folders)")
+        if (path / RUN_FILE).exists():
+            found.append(path)
+            continue
+        children = sorted(p for p in path.iterdir() if p.is_dir() and (p / RUN_FILE).exists())
+        if not children:
+            raise RunError(f"{path}: no {RUN_FILE} in it nor in any of its subfolders")
+        found.extend(children)
+    unique: dict[Path, Path] = {}
+    for path in found:
+        unique.setdefault(path.resolve(), path)
+    return list(unique.values())
+
+
+def _read_run_json(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise RunError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RunError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise RunError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    arm = meta.get("arm")
+    if not isinstance(arm, str) or not arm:
+        raise RunError(f"{path}: 'arm' must be a non-empty string, got {arm!r}")
+    seed = meta.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise RunError(f"{path}: 'seed' must be an integer, got {seed!r}")
+    return meta
+
+
+def read_run(folder: Path, metric: str, warnings: list[str]) -> Run:
+    """One run folder, its curve at `metric`; warnings (skipped versions, a cut last line) are appended."""
+    meta = _read_run_json(folder / RUN_FILE)
+    status = meta.get("status")
+    run = Run(
+        dir=folder,
+        arm=meta["arm"],
+        seed=meta["seed"],
+        name=str(meta.get("run") or folder.name),
+        status=status if isinstance(status, str) else None,
+    )
+    path = folder / EVALS_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise RunError(f"{path}: no such file (has the run's evaluator scored anything yet?)") from None
+    except OSError as exc:
+        raise RunError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RunError(f"{path}: not UTF-8 text ({exc})") from None
+    lines = text.split("\n")
+    last = len(lines) - 1  # the text after the final newline: empty unless a write is under way
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            if n - 1 == last:
+                # The evaluator appends a line and then its newline; a run being scored right now
+                # can show half a line. The evaluator cuts it on restart, so the report skips it.
+                warnings.append(f"{path}:{n}: skipped a partial last line (a write under way?)")
+                continue
+            raise RunError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+        _add_line(run, path, n, line, metric)
+    if run.skipped:
+        listed = ", ".join(str(v) for v in run.skipped)
+        warnings.append(f"run {run.label}: skipped versions left out of its curve: {listed}")
+    if not run.rewards:
+        raise RunError(f"{path}: no scored evaluation points (run {run.name})")
+    return run
+
+
+def _add_line(run: Run, path: Path, n: int, line: Any, metric: str) -> None:
+    where = f"{path}:{n}"
+    if not isinstance(line, dict):
+        raise RunError(f"{where}: expected a JSON object, got {type(line).__name__}")
+    version = line.get("policy_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise RunError(f"{where}: 'policy_version' must be an integer, got {version!r}")
+    previous = max(run.versions[-1:] + run.skipped[-1:], default=None)
+    if previous is not None and version <= previous:
+        raise RunError(f"{where}: policy version {version} after {previous}; versions must increase")
+    if "skipped" in line:
+        run.skipped.append(version)
+        return
+    if metric not in line:
+        keys = sorted(k for k in line if k.startswith("eval/")) or sorted(line)
+        raise RunError(f"{where}: no key {metric!r}; the keys there are: {', '.join(keys)}")
+    value = line[metric]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RunError(f"{where}: {metric!r} must be a finite number, got {value!r}")
+    step = line.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise RunError(f"{where}: 'step' must be an integer or null, got {step!r}")
+    run.versions.append(version)
+    run.steps.append(step)
+    run.rewards.append(float(value))
+
+
+def read_runs(paths: list[Path], metric: str, warnings: list[str]) -> list[Run]:
+    """Every run under `paths`; two runs of the same arm and seed are an error naming both folders."""
+    runs = [read_run(folder, metric, warnings) for folder in expand(paths)]
+    seen: dict[tuple[str, int], Run] = {}
+    for run in runs:
+        other = seen.setdefault((run.arm, run.seed), run)
+        if other is not run:
+            raise RunError(
+                f"two runs of arm {run.arm!r} with seed {run.seed}: {other.dir} and {run.dir}; "
+                "give only one of them"
+            )
+    for run in runs:
+        if run.status not in (None, "finished"):
+            warnings.append(f"run {run.label} has status {run.status!r}: its curve may be incomplete")
+    return runs

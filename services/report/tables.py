@@ -1,0 +1,267 @@
+"""The paired results: Table 1 (SPO++ vs SPO by seed), Table 2 (the normalization ablation by C10).
+
+Runs pair by seed across arms. Each pair is cut to its common number of points before anything
+is computed, so that a run that stopped early is not scored against the other's longer, usually
+better, tail; `--budget N` instead compares every pair at exactly N points and leaves out those
+that have fewer. The report is one JSON-ready dict holding the curves as well as the results, so
+that anyone can recompute the table from `report.json` alone; the markdown renders that dict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from spopp.metrics import C10_POINTS
+
+from .metrics import POINTS, area, c10, end_reward, summarize, wins
+from .runs import Run
+
+SPO, SPOPP, TRAJNORM = "spo", "spopp", "spopp-trajnorm"
+ARM_NAMES = {SPO: "SPO", SPOPP: "SPO++", TRAJNORM: "SPO++ (trajectory norm.)"}
+ABLATION_ROWS = (
+    ("SPO++ (trajectory norm.) vs SPO", TRAJNORM, SPO),
+    ("SPO++ vs SPO", SPOPP, SPO),
+    ("Action-token vs. trajectory (paired difference)", SPOPP, TRAJNORM),
+)
+
+
+def arm_name(arm: str) -> str:
+    return ARM_NAMES.get(arm, arm)
+
+
+def _by_seed(runs: list[Run]) -> dict[int, dict[str, Run]]:
+    seeds: dict[int, dict[str, Run]] = {}
+    for run in runs:
+        seeds.setdefault(run.seed, {})[run.arm] = run
+    return seeds
+
+
+def pair_results(runs: list[Run], kind: str, budget: int | None, warnings: list[str]) -> list[dict[str, Any]]:
+    """One entry per seed that has both an SPO and an SPO++ run, in seed order."""
+    pairs = []
+    for seed, arms in sorted(_by_seed(runs).items()):
+        if SPO not in arms or SPOPP not in arms:
+            for run in arms.values():
+                if run.arm in (SPO, SPOPP):
+                    partner = SPOPP if run.arm == SPO else SPO
+                    warnings.append(
+                        f"run {run.label} (arm {run.arm}, seed {seed}) has no {partner} partner: "
+                        "left out of the pairs"
+                    )
+            continue
+        spo, spopp = arms[SPO], arms[SPOPP]
+        a, b = len(spo.rewards), len(spopp.rewards)
+        common = min(a, b)
+        if budget is not None and common < budget:
+            warnings.append(
+                f"pair seed {seed}: left out, {common} common points is below the budget of {budget} "
+                f"(spo has {a}, spopp has {b})"
+            )
+            continue
+        points = budget if budget is not None else common
+        if a != b:
+            warnings.append(
+                f"pair seed {seed}: truncated to {points} common points (spo has {a}, spopp has {b})"
+            )
+        arms_out = {}
+        for arm, run in ((SPO, spo), (SPOPP, spopp)):
+            curve = run.rewards[:points]
+            arms_out[arm] = {"area": area(curve, kind), "end": end_reward(curve)}
+        pairs.append(
+            {
+                "seed": seed,
+                "points": points,
+                SPO: arms_out[SPO],
+                SPOPP: arms_out[SPOPP],
+                "d_area": POINTS * (arms_out[SPOPP]["area"] - arms_out[SPO]["area"]),
+                "d_end": POINTS * (arms_out[SPOPP]["end"] - arms_out[SPO]["end"]),
+            }
+        )
+    return pairs
+
+
+def main_table(pairs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Table 1's aggregates over the pairs (None without pairs), each with its display text."""
+    if not pairs:
+        return None
+    n = len(pairs)
+    stats = {
+        "spo_area": summarize([p[SPO]["area"] for p in pairs]),
+        "spopp_area": summarize([p[SPOPP]["area"] for p in pairs]),
+        "d_area": summarize([p["d_area"] for p in pairs]),
+        "d_end": summarize([p["d_end"] for p in pairs]),
+        "spo_end": summarize([p[SPO]["end"] for p in pairs]),
+        "spopp_end": summarize([p[SPOPP]["end"] for p in pairs]),
+    }
+    won_area, won_end = wins([p["d_area"] for p in pairs]), wins([p["d_end"] for p in pairs])
+    rows = {
+        "SPO area": _level(stats["spo_area"]),
+        "SPO++ area": _level(stats["spopp_area"]),
+        "Δ area (points)": _delta(stats["d_area"]),
+        "Δ end reward (points)": _delta(stats["d_end"]),
+        "SPO end": _level(stats["spo_end"]),
+        "SPO++ end": _level(stats["spopp_end"]),
+        "pairs won (area)": f"{won_area}/{n}",
+        "pairs won (end)": f"{won_end}/{n}",
+        "pairs": str(n),
+    }
+    return {
+        **{key: s.as_dict() for key, s in stats.items()},
+        "pairs_won_area": {"won": won_area, "n": n},
+        "pairs_won_end": {"won": won_end, "n": n},
+        "pairs": n,
+        "rows": rows,
+    }
+
+
+def ablation(runs: list[Run], warnings: list[str]) -> dict[str, Any] | None:
+    """Table 2 over the seeds that have all three arms; None when no trajectory-norm. run is given."""
+    if not any(run.arm == TRAJNORM for run in runs):
+        return None
+    per_seed = []
+    for seed, arms in sorted(_by_seed(runs).items()):
+        missing = [arm for arm in (SPO, SPOPP, TRAJNORM) if arm not in arms]
+        if missing:
+            if TRAJNORM in arms:
+                warnings.append(f"ablation: seed {seed} lacks {', '.join(missing)}: left out of Table 2")
+            continue
+        lengths = {arm: len(arms[arm].rewards) for arm in (SPO, SPOPP, TRAJNORM)}
+        common = min(lengths.values())
+        points = min(common, C10_POINTS)
+        if common < C10_POINTS:
+            # Only the first ten points count, so a shorter common length is the one cut that matters.
+            shown = ", ".join(f"{arm} has {k}" for arm, k in lengths.items())
+            warnings.append(
+                f"ablation seed {seed}: only {common} common points ({shown}): C10 over {common} points "
+                "(AUC plus the mean of the final five) instead of 10"
+            )
+        scores = {arm: c10(arms[arm].rewards[:points]) for arm in (SPO, SPOPP, TRAJNORM)}
+        per_seed.append(
+            {
+                "seed": seed,
+                "points": points,
+                "c10": scores,
+                "d": {name: POINTS * (scores[a] - scores[b]) for name, a, b in ABLATION_ROWS},
+            }
+        )
+    if not per_seed:
+        warnings.append("ablation: no seed has all of spo, spopp and spopp-trajnorm: no Table 2")
+        return {"seeds": [], "per_seed": [], "rows": None}
+    rows = {}
+    for name, _a, _b in ABLATION_ROWS:
+        s = summarize([entry["d"][name] for entry in per_seed])
+        rows[name] = {**s.as_dict(), "text": _delta(s)}
+    return {"seeds": [entry["seed"] for entry in per_seed], "per_seed": per_seed, "rows": rows}
+
+
+def build(
+    runs: list[Run], metric: str, kind: str, budget: int | None, title: str, warnings: list[str]
+) -> dict[str, Any]:
+    """The whole report as one JSON-ready dict (see the module docstring)."""
+    for run in runs:
+        if run.arm not in ARM_NAMES:
+            warnings.append(
+                f"run {run.label}: arm {run.arm!r} is none of {', '.join(ARM_NAMES)}: drawn, in no table"
+            )
+    pairs = pair_results(runs, kind, budget, warnings)
+    if not pairs:
+        paired = any(SPO in arms and SPOPP in arms for arms in _by_seed(runs).values())
+        why = (
+            f"every pair has fewer than {budget} common points"
+            if paired
+            else "no seed has both an spo and an spopp run"
+        )
+        warnings.append(f"no SPO/SPO++ pair: {why}, so no Table 1")
+    return {
+        "title": title,
+        "metric": metric,
+        "area": kind,
+        "budget": budget,
+        "runs": [run.as_dict() for run in runs],
+        "pairs": pairs,
+        "table": main_table(pairs),
+        "ablation": ablation(runs, warnings),
+        "warnings": list(warnings),
+    }
+
+
+def _level(s: Any) -> str:
+    return f"{s.mean:.3f}" + ("" if s.sd is None else f" ± {s.sd:.3f}")
+
+
+def _delta(s: Any) -> str:
+    return f"{s.mean:+.1f}" + (" ± n/a" if s.sd is None else f" ± {s.sd:.1f}")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def to_json(report: dict[str, Any]) -> str:
+    """Strict JSON: non-finite floats would be an error here rather than a NaN nobody can parse."""
+    return json.dumps(_finite(report), indent=2, ensure_ascii=False, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """Table 1, the per-pair numbers, Table 2 when there is an ablation, then the warnings."""
+    area_rule = "trapezoid area" if report["area"] == "trapezoid" else "step mean"
+    budget = f", budget {report['budget']} points" if report["budget"] is not None else ""
+    out = [f"# {_cell(report['title'])}", ""]
+    out.append(f"Metric `{report['metric']}`, {area_rule}{budget}; {len(report['runs'])} runs.")
+    out.append("")
+    table = report["table"]
+    out.append("## Table 1: SPO++ vs SPO")
+    out.append("")
+    if table is None:
+        out.append("No SPO/SPO++ pair to compare (see the warnings).")
+    else:
+        out.append(
+            "Levels in reward units (mean ± s.d. over pairs); Δ = SPO++ − SPO in percentage points "
+            "(mean ± sample s.d.); end reward = mean of the final five points."
+        )
+        out.append("")
+        out += ["| | value |", "|---|---|"]
+        out += [f"| {name} | {text} |" for name, text in table["rows"].items()]
+        out.append("")
+        out.append("### Pairs")
+        out.append("")
+        out.append("| seed | points | SPO area | SPO++ area | Δ area | SPO end | SPO++ end | Δ end |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for p in report["pairs"]:
+            out.append(
+                f"| {p['seed']} | {p['points']} | {p[SPO]['area']:.3f} | {p[SPOPP]['area']:.3f} "
+                f"| {p['d_area']:+.1f} | {p[SPO]['end']:.3f} | {p[SPOPP]['end']:.3f} | {p['d_end']:+.1f} |"
+            )
+    ablation_ = report["ablation"]
+    if ablation_ is not None:
+        out.append("")
+        out.append("## Table 2: normalization ablation (C10)")
+        out.append("")
+        if ablation_["rows"] is None:
+            out.append("No seed has all three arms (`spo`, `spopp`, `spopp-trajnorm`).")
+        else:
+            out.append(
+                "C10 = ½ (AUC of points 1–10 + mean of points 6–10), each seed's three runs cut to "
+                "their common length; Δ in percentage points, mean ± sample s.d. over "
+                f"{len(ablation_['seeds'])} seeds ({', '.join(str(s) for s in ablation_['seeds'])})."
+                + (" The budget applies to Table 1 only." if report["budget"] is not None else "")
+            )
+            out.append("")
+            out += ["| comparison | Δ C10 (points) |", "|---|---|"]
+            out += [f"| {name} | {row['text']} |" for name, row in ablation_["rows"].items()]
+    if report["warnings"]:
+        out += ["", "## Warnings", ""]
+        out += [f"- {_cell(w)}" for w in report["warnings"]]
+    return "\n".join(out) + "\n"

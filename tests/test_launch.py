@@ -1,0 +1,313 @@
+"""`spopp launch`: bad configs refused before anything starts; Ctrl-C, resume, finished; a SIGKILLed
+launcher takes every child with it. Real processes: tracker with embedded Redis, a transformers
+replica, the DeepSpeed learner and the evaluator, on an untrained toy model (toy-calc)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from procs import cli
+
+from runtime.envs.toy_calc import write_toy_calc_tasks
+from services.launch import gpus
+from services.launch.cli import resolve
+from services.launch.compare import arm_settings
+from services.launch.config import LaunchSettings
+from spopp.priors import PriorFile, build_prior, write_prior
+from spopp.settings import SettingsError
+
+BUDGET = {"max_turns": 3, "max_tokens_per_turn": 16, "max_total_tokens": 128}
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> dict:
+    """An untrained toy model, toy-calc tasks and a prior over them."""
+    from tools.toy_model import build_toy_model
+
+    root = tmp_path_factory.mktemp("launch")
+    model = build_toy_model(root / "model", seed=0)
+    train, heldout = write_toy_calc_tasks(root / "data", seed=0, n_train=24, n_heldout=8)
+    ids = [json.loads(line)["task_id"] for line in train.read_text().splitlines()]
+    prior = build_prior({t: [float(i % 2), 0.0] for i, t in enumerate(ids)}, 8.0, {"model": str(model)})
+    write_prior(root / "prior.json", prior)
+    return {"root": root, "model": model, "train": train, "heldout": heldout, "prior": root / "prior.json"}
+
+
+def config(toy: dict, tmp: Path, **over) -> Path:
+    cfg = {
+        "model": str(toy["model"]), "tasks": str(toy["train"]), "heldout": str(toy["heldout"]),
+        "prior": str(toy["prior"]), "env": "toy-calc", "updates": 4, "progress_seconds": 1,
+        "run_dir": str(tmp / "run"),
+        "rollout": {"engine": "transformers", "concurrency": 8, **BUDGET},
+        "learner": {"batch_size": 4, "mini_batches": 2, "micro_batch_size": 2, "lr": 1e-4, "keep_snapshots": 2},
+        "evaluator": {"every": 2, "greedy": False, "samples": 1, **BUDGET},
+    }  # fmt: skip
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    path = tmp / "launch.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    return subprocess.run(cli("launch", *args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# -- refused before anything starts ----------------------------------------------------------------
+def _refused(toy, tmp_path, expect: str, **over) -> None:
+    r = launch(str(config(toy, tmp_path, **over)))
+    assert r.returncode != 0, r.stdout
+    assert expect in r.stderr + r.stdout, r.stderr + r.stdout
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "run" / "logs").exists(), "a process was started"
+
+
+@pytest.mark.parametrize(
+    "over, expect",
+    [
+        ({"bogus": 1}, "unknown setting 'bogus'"),
+        ({"learner": {"bogus_rate": 1}}, "learner.bogus_rate: unknown setting"),
+        ({"rollout": {"tracker": "http://elsewhere"}}, "rollout: tracker is set by spopp launch"),
+        ({"learner": {"recipe": "spo"}}, "learner: recipe is set by spopp launch"),
+        ({"learner": {"lr": -1}}, "learner.lr: Input should be greater than 0"),
+        ({"recipe": "grpo"}, "recipe"),
+        ({"gpus": {"learner": [3]}}, "GPU 3 (given to learner) does not exist"),
+        (
+            {"gpus": {"rollout": [[0], [1]]}},
+            "gpus.rollout lists devices for 2 replicas but rollout.replicas is 1",
+        ),
+        ({"updates": 5}, "must be a multiple of evaluator.every 2"),
+        ({"run_config": {"retention": 1.5}}, "run_config.retention"),
+        ({"run_config": {"recipe": "spo"}}, "run_config.recipe is set by spopp launch"),
+        ({"evaluator": {"enabled": "maybe"}}, "evaluator.enabled must be true or false"),
+    ],
+)
+def test_bad_config_is_refused_with_its_reason(toy, tmp_path, over, expect):
+    _refused(toy, tmp_path, expect, **over)
+
+
+def test_a_port_in_use_is_refused(toy, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        _refused(toy, tmp_path, f"port {port} (tracker) is in use", tracker={"port": port})
+
+
+def test_a_folder_that_is_not_a_model_is_refused(toy, tmp_path):
+    _refused(toy, tmp_path, "is not a model folder: no config.json", model=str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"hidden_size": 8}')
+    _refused(toy, tmp_path, "config.json has no model_type", model=str(tmp_path / "m"))
+
+
+def test_task_and_prior_files_are_checked(toy, tmp_path):
+    _refused(toy, tmp_path, "does not exist", tasks=str(tmp_path / "none.jsonl"))
+    _refused(toy, tmp_path, "held-out tasks are also training tasks", heldout=str(toy["train"]))
+    other = build_prior({"not-a-training-task": [1.0]}, 8.0, {})
+    write_prior(tmp_path / "other.json", other)
+    _refused(
+        toy, tmp_path, "names 1 tasks that are not in the training tasks", prior=str(tmp_path / "other.json")
+    )
+    (tmp_path / "broken.json").write_text("{")
+    _refused(toy, tmp_path, "prior:", prior=str(tmp_path / "broken.json"))
+
+
+def test_check_prints_the_plan_and_starts_nothing(toy, tmp_path):
+    r = launch(str(config(toy, tmp_path)), "--check", "--set", "rollout.replicas=2")
+    assert r.returncode == 0, r.stderr
+    assert "rollout-1 port" in r.stdout and "evaluator port" in r.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_set_reaches_into_sections_and_wins_over_the_file(toy, tmp_path):
+    path = config(toy, tmp_path)
+    s = resolve(path, ("learner.lr=3e-4", "seed=7", "rollout.engine_options.dtype=float32"))
+    assert s.learner["lr"] == 3e-4 and s.learner["batch_size"] == 4  # the rest of the section stays
+    assert s.seed == 7 and s.run == "spopp-s7"
+    assert s.rollout["engine_options"] == {"dtype": "float32"}
+    with pytest.raises(SettingsError, match="expected KEY=VALUE"):
+        resolve(path, ("learner.lr",))
+
+
+def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
+    base = resolve(config(toy, tmp_path))
+    arms = {a: arm_settings(base, a, 3, tmp_path) for a in ("spo", "spopp", "spopp-trajnorm")}
+    assert arms["spo"].recipe == "spo" and arms["spopp"].recipe == "spopp"
+    assert arms["spopp-trajnorm"].learner["normalization"] == "trajectory"
+    for s in arms.values():
+        assert s.seed == 3 and s.model == base.model and s.prior == base.prior and s.updates == base.updates
+        assert {k: v for k, v in s.learner.items() if k != "normalization"} == base.learner
+    with pytest.raises(ValueError, match="each arm sets it"):
+        arm_settings(LaunchSettings.model_validate({**base.model_dump(), "learner": {"dual_clip": 3.0}}),
+                     "spo", 0, tmp_path)  # fmt: skip
+
+
+# -- GPU plans --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("g", [1, 2, 4, 8])
+def test_one_gpu_per_process_is_disjoint(g):
+    replicas = max(1, g - 1)
+    plan = gpus.GpuPlan(learner=[0], rollout=[[1 + i] for i in range(replicas)] if g > 1 else [])
+    assert gpus.check(plan, replicas, g) == []
+    used = [d for devices in gpus.assignment(plan, replicas).values() for d in devices]
+    assert len(used) == len(set(used))
+    clash = gpus.GpuPlan(learner=[0], rollout=[[0]] * replicas)
+    assert any("given to both" in p for p in gpus.check(clash, replicas, g))
+    assert gpus.check(gpus.GpuPlan(learner=[0], rollout=[[0]] * replicas, share=True), replicas, g) == []
+    assert gpus.visible_devices([]) == ""
+
+
+# -- lifecycle ----------------------------------------------------------------------------------------
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _start(path: Path, log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    return subprocess.Popen(cli("launch", str(path)), stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in log.read_text():
+            return
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.3)
+    raise AssertionError(f"no {text!r} within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def _all_gone(procs: list[psutil.Process], timeout: float = 20) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return alive
+
+
+def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy, tmp_path):
+    path = config(toy, tmp_path, updates=8)
+    log = tmp_path / "launch1.log"
+    proc = _start(path, log)
+    try:
+        _wait_for(log, "every process is up", proc)
+        children = _descendants(proc.pid)
+        assert len(children) >= 5  # tracker, its redis-server, learner, replica, evaluator
+        metrics = tmp_path / "run" / "learner" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 130, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _all_gone(children) == []
+    out = log.read_text()
+    assert "SIGINT: stopping every process" in out
+    state = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert state["status"] == "stopped" and state["arm"] == "spopp"
+    stopped_at = state["updates_done"]
+    assert 2 <= stopped_at < 8
+
+    again = launch(str(path), timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resuming run spopp-s0" in again.stdout and f"from update {stopped_at}" in again.stdout
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 9))  # each update once, none lost, none repeated
+    evals = [
+        json.loads(line) for line in (tmp_path / "run" / "eval" / "evals.jsonl").read_text().splitlines()
+    ]
+    versions = [e["policy_version"] for e in evals]
+    assert versions == sorted(set(versions)) and versions[0] == 0 and versions[-1] == 8
+    state = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert state["status"] == "finished" and state["launches"] == 2 and state["updates_done"] == 8
+    export = (tmp_path / "run" / "export.jsonl").read_text().splitlines()
+    assert len(export) == 24 and all("task_id" in json.loads(line) for line in export)
+    for name in ("tracker", "learner", "rollout-0", "evaluator"):
+        assert (tmp_path / "run" / "logs" / f"{name}.log").is_file()
+        assert (tmp_path / "run" / "config" / f"{name}.yaml").is_file()
+
+    done = launch(str(path))
+    assert done.returncode == 0 and "finished already (8 updates of 8)" in done.stdout
+
+    changed = launch(str(path), "--set", "recipe=spo", "--set", "run=spopp-s0")
+    assert changed.returncode != 0
+    assert "holds another run" in changed.stderr
+    assert "recipe: 'spopp' in the folder, 'spo' now" in changed.stderr
+
+
+def test_a_killed_launcher_takes_its_children_with_it(toy, tmp_path):
+    path = config(toy, tmp_path, updates=1000)
+    log = tmp_path / "launch.log"
+    proc = _start(path, log)
+    try:
+        _wait_for(log, "every process is up", proc)
+        children = _descendants(proc.pid)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        assert "redis-server" in names and "learner run" in names and "rollout serve" in names
+        proc.kill()
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    alive = _all_gone(children)
+    assert alive == [], [p.cmdline() for p in alive]
+
+
+def test_the_tracker_run_must_match_the_recipe(toy, tmp_path, redis_server):
+    """With an external Redis that already holds the run under another recipe: refused, and only the
+    tracker was started (and stopped)."""
+    from services.tracker.launcher import TrackerProcess
+    from spopp.client import TrackerClient
+
+    tracker = TrackerProcess(redis_server.url)
+    try:
+        with TrackerClient(tracker.url) as c:
+            c.put_run("clash", {"recipe": "spo", "base_snapshot": str(Path(toy["model"]).resolve())})
+    finally:
+        tracker.stop()
+    path = config(toy, tmp_path, run="clash", tracker={"redis_url": redis_server.url})
+    r = launch(str(path), timeout=120)
+    assert r.returncode == 1
+    assert "the tracker holds run 'clash' with another config" in r.stdout
+    logs = sorted(p.name for p in (tmp_path / "run" / "logs").iterdir())
+    assert logs == ["tracker.log"]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
+
+
+def test_prior_file_reaches_the_tracker(toy, tmp_path):
+    """The run's tasks carry the prior file's alpha0/beta0 (checked through the export)."""
+    from spopp.priors import read_prior
+
+    prior: PriorFile = read_prior(toy["prior"])
+    path = config(toy, tmp_path, updates=2, evaluator={"enabled": False})
+    r = launch(str(path), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tasks 24 created, 0 unchanged" in r.stdout
+    rows = {
+        json.loads(line)["task_id"]: json.loads(line)
+        for line in (tmp_path / "run" / "export.jsonl").read_text().splitlines()
+    }
+    assert set(rows) == {t.task_id for t in prior.tasks}
+    untouched = [t for t in prior.tasks if rows[t.task_id]["outcomes"] == 0]
+    assert untouched, "every task got an outcome: nothing left to compare with the prior"
+    for t in untouched:  # the value of a task without outcomes is its prior's mean
+        assert rows[t.task_id]["value"] == pytest.approx(t.alpha0 / (t.alpha0 + t.beta0), rel=1e-9)
+    assert not (tmp_path / "run" / "logs" / "evaluator.log").exists()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
