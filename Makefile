@@ -9,14 +9,14 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system test bench lint clean
+.PHONY: setup system test bench lint clean demo demo-quick
 
 setup: $(STAMP) system
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[tracker,math,rollout,evaluator,vllm,learner,report,dev]'
+	$(PIP) install -q -e '.[tracker,math,rollout,evaluator,vllm,learner,report,wandb,dev]'
 	@# PyPI's torchvision/torchaudio/torchcodec that vLLM pulls in are CUDA-linked and break
 	@# `import vllm` and transformers beside the CPU torch: nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -53,6 +53,18 @@ bench: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.rollout_bench --out BENCHMARKS.md
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.learner_bench --out BENCHMARKS.md
 
+# The paper's protocol at toy scale on this CPU: data, cold start, prior, paired SPO / SPO++ runs
+# through `spopp launch`, report. Seeds of the runs: make demo SEEDS="3 4 5". ABLATE=1 adds
+# SPO++ with trajectory normalization (Table 2). Output: demo-out/ (report.md, report.json, curves.png).
+SEEDS ?=
+ABLATE ?=
+demo: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --out demo-out $(if $(SEEDS),--seeds "$(SEEDS)") $(if $(ABLATE),--ablate)
+
+# The same path, smaller: under 4 minutes on 2 cores.
+demo-quick: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --quick --out demo-quick-out $(if $(SEEDS),--seeds "$(SEEDS)")
+
 # ruff, then the import contracts in pyproject.toml ([tool.importlinter]).
 lint: setup
 	$(VENV)/bin/ruff check spopp runtime services tools tests bench
@@ -60,4 +72,4 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out

@@ -23,7 +23,7 @@ from services.launch import gpus
 from services.launch.cli import resolve
 from services.launch.compare import arm_settings
 from services.launch.config import LaunchSettings
-from spopp.priors import PriorFile, build_prior, write_prior
+from spopp.priors import build_prior, read_prior, write_prior
 from spopp.settings import SettingsError
 
 BUDGET = {"max_turns": 3, "max_tokens_per_turn": 16, "max_total_tokens": 128}
@@ -157,6 +157,19 @@ def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
                      "spo", 0, tmp_path)  # fmt: skip
 
 
+def test_the_example_config_is_valid_on_a_five_gpu_node():
+    from services.launch.config import plan, port_requests
+
+    s = resolve(Path(__file__).parent.parent / "deploy" / "launch.example.yaml")
+    p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
+    assert p.arm() == "spopp" and p.nproc == 2 and len(p.rollouts) == 2 and p.evaluator is not None
+    assert p.learner.dual_clip == 2.0 and p.learner.normalization == "token"
+    assert gpus.check(s.gpus, len(p.rollouts), 5) == []
+    assert gpus.check(s.gpus, len(p.rollouts), 4) == [
+        "GPU 4 (given to evaluator) does not exist: this machine has devices 0..3"
+    ]
+
+
 # -- GPU plans --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("g", [1, 2, 4, 8])
 def test_one_gpu_per_process_is_disjoint(g):
@@ -197,13 +210,14 @@ def _all_gone(procs: list[psutil.Process], timeout: float = 20) -> list[psutil.P
 
 
 def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy, tmp_path):
-    path = config(toy, tmp_path, updates=8)
+    path = config(toy, tmp_path, updates=1000)
     log = tmp_path / "launch1.log"
     proc = _start(path, log)
     try:
         _wait_for(log, "every process is up", proc)
         children = _descendants(proc.pid)
-        assert len(children) >= 5  # tracker, its redis-server, learner, replica, evaluator
+        names = sorted(" ".join(c.cmdline()[3:5]) for c in children if "services.cli" in c.cmdline())
+        assert names == ["evaluator run", "learner run", "rollout serve", "tracker serve"], names
         metrics = tmp_path / "run" / "learner" / "metrics.jsonl"
         deadline = time.monotonic() + 120
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
@@ -220,28 +234,30 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
     state = json.loads((tmp_path / "run" / "run.json").read_text())
     assert state["status"] == "stopped" and state["arm"] == "spopp"
     stopped_at = state["updates_done"]
-    assert 2 <= stopped_at < 8
+    assert 2 <= stopped_at < 1000
+    budget = stopped_at + 4 + stopped_at % 2  # a multiple of evaluator.every (2)
 
-    again = launch(str(path), timeout=300)
+    # The budget may change on resume; what defines the run may not.
+    again = launch(str(path), "--set", f"updates={budget}", timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming run spopp-s0" in again.stdout and f"from update {stopped_at}" in again.stdout
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert steps == list(range(1, 9))  # each update once, none lost, none repeated
+    assert steps == list(range(1, budget + 1))  # each update once, none lost, none repeated
     evals = [
         json.loads(line) for line in (tmp_path / "run" / "eval" / "evals.jsonl").read_text().splitlines()
     ]
     versions = [e["policy_version"] for e in evals]
-    assert versions == sorted(set(versions)) and versions[0] == 0 and versions[-1] == 8
+    assert versions == sorted(set(versions)) and versions[0] == 0 and versions[-1] == budget
     state = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert state["status"] == "finished" and state["launches"] == 2 and state["updates_done"] == 8
+    assert state["status"] == "finished" and state["launches"] == 2 and state["updates_done"] == budget
     export = (tmp_path / "run" / "export.jsonl").read_text().splitlines()
     assert len(export) == 24 and all("task_id" in json.loads(line) for line in export)
     for name in ("tracker", "learner", "rollout-0", "evaluator"):
         assert (tmp_path / "run" / "logs" / f"{name}.log").is_file()
         assert (tmp_path / "run" / "config" / f"{name}.yaml").is_file()
 
-    done = launch(str(path))
-    assert done.returncode == 0 and "finished already (8 updates of 8)" in done.stdout
+    done = launch(str(path), "--set", f"updates={budget}")
+    assert done.returncode == 0 and f"finished already ({budget} updates of {budget})" in done.stdout
 
     changed = launch(str(path), "--set", "recipe=spo", "--set", "run=spopp-s0")
     assert changed.returncode != 0
@@ -288,25 +304,72 @@ def test_the_tracker_run_must_match_the_recipe(toy, tmp_path, redis_server):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
 
 
-def test_prior_file_reaches_the_tracker(toy, tmp_path):
-    """The run's tasks carry the prior file's alpha0/beta0 (checked through the export)."""
-    from spopp.priors import read_prior
-
-    prior: PriorFile = read_prior(toy["prior"])
-    path = config(toy, tmp_path, updates=2, evaluator={"enabled": False})
+def test_prior_file_reaches_the_tracker_and_may_not_change(toy, tmp_path):
+    """The tracker keeps the prior file's alpha0/beta0: a resume finds every task unchanged (the
+    tracker answers 409 to another prior), and a prior file edited in place is refused."""
+    prior_path = tmp_path / "prior.json"
+    prior_path.write_bytes(toy["prior"].read_bytes())
+    path = config(toy, tmp_path, updates=2, prior=str(prior_path), evaluator={"enabled": False})
     r = launch(str(path), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tasks 24 created, 0 unchanged" in r.stdout
-    rows = {
-        json.loads(line)["task_id"]: json.loads(line)
-        for line in (tmp_path / "run" / "export.jsonl").read_text().splitlines()
-    }
-    assert set(rows) == {t.task_id for t in prior.tasks}
-    untouched = [t for t in prior.tasks if rows[t.task_id]["outcomes"] == 0]
-    assert untouched, "every task got an outcome: nothing left to compare with the prior"
-    for t in untouched:  # the value of a task without outcomes is its prior's mean
-        assert rows[t.task_id]["value"] == pytest.approx(t.alpha0 / (t.alpha0 + t.beta0), rel=1e-9)
     assert not (tmp_path / "run" / "logs" / "evaluator.log").exists()
+    export = [json.loads(line) for line in (tmp_path / "run" / "export.jsonl").read_text().splitlines()]
+    assert {row["task_id"] for row in export} == {t.task_id for t in read_prior(prior_path).tasks}
+
+    r = launch(str(path), "--set", "updates=4", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tasks 0 created, 24 unchanged" in r.stdout
+
+    ids = [t.task_id for t in read_prior(prior_path).tasks]
+    write_prior(prior_path, build_prior({t: [1.0, 1.0] for t in ids}, 8.0, {}), overwrite=True)
+    r = launch(str(path), "--set", "updates=6", timeout=300)
+    assert r.returncode == 1
+    assert "a task already there with another prior" in r.stdout
+
+
+def _wandb_history(run_file: Path) -> list[dict]:
+    """The history rows of an offline W&B run file (records of wandb's log format: 7-byte file
+    header, 32 KiB blocks, each chunk with a 7-byte header: crc32, length, kind)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, buf, rows = run_file.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        room = 32768 - pos % 32768
+        if room < 7:
+            pos += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last chunk of one
+            record = pb.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+                )
+    return rows
+
+
+def test_wandb_offline_mirrors_the_learner_and_evaluator_records(toy, tmp_path):
+    path = config(toy, tmp_path, updates=2, wandb=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOPP_", "WANDB_"))}
+    r = subprocess.run(cli("launch", str(path)), capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (run_file,) = (tmp_path / "run" / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    rows = _wandb_history(run_file)
+    learner = [
+        json.loads(x) for x in (tmp_path / "run" / "learner" / "metrics.jsonl").read_text().splitlines()
+    ]
+    train = [row for row in rows if "train/reward_mean" in row]
+    assert [row["update"] for row in train] == [1, 2]
+    assert [row["train/reward_mean"] for row in train] == [x["reward_mean"] for x in learner]
+    evals = [row for row in rows if "eval/sampled/reward_mean" in row]
+    assert [row["policy_version"] for row in evals] == [0, 2]
 
 
 if __name__ == "__main__":

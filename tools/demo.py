@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     size = dict(TINY if a.tiny else QUICK if a.quick else FULL)
     if a.updates is not None:
         size["updates"] = a.updates
-    seeds = a.seeds or size["seeds"]
+    # `make demo SEEDS="3 4 5"` or --seeds 3,4,5
+    seeds = ",".join((a.seeds or size["seeds"]).replace(",", " ").split())
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -146,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"the runs stopped with exit code {code}; run the same command again to resume")
         return code
 
-    _say("5/5 report")
-    print((out / "report.md").read_text())
+    _say("5/5 report (printed above by `spopp report`)")
     report = json.loads((out / "report.json").read_text())
     for line in learning_check(report):
         _say(line)

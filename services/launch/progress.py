@@ -59,7 +59,7 @@ def eval_points(path: Path) -> list[tuple[int, float, str]]:
 
 
 class Progress:
-    def __init__(self, plan, client, echo, wandb: bool = False) -> None:
+    def __init__(self, plan, client, echo) -> None:
         self.plan = plan
         self.client = client
         self.echo = echo
@@ -140,7 +140,12 @@ class WandbMirror:
             resume="allow",
             id=plan.launch.run.replace(":", "_"),
         )
+        # Where the copy stopped, kept beside the W&B files: a resumed launch does not log twice.
+        self.offsets_path = plan.run_dir / "wandb" / "offsets.json"
         self.offsets = {"learner": 0, "eval": 0}
+        if self.offsets_path.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                self.offsets.update(json.loads(self.offsets_path.read_text()))
 
     def _new_lines(self, key: str, path: Path) -> list[dict]:
         try:
@@ -165,6 +170,9 @@ class WandbMirror:
             values = {k: v for k, v in line.items() if k.startswith("eval/") and isinstance(v, int | float)}
             if values:
                 self.run.log({**values, "policy_version": line["policy_version"]})
+        tmp = self.offsets_path.with_name("offsets.json.tmp")
+        tmp.write_text(json.dumps(self.offsets))
+        tmp.replace(self.offsets_path)
 
     def close(self) -> None:
         self.run.finish()

@@ -174,6 +174,11 @@ class Launcher:
                     "the evaluation would not be held out"
                 )
         self.bodies = _task_bodies(s, train_ids)
+        if s.wandb:
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise LaunchError("wandb: true needs the wandb package: pip install 'spopp[wandb]'") from None
         problems = gpu.check(s.gpus, len(p.rollouts), gpu.count_gpus() if s.gpus.used() else 0)
         if problems:
             raise LaunchError("gpus: " + "; ".join(problems))
@@ -340,7 +345,7 @@ class Launcher:
         self.echo(f"tracker: run {self.s.run} ready, tasks {created} created, {unchanged} unchanged")
 
     def _watch(self, p: Plan) -> None:
-        progress = Progress(p, self._client(p), self.echo)
+        progress = Progress(p, self._client(p), self.echo)  # opens the W&B run when wandb is on
         learner = self.children["learner"]
         try:
             while True:
