@@ -16,6 +16,7 @@ def build() -> click.Group:
     from services.evaluator.cli import group as evaluator
     from services.evaluator.cli import prior_command as prior
     from services.launch.cli import ablate_command as ablate
+    from services.launch.cli import init_command as init
     from services.launch.cli import launch_command as launch
     from services.learner.cli import group as learner
     from services.report.cli import command as report
@@ -29,7 +30,7 @@ def build() -> click.Group:
                              callback=_print_version, help="print the version and exit")],
     )  # fmt: skip
     # The services' groups, then the experiment commands that compose them.
-    for command in (tracker, rollout, learner, evaluator, launch, prior, report, ablate):
+    for command in (tracker, rollout, learner, evaluator, init, launch, prior, report, ablate):
         app.add_command(command)
     return app
 

@@ -157,3 +157,30 @@ ablate_command = click.Command(
     "then `spopp report` over them (Table 1 for SPO vs SPO++, Table 2's C10 when "
     "spopp-trajnorm is among the arms).",
 )
+
+
+def _init(settings) -> None:
+    from .init import run_init
+
+    try:
+        run_init(settings, echo=click.echo)
+    except (RuntimeError, ValueError, OSError) as exc:
+        _fail(str(exc))
+
+
+def _init_command() -> click.Command:
+    from spopp.settings import settings_command
+
+    from .init import InitSettings
+
+    return settings_command(
+        InitSettings,
+        "init",
+        _init,
+        help="Create a run at the tracker and load its tasks with their prior (the init step of "
+        "docker compose and Kubernetes). Idempotent: a second init with the same settings changes "
+        "nothing; a different recipe, config or prior is refused with the reason.",
+    )
+
+
+init_command = _init_command()

@@ -32,16 +32,15 @@ from typing import Any
 
 import yaml
 
-from spopp.client import TrackerClient, TrackerError
+from spopp.client import TrackerClient
 from spopp.net import free_port
+from spopp.registration import RegistrationError, register, task_bodies
 from spopp.settings import SettingsError
 
 from . import gpus as gpu
 from .children import Child, ChildFailed, child_env
 from .config import LaunchSettings, Plan, plan, port_requests
 from .progress import Progress
-
-PUT_CHUNK = 10_000  # the tracker's per-call task limit
 
 
 class LaunchError(RuntimeError):
@@ -110,26 +109,6 @@ def _task_ids(path: Path, what: str) -> list[str]:
     return [t.task_id for t in tasks]
 
 
-def _task_bodies(s: LaunchSettings, train_ids: list[str]) -> list[dict]:
-    """What the tracker gets: the prior file's tasks, or a flat prior (no outcomes) for each task."""
-    if s.prior is None:
-        return [{"task_id": t, "outcomes": []} for t in train_ids]
-    from spopp.priors import read_prior
-
-    try:
-        prior = read_prior(s.prior)
-    except (OSError, ValueError) as exc:
-        raise LaunchError(f"prior: {exc}") from None
-    known = set(train_ids)
-    unknown = [t.task_id for t in prior.tasks if t.task_id not in known]
-    if unknown:
-        raise LaunchError(
-            f"prior {s.prior} names {len(unknown)} tasks that are not in the training tasks {s.tasks} "
-            f"(e.g. {', '.join(unknown[:3])}): was it computed on another task file?"
-        )
-    return prior.task_bodies()
-
-
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -173,7 +152,10 @@ class Launcher:
                     f"{len(overlap)} held-out tasks are also training tasks (e.g. {sorted(overlap)[0]}): "
                     "the evaluation would not be held out"
                 )
-        self.bodies = _task_bodies(s, train_ids)
+        try:
+            self.bodies = task_bodies(train_ids, s.prior, f"the training tasks {s.tasks}")
+        except RegistrationError as exc:
+            raise LaunchError(str(exc)) from None
         if s.wandb:
             try:
                 import wandb  # noqa: F401
@@ -323,26 +305,9 @@ class Launcher:
         """Create the run (or find it unchanged) and load its tasks with their prior."""
         with self._client(p) as c:
             try:
-                c.put_run(self.s.run, p.run_config.model_dump(mode="json"))
-            except TrackerError as exc:
-                if exc.status == 409:
-                    raise LaunchError(
-                        f"the tracker holds run {self.s.run!r} with another config ({exc.detail}); the "
-                        "launch config's recipe, seed, model or run_config differ from the run's"
-                    ) from None
-                raise LaunchError(f"creating run {self.s.run!r} at the tracker: {exc}") from None
-            created = unchanged = 0
-            for i in range(0, len(self.bodies), PUT_CHUNK):
-                try:
-                    answer = c.put_tasks(self.s.run, self.bodies[i : i + PUT_CHUNK])
-                except TrackerError as exc:
-                    raise LaunchError(
-                        f"loading the tasks at the tracker: {exc} (a task already there with another "
-                        "prior: the prior file changed since this run started)"
-                    ) from None
-                created += answer.created
-                unchanged += answer.unchanged
-        self.echo(f"tracker: run {self.s.run} ready, tasks {created} created, {unchanged} unchanged")
+                register(c, self.s.run, p.run_config.model_dump(mode="json"), self.bodies, self.echo)
+            except RegistrationError as exc:
+                raise LaunchError(str(exc)) from None
 
     def _watch(self, p: Plan) -> None:
         progress = Progress(p, self._client(p), self.echo)  # opens the W&B run when wandb is on

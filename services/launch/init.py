@@ -1,0 +1,86 @@
+"""`spopp init`: the init step of a deployment: create the run at the tracker, load its tasks and prior.
+
+Compose and Kubernetes run it once before the learner, the replicas and the evaluator start (they
+wait for it to complete). It waits for the tracker, then registers through the same code as
+`spopp launch` (`spopp.registration`): the same settings again change nothing, so every `up`
+may run it; a run that exists with another recipe or prior is refused before anything trains.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import httpx
+from pydantic import Field, ValidationError
+
+from spopp.settings import Settings
+from spopp.tracker_api import RunConfig
+
+
+class InitSettings(Settings):
+    env_prefix: ClassVar[str] = "SPOPP_INIT_"
+
+    tracker: str = Field("http://127.0.0.1:8000", min_length=1, description="tracker base URL")
+    run: str = Field(..., min_length=1, max_length=128, description="run name at the tracker")
+    recipe: Literal["spopp", "spo"] = Field(..., description="spopp (SPO++) or spo")
+    seed: int = Field(0, ge=0, lt=2**63, description="seed of the tracker's sampler")
+    base_snapshot: str = Field(
+        ..., min_length=1, description="policy version 0 as the replicas see it (a model folder path)"
+    )
+    tasks: Path = Field(..., description="training tasks (JSONL/parquet), the replicas' task file")
+    prior: Path | None = Field(
+        None, description="task prior from `spopp prior`; unset: a flat Jeffreys prior for every task"
+    )
+    run_config: dict = Field(
+        default_factory=dict,
+        description="the run's other fields: retention, prior_mass, lease_seconds, d_half, rho_min, rho_max",
+    )
+    api_token: str | None = Field(None, description="bearer token of the tracker (prefer SPOPP_API_TOKEN)")
+    wait_seconds: float = Field(300.0, gt=0, le=86_400, description="how long to wait for the tracker")
+
+
+def run_init(s: InitSettings, echo=print) -> None:
+    from runtime.tasks import load_tasks
+    from spopp.client import TrackerClient
+    from spopp.registration import register, task_bodies
+
+    for key in ("recipe", "seed", "base_snapshot"):
+        if key in s.run_config:
+            raise ValueError(f"run_config.{key}: give it as its own setting ({key})")
+    try:
+        config = RunConfig.model_validate(
+            {**s.run_config, "recipe": s.recipe, "seed": s.seed, "base_snapshot": s.base_snapshot}
+        )
+    except ValidationError as exc:
+        raise ValueError(
+            "run_config: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        ) from None
+    try:
+        ids = [t.task_id for t in load_tasks(s.tasks)]
+    except FileNotFoundError:
+        raise ValueError(f"tasks file {s.tasks} does not exist") from None
+    if not ids:
+        raise ValueError(f"tasks file {s.tasks} holds no tasks")
+    bodies = task_bodies(ids, s.prior, f"the training tasks {s.tasks}")
+    _wait_ready(s.tracker, s.wait_seconds, echo)
+    with TrackerClient(s.tracker, token=s.api_token, retry_seconds=min(60.0, s.wait_seconds)) as client:
+        register(client, s.run, config.model_dump(mode="json"), bodies, echo)
+
+
+def _wait_ready(url: str, seconds: float, echo) -> None:
+    deadline = time.monotonic() + seconds
+    said = False
+    while True:
+        try:
+            if httpx.get(url.rstrip("/") + "/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the tracker at {url} was not ready within {seconds:.0f} s")
+        if not said:
+            echo(f"waiting for the tracker at {url} ...")
+            said = True
+        time.sleep(1.0)

@@ -1,0 +1,80 @@
+"""Creating a run at the tracker and loading its tasks with their prior: the one place that does it.
+
+Used by `spopp launch` (before the learner starts) and by `spopp init`, the init step of
+docker compose and Kubernetes. Both calls are idempotent at the tracker: the same run config
+again answers 200, the same task prior again counts as unchanged, so a second `up` or a resumed
+launch changes nothing. Anything else (the run exists with another recipe, a task with another
+prior) is refused by the tracker with 409 and reported here as a RegistrationError that says
+which and why, before any learner or replica could train on the wrong run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .client import TrackerClient, TrackerError
+from .priors import read_prior
+
+PUT_CHUNK = 10_000  # the tracker's per-call task limit
+
+
+class RegistrationError(RuntimeError):
+    """The run or its tasks could not be registered; the message says why."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    policy_version: int  # 0 for a new run; a resumed one may be further
+    tasks_created: int
+    tasks_unchanged: int
+
+
+def task_bodies(
+    train_ids: Iterable[str], prior: str | Path | None, tasks_name: str = "the training tasks"
+) -> list[dict]:
+    """The tracker's task entries: the prior file's (every one of its tasks must be a training
+    task), or a flat Jeffreys prior (no outcomes) for every training task when there is none."""
+    train_ids = list(train_ids)
+    if prior is None:
+        return [{"task_id": t, "outcomes": []} for t in train_ids]
+    try:
+        p = read_prior(prior)
+    except (OSError, ValueError) as exc:
+        raise RegistrationError(f"prior: {exc}") from None
+    known = set(train_ids)
+    unknown = [t.task_id for t in p.tasks if t.task_id not in known]
+    if unknown:
+        raise RegistrationError(
+            f"prior {prior} names {len(unknown)} tasks that are not in {tasks_name} "
+            f"(e.g. {', '.join(unknown[:3])}): was it computed on another task file?"
+        )
+    return p.task_bodies()
+
+
+def register(client: TrackerClient, run: str, run_config: dict, bodies: list[dict],
+             echo: Callable[[str], None] = print) -> Registered:  # fmt: skip
+    """PUT the run, then its tasks in chunks; RegistrationError on a conflict."""
+    try:
+        answer = client.put_run(run, run_config)
+    except TrackerError as exc:
+        if exc.status == 409:
+            raise RegistrationError(
+                f"the tracker holds run {run!r} with another config ({exc.detail}); the recipe, seed, "
+                "base snapshot or run config given now differ from the run's"
+            ) from None
+        raise RegistrationError(f"creating run {run!r} at the tracker: {exc}") from None
+    created = unchanged = 0
+    for i in range(0, len(bodies), PUT_CHUNK):
+        try:
+            result = client.put_tasks(run, bodies[i : i + PUT_CHUNK])
+        except TrackerError as exc:
+            raise RegistrationError(
+                f"loading the tasks at the tracker: {exc} (a task already there with another prior: "
+                "the prior file changed since this run was created)"
+            ) from None
+        created += result.created
+        unchanged += result.unchanged
+    echo(f"tracker: run {run} ready, tasks {created} created, {unchanged} unchanged")
+    return Registered(answer.policy_version, created, unchanged)
