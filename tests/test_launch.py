@@ -360,7 +360,7 @@ def test_wandb_offline_mirrors_the_learner_and_evaluator_records(toy, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOPP_", "WANDB_"))}
     r = subprocess.run(cli("launch", str(path)), capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    (run_file,) = (tmp_path / "run" / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     rows = _wandb_history(run_file)
     learner = [
         json.loads(x) for x in (tmp_path / "run" / "learner" / "metrics.jsonl").read_text().splitlines()
