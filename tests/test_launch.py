@@ -91,6 +91,10 @@ def _refused(toy, tmp_path, expect: str, **over) -> None:
             "gpus.rollout lists devices for 2 replicas but rollout.replicas is 1",
         ),
         ({"updates": 5}, "must be a multiple of evaluator.every 2"),
+        (
+            {"learner": {"nproc": 3}, "gpus": {"learner": [0, 1]}},
+            "learner.nproc 3 needs 3 devices but gpus.learner gives 2",
+        ),
         ({"run_config": {"retention": 1.5}}, "run_config.retention"),
         ({"run_config": {"recipe": "spo"}}, "run_config.recipe is set by spopp launch"),
         ({"evaluator": {"enabled": "maybe"}}, "evaluator.enabled must be true or false"),
@@ -163,6 +167,8 @@ def test_the_example_config_is_valid_on_a_five_gpu_node():
     s = resolve(Path(__file__).parent.parent / "deploy" / "launch.example.yaml")
     p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
     assert p.arm() == "spopp" and p.nproc == 2 and len(p.rollouts) == 2 and p.evaluator is not None
+    del s.learner["nproc"]  # one rank per learner GPU by default
+    assert plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))}).nproc == 2
     assert p.learner.dual_clip == 2.0 and p.learner.normalization == "token"
     assert gpus.check(s.gpus, len(p.rollouts), 5) == []
     assert gpus.check(s.gpus, len(p.rollouts), 4) == [

@@ -263,7 +263,12 @@ def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
         recipe=s.recipe, max_updates=s.updates, seed=s.seed, port=ports["learner"], host="127.0.0.1",
     )  # fmt: skip
     learner = _build(LearnerSettings, "learner", learner_values)
-    nproc = _count("learner", "nproc", s.learner.get("nproc", 1), 1)
+    # One rank per learner GPU unless said otherwise; on a CPU machine, one rank.
+    nproc = _count("learner", "nproc", s.learner.get("nproc", len(s.gpus.learner) or 1), 1)
+    if s.gpus.learner and nproc > len(s.gpus.learner):
+        raise SettingsError(
+            f"learner.nproc {nproc} needs {nproc} devices but gpus.learner gives {len(s.gpus.learner)}"
+        )
     if s.updates % learner.updates_per_publish:
         raise SettingsError(
             f"updates {s.updates} must be a multiple of learner.updates_per_publish "
