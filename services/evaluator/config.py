@@ -17,7 +17,28 @@ from spopp.settings import Settings
 from spopp.snapshots import HOLDER_PATTERN
 
 
-class EvaluatorSettings(Settings):
+class EpisodeSettings(Settings):
+    """How episodes are played: shared by the evaluator and `spopp prior`, which play like the replicas."""
+
+    env: Literal["math-tir", "toy-calc"] = Field("math-tir", description="environment plug-in")
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="generation engine (transformers: CPU unless engine_options.device)"
+    )
+    engine_options: dict = Field(
+        default_factory=dict,
+        description="extra engine arguments, a mapping: {device: cuda:1} (transformers), "
+        "{gpu_memory_utilization: 0.8} (vllm)",
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass of the sampled episodes")
+    max_turns: int = Field(8, ge=1, le=1000, description="model turns per episode")
+    max_tokens_per_turn: int = Field(1024, ge=1, le=1_000_000, description="tokens per model turn")
+    max_total_tokens: int = Field(
+        4096, ge=1, le=10_000_000, description="tokens per episode, prompt included"
+    )
+    concurrency: int = Field(32, ge=1, le=4096, description="episodes in flight on the engine")
+
+
+class EvaluatorSettings(EpisodeSettings):
     env_prefix: ClassVar[str] = "SPOPP_EVALUATOR_"
 
     # -- what to follow ------------------------------------------------------------------------
@@ -80,25 +101,9 @@ class EvaluatorSettings(Settings):
     max_tasks: int | None = Field(
         None, ge=1, le=10_000_000, description="score only the first N tasks of the file"
     )
-    env: Literal["math-tir", "toy-calc"] = Field("math-tir", description="environment plug-in")
-    engine: Literal["transformers", "vllm"] = Field(
-        "transformers", description="generation engine (transformers: CPU unless engine_options.device)"
-    )
-    engine_options: dict = Field(
-        default_factory=dict,
-        description="extra engine arguments, a mapping: {device: cuda:1} (transformers), "
-        "{gpu_memory_utilization: 0.8} (vllm)",
-    )
     greedy: bool = Field(True, description="one temperature-0 episode per task")
     samples: int = Field(4, ge=0, le=1024, description="sampled episodes per task (avg@k, pass@k); 0: none")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="temperature of the sampled episodes")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass of the sampled episodes")
-    max_turns: int = Field(8, ge=1, le=1000, description="model turns per episode")
-    max_tokens_per_turn: int = Field(1024, ge=1, le=1_000_000, description="tokens per model turn")
-    max_total_tokens: int = Field(
-        4096, ge=1, le=10_000_000, description="tokens per episode, prompt included"
-    )
-    concurrency: int = Field(32, ge=1, le=4096, description="episodes in flight on the engine")
     seed: int = Field(
         0, ge=0, lt=2**62, description="base of the sampled episodes' seeds (fixed per task and sample)"
     )
