@@ -70,14 +70,7 @@ def compare(base: LaunchSettings, arms: list[str], seeds: list[int], out: Path, 
                 f"{launcher.s.run} ended with code {code}; the comparison stops here (launch it again to resume)"
             )
             return code
-    args = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "report",
-        str(out / "runs"),
-        "--out",
-        str(out),
-        *report_args,
-    ]
+    # Exactly these runs: the folder may hold runs of other seeds from an earlier comparison.
+    dirs = [str(launcher.s.run_dir) for launcher in launchers]
+    args = [sys.executable, "-m", "services.cli", "report", *dirs, "--out", str(out), *report_args]
     return subprocess.run(args).returncode
