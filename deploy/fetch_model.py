@@ -56,13 +56,17 @@ def fetch(model: str, folder: Path, revision: str | None, download=None) -> None
     (folder / MARKER).write_text(f"{model}@{revision or 'main'}\n")
 
 
-def main(argv: list[str] | None = None, download=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="folder name under --root, or a Hugging Face id org/name")
     p.add_argument("--root", default="/models", help="the models volume")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit); empty: main")
     p.add_argument("--check", action="store_true", help="only report: exit 0 when the model is ready")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None, download=None) -> int:
+    a = parser().parse_args(argv)
     try:
         folder = target(Path(a.root), a.model)
         now = state(folder)

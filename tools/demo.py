@@ -37,7 +37,7 @@ FULL = {
     "eval_samples": 4, "batch_size": 32, "seeds": "0,1,2",
 }  # fmt: skip
 QUICK = {
-    "cold_start_steps": 500, "n_train": 128, "n_heldout": 64, "updates": 24, "eval_every": 4,
+    "cold_start_steps": 400, "n_train": 128, "n_heldout": 64, "updates": 24, "eval_every": 4,
     "eval_samples": 4, "batch_size": 32, "seeds": "0,1",
 }  # fmt: skip
 # The smallest path through every stage, for the end-to-end test.

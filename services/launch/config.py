@@ -280,7 +280,8 @@ def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
     base = _section("rollout", s.rollout)
     rollouts = []
     for i in range(replicas):
-        values = {"shutdown_seconds": 5.0, **base}
+        # Short: a replica stops when training is over, and its in-flight work has nowhere to go.
+        values = {"shutdown_seconds": 2.0, **base}
         values.update(
             model=Path(s.model).resolve(), tracker=tracker_url, learner=f"http://127.0.0.1:{learner.port}",
             run=s.run, api_token=token, env=s.env, tasks=Path(s.tasks).resolve(), worker_id=f"rollout-{i}",

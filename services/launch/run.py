@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import socket
 import time
@@ -64,8 +65,33 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _pick_port(taken: set[int], rng: random.Random) -> int:
+    """A free port below the ephemeral range. An OS-chosen free port lies inside that range, where
+    any process's next outgoing connection may take it before the child that was given it binds
+    it; with several children starting at once that happens. Below the range only a listener can."""
+    lo = _ephemeral_range()[0]
+    if lo > 11_000:
+        for _ in range(200):
+            port = rng.randrange(10_000, lo)
+            if port not in taken and _port_free(port):
+                return port
+    port = free_port()
+    while port in taken:
+        port = free_port()
+    return port
+
+
 def _resolve_ports(s: LaunchSettings) -> dict[str, int]:
     ports, taken = {}, set()
+    rng = random.Random()
     for name, port in port_requests(s).items():
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise LaunchError(f"{name}: port must be an integer in 0..65535, got {port!r}")
@@ -73,9 +99,7 @@ def _resolve_ports(s: LaunchSettings) -> dict[str, int]:
             if port in taken or not _port_free(port):
                 raise LaunchError(f"port {port} ({name}) is in use: pick another or 0 for any free port")
         else:
-            port = free_port()
-            while port in taken:
-                port = free_port()
+            port = _pick_port(taken, rng)
         taken.add(port)
         ports[name] = port
     return ports
@@ -286,16 +310,19 @@ class Launcher:
         tracker = self._spawn(p, "tracker", "tracker", "serve")
         tracker.wait_http(f"http://127.0.0.1:{p.tracker.port}/readyz", wait)
         self._register(p)
-        learner = self._spawn(p, "learner", "learner", "run", ("--nproc", str(p.nproc), "--resume"))
-        # The intake answers (401 without a token) once rank 0 has the model and serves.
-        learner.wait_http(f"http://127.0.0.1:{p.learner.port}/metrics", wait, ok=(200, 401))
+        # The rest start together: a replica retries its trajectory POSTs until the learner's
+        # intake answers, so nothing waits on the learner's start-up (the longest).
+        self._spawn(p, "learner", "learner", "run", ("--nproc", str(p.nproc), "--resume"))
         for r in p.rollouts:
             self._spawn(p, r.worker_id, "rollout", "serve")
+        if p.evaluator is not None:
+            self._spawn(p, "evaluator", "evaluator", "run")
+        # The intake answers (401 without a token) once rank 0 has the model and serves.
+        self.children["learner"].wait_http(f"http://127.0.0.1:{p.learner.port}/metrics", wait, ok=(200, 401))
         for r in p.rollouts:
             self.children[r.worker_id].wait_http(f"http://127.0.0.1:{r.port}/healthz", wait)
         if p.evaluator is not None:
-            ev = self._spawn(p, "evaluator", "evaluator", "run")
-            ev.wait_http(f"http://127.0.0.1:{p.evaluator.port}/healthz", wait)
+            self.children["evaluator"].wait_http(f"http://127.0.0.1:{p.evaluator.port}/healthz", wait)
         self.echo(f"every process is up: {', '.join(f'{n} (pid {c.pid})' for n, c in self.children.items())}")
 
     def _client(self, p: Plan) -> TrackerClient:
