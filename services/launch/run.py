@@ -317,8 +317,8 @@ class Launcher:
             self._spawn(p, r.worker_id, "rollout", "serve")
         if p.evaluator is not None:
             self._spawn(p, "evaluator", "evaluator", "run")
-        # The intake answers (401 without a token) once rank 0 has the model and serves.
-        self.children["learner"].wait_http(f"http://127.0.0.1:{p.learner.port}/metrics", wait, ok=(200, 401))
+        # /healthz answers (open, token or not) once rank 0 has the model and serves the intake.
+        self.children["learner"].wait_http(f"http://127.0.0.1:{p.learner.port}/healthz", wait)
         for r in p.rollouts:
             self.children[r.worker_id].wait_http(f"http://127.0.0.1:{r.port}/healthz", wait)
         if p.evaluator is not None:
