@@ -14,6 +14,7 @@ from kubernetes_validate.utils import all_versions
 from test_deploy import (
     ENV_EXAMPLE,
     ROOT,
+    SERVICE_SETTINGS,
     SETTINGS_BY_PREFIX,
     TOKEN,
     check_argv,
@@ -22,12 +23,7 @@ from test_deploy import (
     container_argv,
 )
 
-from services.evaluator.config import EvaluatorSettings
-from services.evaluator.prior_config import PriorSettings
 from services.launch.init import InitSettings
-from services.learner.config import LearnerSettings
-from services.rollout.config import RolloutSettings
-from services.tracker.config import TrackerSettings
 from spopp.settings import API_TOKEN_ENV
 
 K8S = ROOT / "deploy" / "k8s"
@@ -41,15 +37,7 @@ IMAGES = {
     "spopp/learner": ROOT / "deploy" / "learner.Dockerfile",
 }
 # Container name -> the settings it reads (wait-for-run runs `spopp init`).
-CONTAINER_SETTINGS = {
-    "tracker": TrackerSettings,
-    "rollout": RolloutSettings,
-    "learner": LearnerSettings,
-    "evaluator": EvaluatorSettings,
-    "prior": PriorSettings,
-    "init": InitSettings,
-    "wait-for-run": InitSettings,
-}
+CONTAINER_SETTINGS = {**SERVICE_SETTINGS, "wait-for-run": InitSettings}
 OTHER_VARIABLES = {"HF_TOKEN", "NNODES", "GPUS_PER_NODE", "REDIS_ADDR"}
 # .env.example's variables that only compose reads (files and ports on the compose host).
 COMPOSE_ONLY = {"COMPOSE_FILE", "SPOPP_MODELS", "SPOPP_DATA", "SPOPP_PUBLISH", API_TOKEN_ENV, "HF_TOKEN"}
