@@ -102,8 +102,6 @@ class Progress:
                 parts.append(f"{(n_b - n_a) / (t_b - t_a):.1f} episodes/s")
         elapsed = now - self.t0
         done = step - (self.first_step or 0)
-        from .run import format_seconds
-
         clock = format_seconds(elapsed)
         if waiting:
             clock += f", {waiting}"
@@ -176,3 +174,10 @@ class WandbMirror:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def format_seconds(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"

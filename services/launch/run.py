@@ -22,7 +22,6 @@ identity (recipe, seed, model, tasks, prior, run config) must not have changed.
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import signal
@@ -41,7 +40,7 @@ from spopp.settings import SettingsError
 from . import gpus as gpu
 from .children import Child, ChildFailed, child_env
 from .config import LaunchSettings, Plan, plan, port_requests
-from .progress import Progress
+from .progress import Progress, eval_points, last_line
 
 
 class LaunchError(RuntimeError):
@@ -385,14 +384,10 @@ class Launcher:
                 child.stop(self.s.stop_seconds)
 
     def _finished_updates(self, p: Plan) -> int:
-        from .progress import last_line
-
         line = last_line(p.run_dir / "learner" / "metrics.jsonl")
         return int(line.get("step", 0)) if line else 0
 
     def _summary(self, p: Plan, status: str) -> None:
-        from .progress import eval_points
-
         points = eval_points(p.run_dir / "eval" / "evals.jsonl")
         if points:
             first, last = points[0], points[-1]
@@ -401,10 +396,3 @@ class Launcher:
                 f"{last[1]:.3f} over {len(points)} points"
             )
         self.echo(f"run {self.s.run}: {status}; folder {p.run_dir}")
-
-
-def format_seconds(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(seconds)
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
