@@ -156,6 +156,10 @@ class Worker:
                         self.tracker.dispatch(self.s.run, self.s.worker_id, self.version, free)
                     )
                     got = d.requests if d is not None else []
+                    if got and self.stopping.is_set():
+                        # Leased as the shutdown came: give them straight back rather than start them.
+                        await asyncio.gather(*(self._release(lease) for lease in got))
+                        got = []
                 except StalePolicy as stale:
                     await self._drain()
                     await self._follow(stale.policy_version, stale.snapshot)
@@ -187,16 +191,19 @@ class Worker:
         if self.fatal is not None:
             raise self.fatal
 
-    async def _unless_stopping(self, call):
+    async def _unless_stopping(self, call, grace: float = 2.0):
         """Await `call`, unless a shutdown comes first (then None): a dispatch retrying through an
-        outage must not hold up SIGTERM. A dispatch cut off this way may have leased tasks the
-        answer never brought back; their leases expire at the tracker."""
+        outage must not hold up SIGTERM. An answer already on its way carries leases only this
+        replica knows of, so it gets `grace` seconds to arrive (the caller releases them); a
+        dispatch cut off after that may have leased tasks whose leases expire at the tracker."""
         work = asyncio.ensure_future(call)
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
+        if not work.done():
+            await asyncio.wait({work}, timeout=grace)
         if work.done():
             return work.result()
         work.cancel()
@@ -273,7 +280,10 @@ class Worker:
         try:
             [result] = await self.tracker.outcomes(self.s.run, [(lease.request_id, ep.reward)])
         except asyncio.CancelledError:
+            # Cut off by a shutdown while reporting: give the lease back (a 409 if the report had
+            # landed after all, which is logged and harmless) rather than leave it until expiry.
             self.metrics.lost.labels("outcome").inc()
+            await asyncio.shield(self._release(lease))
             raise
         except (TrackerError, httpx.HTTPError) as exc:
             # Past the retry bound, or refused (409: the lease expired during a long outage).
