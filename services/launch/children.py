@@ -12,6 +12,7 @@ stopped by their own pid, never by name.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -25,9 +26,12 @@ from spopp.lifetime import die_with_parent
 from spopp.settings import API_TOKEN_ENV
 
 
-def _die_with_launcher() -> None:  # runs between fork and exec
+def _die_with_launcher(launcher: int) -> None:  # runs in the child, between fork and exec
     os.setsid()
     die_with_parent(signal.SIGKILL)
+    # A launcher killed before the prctl above sends no signal: the child is reparented by now.
+    if os.getppid() != launcher:
+        os._exit(1)
 
 
 def child_env(token: str | None, devices: str) -> dict[str, str]:
@@ -57,11 +61,8 @@ class Child:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_launcher,
+            preexec_fn=functools.partial(_die_with_launcher, os.getpid()),
         )
-        # Killed between the fork and the prctl, the launcher would not signal this child: check.
-        if self.proc.poll() is None and os.getppid() == 1:  # pragma: no cover - a race window
-            self.kill()
 
     @property
     def pid(self) -> int:
