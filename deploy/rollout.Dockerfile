@@ -4,7 +4,9 @@
 # bubblewrap uses: SYS_ADMIN and NET_ADMIN, seccomp and AppArmor unconfined (docker-compose.yml's
 # x-sandbox-rights, the pods' securityContext in deploy/k8s/; why: deploy/README.md), not privileged.
 FROM vllm/vllm-openai:latest
-RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap util-linux && rm -rf /var/lib/apt/lists/*
+# build-essential and cmake: ALFWorld's jericho and fast-downward build from source.
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap util-linux build-essential cmake \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY spopp ./spopp
@@ -15,7 +17,8 @@ COPY tools ./tools
 COPY deploy/fetch_model.py ./deploy/fetch_model.py
 # vllm comes with the base image; install the rest without replacing its torch.
 RUN pip install --no-cache-dir --no-deps . && pip install --no-cache-dir 'transformers>=4.51' tokenizers safetensors \
-    'math-verify==0.9.0' pyarrow fastapi 'uvicorn[standard]' prometheus-client click httpx pydantic pyyaml tensorboard
+    'math-verify==0.9.0' pyarrow fastapi 'uvicorn[standard]' prometheus-client click httpx pydantic pyyaml tensorboard \
+    'alfworld==0.4.2' 'textworld==1.7.0'
 EXPOSE 8200
 ENTRYPOINT ["spopp"]
 CMD ["rollout", "serve"]

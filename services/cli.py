@@ -13,6 +13,7 @@ from spopp import __version__
 
 
 def build() -> click.Group:
+    from runtime.envs.alfworld.cli import group as alfworld
     from services.evaluator.cli import group as evaluator
     from services.evaluator.cli import prior_command as prior
     from services.launch.cli import ablate_command as ablate
@@ -29,8 +30,8 @@ def build() -> click.Group:
         params=[click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True,
                              callback=_print_version, help="print the version and exit")],
     )  # fmt: skip
-    # The services' groups, then the experiment commands that compose them.
-    for command in (tracker, rollout, learner, evaluator, init, launch, prior, report, ablate):
+    # The services' groups, then the experiment commands that compose them, then data tools.
+    for command in (tracker, rollout, learner, evaluator, init, launch, prior, report, ablate, alfworld):
         app.add_command(command)
     return app
 

@@ -98,6 +98,9 @@ def _refused(toy, tmp_path, expect: str, **over) -> None:
         ({"run_config": {"retention": 1.5}}, "run_config.retention"),
         ({"run_config": {"recipe": "spo"}}, "run_config.recipe is set by spopp launch"),
         ({"evaluator": {"enabled": "maybe"}}, "evaluator.enabled must be true or false"),
+        ({"env_options": {"max_tool_calls": 0, "colour": "red"}}, "environment toy-calc: bad env_options"),
+        ({"rollout": {"env_options": {"max_tool_calls": 1}}}, "rollout: env_options is set by spopp launch"),
+        ({"evaluator": {"env_options": {}}}, "evaluator: env_options is set by spopp launch"),
     ],
 )
 def test_bad_config_is_refused_with_its_reason(toy, tmp_path, over, expect):
@@ -146,6 +149,21 @@ def test_set_reaches_into_sections_and_wins_over_the_file(toy, tmp_path):
     assert s.rollout["engine_options"] == {"dtype": "float32"}
     with pytest.raises(SettingsError, match="expected KEY=VALUE"):
         resolve(path, ("learner.lr",))
+
+
+def test_env_options_reach_every_replica_and_the_evaluator(toy, tmp_path):
+    from services.launch.config import plan
+
+    s = resolve(config(toy, tmp_path, env_options={"max_tool_calls": 1}), ("rollout.replicas=2",))
+    from services.launch.config import port_requests
+
+    ports = {name: 9000 + i for i, name in enumerate(port_requests(s))}
+    p = plan(s, ports)
+    assert [r.env_options for r in p.rollouts] == [{"max_tool_calls": 1}] * 2
+    assert p.evaluator.env_options == {"max_tool_calls": 1}
+    assert p.identity()["env_options"] == {"max_tool_calls": 1}
+    # A run launched without them keeps the identity it had before env_options existed.
+    assert "env_options" not in plan(resolve(config(toy, tmp_path)), ports).identity()
 
 
 def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):

@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .base import Environment
 
-ENVIRONMENTS = ("math-tir", "toy-calc")
+ENVIRONMENTS = ("math-tir", "toy-calc", "alfworld")
 
 
-def env_factory(name: str) -> Callable[[], Environment]:
+def env_factory(name: str, options: Mapping[str, Any] | None = None) -> Callable[[], Environment]:
     """A constructor of fresh episodes of environment `name`, checked once here.
 
-    The check runs what the environment needs from the machine (the sandbox for math-tir) so a
-    missing dependency fails at start-up rather than in the first episode. Used by the rollout
-    replica and by the learner's evaluation.
+    `options` are the environment's keyword arguments (the services' `env_options` setting); one
+    environment is built with them here, so an unknown or bad option fails at start-up with its
+    name, as does a missing dependency of the machine (the sandbox for math-tir, the alfworld
+    packages for alfworld), rather than in the first episode. Used by the rollout replica, the
+    evaluator and `spopp prior`.
     """
+    options = dict(options or {})
     if name == "math-tir":
         from ..sandbox import SandboxConfig, check_sandbox
         from .math_tir import MathTIREnv
 
+        if options:
+            raise ValueError(f"environment math-tir takes no env_options, got {sorted(options)}")
         check_sandbox(SandboxConfig())
 
         def make() -> Environment:
@@ -30,5 +36,21 @@ def env_factory(name: str) -> Callable[[], Environment]:
         # No machine dependency: the tool is evaluated in-process by a tiny integer parser.
         from .toy_calc import ToyCalcEnv
 
-        return ToyCalcEnv
-    raise ValueError(f"unknown environment {name!r}; expected one of {', '.join(ENVIRONMENTS)}")
+        cls: type[Environment] = ToyCalcEnv
+    elif name == "alfworld":
+        from .alfworld.engine import require_alfworld
+        from .alfworld.env import AlfworldEnv
+
+        require_alfworld()
+        cls = AlfworldEnv
+    else:
+        raise ValueError(f"unknown environment {name!r}; expected one of {', '.join(ENVIRONMENTS)}")
+    try:
+        cls(**options).close()
+    except TypeError as e:  # an unknown keyword
+        raise ValueError(f"environment {name}: bad env_options {options}: {e}") from None
+
+    def make_with_options() -> Environment:
+        return cls(**options)
+
+    return make_with_options

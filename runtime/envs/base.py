@@ -33,6 +33,11 @@ class Environment(ABC):
 
     name: str = "base"
     stop: tuple[str, ...] = ()
+    # Whether services may open every task at start-up to find openings that fill the budget
+    # (`runtime.agent.prompts_over_budget`). False where an opening costs real time (an ALFWorld
+    # game loads in about 0.5 s); an episode whose opening fills the budget still ends at once with
+    # reward 0 and finish "max_total_tokens".
+    cheap_reset: bool = True
 
     @abstractmethod
     def reset(self, task: Task) -> list[dict]:

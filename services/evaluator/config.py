@@ -20,7 +20,11 @@ from spopp.snapshots import HOLDER_PATTERN
 class EpisodeSettings(Settings):
     """How episodes are played: shared by the evaluator and `spopp prior`, which play like the replicas."""
 
-    env: Literal["math-tir", "toy-calc"] = Field("math-tir", description="environment plug-in")
+    env: Literal["math-tir", "toy-calc", "alfworld"] = Field("math-tir", description="environment plug-in")
+    env_options: dict = Field(
+        default_factory=dict,
+        description="the environment's arguments, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
+    )
     engine: Literal["transformers", "vllm"] = Field(
         "transformers", description="generation engine (transformers: CPU unless engine_options.device)"
     )

@@ -42,7 +42,7 @@ class PriorError(ValueError):
 def evaluator_settings(s: PriorSettings) -> EvaluatorSettings:
     """The evaluator's view of the prior settings: no greedy episode, `rollouts` sampled ones."""
     return EvaluatorSettings(
-        model=s.model, tasks=s.tasks, max_tasks=s.max_tasks, env=s.env, engine=s.engine,
+        model=s.model, tasks=s.tasks, max_tasks=s.max_tasks, env=s.env, env_options=s.env_options, engine=s.engine,
         engine_options=s.engine_options, greedy=False, samples=s.rollouts, temperature=s.temperature,
         top_p=s.top_p, max_turns=s.max_turns, max_tokens_per_turn=s.max_tokens_per_turn,
         max_total_tokens=s.max_total_tokens, concurrency=s.concurrency, seed=s.seed,
@@ -92,7 +92,7 @@ def preflight(s: PriorSettings, tokenizer: object | None = None) -> list[Task]:
             + ", ".join(repr(x) for x in bad[:5])
         )
     try:
-        make_env = env_factory(s.env)
+        make_env = env_factory(s.env, s.env_options)
     except Exception as exc:  # a missing sandbox dependency (math-tir) says what it lacks
         raise PriorError(f"environment {s.env}: {exc}") from None
     if tokenizer is None:
@@ -172,6 +172,7 @@ def run_prior(
         "model": str(Path(s.model).resolve()),
         "tasks_file": str(Path(s.tasks).resolve()),
         "env": s.env,
+        "env_options": s.env_options,
         "temperature": s.temperature,
         "top_p": s.top_p,
         "max_turns": s.max_turns,

@@ -108,7 +108,7 @@ class Scorer:
         self.s = s
         self.engine = engine
         self.tasks = tasks
-        self.make_env = env_factory(s.env)
+        self.make_env = env_factory(s.env, s.env_options)
         self.budget = Budget(s.max_turns, s.max_tokens_per_turn, s.max_total_tokens)
         self.renderer = ChatRenderer(engine.tokenizer)
         self.loaded: Path | None = model.resolve()

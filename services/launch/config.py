@@ -62,6 +62,7 @@ OWNED: dict[str, dict[str, str]] = {
         "run": "use the top-level run",
         "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
         "env": "use the top-level env",
+        "env_options": "use the top-level env_options",
         "tasks": "use the top-level tasks",
         "generated_tasks": "use the top-level tasks",
         "worker_id": "replicas are named rollout-0, rollout-1, ...",
@@ -89,6 +90,7 @@ OWNED: dict[str, dict[str, str]] = {
         "out_dir": "evaluations live in <run_dir>/eval",
         "tasks": "use the top-level heldout",
         "env": "use the top-level env",
+        "env_options": "use the top-level env_options",
         "until_version": "the launcher stops it after the budget's last version",
         "holder": "the launcher names its hold",
     },
@@ -114,7 +116,11 @@ class LaunchSettings(Settings):
         None, description="task prior from `spopp prior`; unset: a flat Jeffreys prior for every task"
     )
     heldout: Path | None = Field(None, description="held-out tasks of the evaluator; unset: no evaluator")
-    env: Literal["math-tir", "toy-calc"] = Field("math-tir", description="environment plug-in")
+    env: Literal["math-tir", "toy-calc", "alfworld"] = Field("math-tir", description="environment plug-in")
+    env_options: dict = Field(
+        default_factory=dict,
+        description="the environment's arguments for every replica, the evaluator and the prior, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
+    )
     updates: int = Field(100, ge=1, le=10_000_000, description="budget: learner updates")
     api_token: str | None = Field(
         None, min_length=16, description="bearer token of every service (prefer SPOPP_API_TOKEN)"
@@ -180,6 +186,8 @@ class Plan:
             "prior": str(Path(s.prior).resolve()) if s.prior else None,
             "env": s.env,
             "run_config": self.run_config.model_dump(mode="json"),
+            # Only when set, so that runs launched before env_options existed still resume.
+            **({"env_options": s.env_options} if s.env_options else {}),
         }
 
     def arm(self) -> str:
@@ -284,7 +292,7 @@ def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
         values = {"shutdown_seconds": 2.0, **base}
         values.update(
             model=Path(s.model).resolve(), tracker=tracker_url, learner=f"http://127.0.0.1:{learner.port}",
-            run=s.run, api_token=token, env=s.env, tasks=Path(s.tasks).resolve(), worker_id=f"rollout-{i}",
+            run=s.run, api_token=token, env=s.env, env_options=s.env_options, tasks=Path(s.tasks).resolve(), worker_id=f"rollout-{i}",
             # Distinct sampling streams per replica, all fixed by the run's seed.
             seed=s.seed * 1000 + i, port=ports[f"rollout-{i}"], host="127.0.0.1",
         )  # fmt: skip
@@ -299,7 +307,7 @@ def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
         values.update(
             tracker=tracker_url, run=s.run, api_token=token, model=Path(s.model).resolve(),
             snapshots=run_dir / "snapshots", out_dir=run_dir / "eval", tasks=Path(s.heldout).resolve(),
-            env=s.env, until_version=final_version, holder=f"evaluator-{s.run}",
+            env=s.env, env_options=s.env_options, until_version=final_version, holder=f"evaluator-{s.run}",
             port=ports["evaluator"], host="127.0.0.1",
         )  # fmt: skip
         evaluator = _build(EvaluatorSettings, "evaluator", values)

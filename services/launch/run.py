@@ -43,6 +43,20 @@ from .config import LaunchSettings, Plan, plan, port_requests
 from .progress import Progress, eval_points, last_line
 
 
+def _check_env(name: str, options: dict) -> None:
+    """The environment and its options, as every replica will build them (a bad option, a missing
+    package), before any process starts rather than in each replica's log."""
+    from runtime.envs import env_factory
+
+    try:
+        env_factory(name, options)
+    except Exception as exc:  # each environment raises its own kind for a missing dependency
+        message = str(exc)
+        if not message.startswith(f"environment {name}"):
+            message = f"environment {name}: {message}"
+        raise LaunchError(message) from None
+
+
 class LaunchError(RuntimeError):
     """A launch that cannot start or go on; the message says why."""
 
@@ -166,6 +180,7 @@ class Launcher:
         except SettingsError as exc:
             raise LaunchError(str(exc)) from None
         _check_model(s.model)
+        _check_env(s.env, s.env_options)
         train_ids = _task_ids(s.tasks, "tasks")
         if s.heldout is not None and p.evaluator is not None:
             held = set(_task_ids(s.heldout, "heldout"))

@@ -27,7 +27,11 @@ class RolloutSettings(Settings):
     engine_options: dict = Field(
         default_factory=dict, description="extra engine arguments, a mapping: {max_model_len: 4096}"
     )
-    env: Literal["math-tir", "toy-calc"] = Field("math-tir", description="environment plug-in")
+    env: Literal["math-tir", "toy-calc", "alfworld"] = Field("math-tir", description="environment plug-in")
+    env_options: dict = Field(
+        default_factory=dict,
+        description="the environment's arguments, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
+    )
     tasks: Path | None = Field(None, description="task file (JSONL/parquet: prompt, answer, task_id)")
     generated_tasks: int = Field(
         0, ge=0, le=10_000_000, description="use N generated arithmetic tasks instead of a file"
