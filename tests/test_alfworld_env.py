@@ -351,3 +351,22 @@ def test_portable_rows_resolve_against_alfworld_data_where_they_run(games, tmp_p
     env.reset(task)
     assert _play(env, walks[task.task_id])[1].reward == 1.0
     env.close()
+
+
+def test_the_tasks_command_writes_checked_rows_or_nothing(games, tmp_path):
+    from click.testing import CliRunner
+
+    from runtime.envs.alfworld.cli import group
+
+    root, rels, _, _ = games
+    out = tmp_path / "tasks.jsonl"
+    r = CliRunner().invoke(group, ["tasks", "--data", str(root), "--list", str(Path(root) / "train_seed11.txt"),
+                                   "--out", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"6 tasks -> {out} (") and [t.answer for t in load_tasks(out)] == rels
+    (tmp_path / "bad.txt").write_text(f"{rels[0]}\ntrain/no-such/game\n")
+    out2 = tmp_path / "tasks2.jsonl"
+    r = CliRunner().invoke(group, ["tasks", "--data", str(root), "--list", str(tmp_path / "bad.txt"),
+                                   "--out", str(out2)])  # fmt: skip
+    assert r.exit_code == 1 and "no such game file" in r.output and r.output.count("\n") == 1
+    assert not out2.exists()

@@ -194,6 +194,20 @@ def test_the_example_config_is_valid_on_a_five_gpu_node():
     ]
 
 
+def test_the_paper_alfworld_config_plans_on_an_eight_gpu_node():
+    from services.launch.config import plan, port_requests
+
+    s = resolve(Path(__file__).parent.parent / "deploy" / "launch.alfworld.yaml")
+    p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
+    assert p.arm() == "spopp" and p.nproc == 2 and len(p.rollouts) == 5 and p.final_version == 50
+    assert p.learner.batch_size == 128 and p.learner.updates_per_publish == 1 and p.learner.lr == 1e-6
+    assert all(r.env == "alfworld" and r.env_options["max_steps"] == 50 for r in p.rollouts)
+    assert p.evaluator.env_options == p.rollouts[0].env_options
+    # The 50-interaction limit, not the turn budget, ends an episode.
+    assert all(r.max_turns >= r.env_options["max_steps"] for r in p.rollouts)
+    assert gpus.check(s.gpus, len(p.rollouts), 8) == []
+
+
 # -- GPU plans --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("g", [1, 2, 4, 8])
 def test_one_gpu_per_process_is_disjoint(g):
