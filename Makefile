@@ -52,6 +52,7 @@ bench: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.tracker_bench --out BENCHMARKS.md
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.rollout_bench --out BENCHMARKS.md
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.learner_bench --out BENCHMARKS.md
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.alfworld_bench --out BENCHMARKS.md
 
 # The paper's protocol at toy scale on this CPU: data, cold start, prior, paired SPO / SPO++ runs
 # through `spopp launch`, report. Seeds of the runs: make demo SEEDS="3 4 5". ABLATE=1 adds

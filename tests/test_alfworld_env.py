@@ -264,6 +264,8 @@ def test_env_options_are_checked_at_start_up():
         env_factory("alfworld", {"action_format": "json"})
     with pytest.raises(ValueError, match="bad env_options"):
         env_factory("alfworld", {"max_step": 10})
+    with pytest.raises(ValueError, match="workers"):
+        env_factory("alfworld", {"workers": -1})
     with pytest.raises(ValueError, match="takes no env_options"):
         env_factory("math-tir", {"max_steps": 10})
 
@@ -370,3 +372,49 @@ def test_the_tasks_command_writes_checked_rows_or_nothing(games, tmp_path):
                                    "--out", str(out2)])  # fmt: skip
     assert r.exit_code == 1 and "no such game file" in r.output and r.output.count("\n") == 1
     assert not out2.exists()
+
+
+def test_a_pool_of_engine_workers_plays_games_in_other_processes(games):
+    import os
+
+    from runtime.envs.alfworld.engine import engine_pool
+
+    _, _, tasks, walks = games
+    pool = engine_pool(2)
+    assert len(set(pool.pids())) == 2 and os.getpid() not in pool.pids()
+    argv = list(sys.argv)
+
+    def win(task):
+        env = AlfworldEnv(workers=2)
+        try:
+            env.reset(task)
+            return _play(env, walks[task.task_id])[1].info["finish"]
+        finally:
+            env.close()
+
+    async def all_at_once():
+        return await asyncio.gather(*(asyncio.to_thread(win, t) for t in tasks))
+
+    assert asyncio.run(all_at_once()) == ["won"] * len(tasks)
+    assert sys.argv == argv and all(w.games == 0 for w in pool._workers)  # every game given back
+
+
+def test_a_dead_engine_worker_fails_its_games_and_is_replaced(games):
+    import os
+    import signal
+
+    from runtime.envs.alfworld.engine import EngineError, engine_pool
+
+    _, _, tasks, walks = games
+    pool = engine_pool(1)
+    env = AlfworldEnv(workers=1)
+    env.reset(tasks[0])
+    dead = pool.pids()[0]
+    os.kill(dead, signal.SIGKILL)
+    with pytest.raises(EngineError, match=f"engine worker 0 \\(pid {dead}\\) died"):
+        env.step(walks[tasks[0].task_id][0])
+    env.close()
+    fresh = AlfworldEnv(workers=1)
+    fresh.reset(tasks[0])
+    assert _play(fresh, walks[tasks[0].task_id])[1].reward == 1.0 and pool.pids()[0] != dead
+    fresh.close()

@@ -13,6 +13,10 @@ Two action formats:
 * `tag` (stop "</action>"): the text inside the last `<action>...</action>`, so a model may think
   first, as verl-agent's ALFWorld prompt asks; a turn without the tag is an invalid action.
 
+Where games run: `workers=0` (the default) plays them in the replica's process, one engine call
+at a time (engine.py says why); `workers=N` plays them in a pool of N processes shared by the
+replica's episodes, so game loads and steps use N cores.
+
 The game never ends an episode by itself except by a win, so the environment counts interactions:
 after `max_steps` (the paper: 50) the episode ends with reward 0, finish "max_steps". The run's
 budget (`max_turns`) should leave room for them, or the budget cuts the episode first.
@@ -24,7 +28,7 @@ import re
 from typing import Any, Literal
 
 from ..base import Environment, StepResult, Task
-from .engine import INVALID_FEEDBACK, Game, Observation
+from .engine import INVALID_FEEDBACK, Game, Observation, engine_pool
 from .games import GameFileError, game_path, read_game
 
 __all__ = ["AlfworldEnv", "parse_action"]
@@ -74,9 +78,12 @@ class AlfworldEnv(Environment):
         show_admissible: bool = True,
         system_prompt: str | None = None,
         data_root: str | None = None,
+        workers: int = 0,
     ) -> None:
         if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
             raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+        if not isinstance(workers, int) or isinstance(workers, bool) or not 0 <= workers <= 256:
+            raise ValueError(f"workers must be an integer in [0, 256], got {workers!r}")
         if action_format not in ACTION_FORMATS:
             raise ValueError(f"action_format must be one of {ACTION_FORMATS}, got {action_format!r}")
         self.max_steps = max_steps
@@ -84,6 +91,7 @@ class AlfworldEnv(Environment):
         self.show_admissible = bool(show_admissible)
         self.system_prompt = SYSTEM_PROMPTS[action_format] if system_prompt is None else system_prompt
         self.data_root = data_root
+        self.workers = workers
         self.stop = ("</action>",) if action_format == "tag" else ("\n",)
         self._game: Game | None = None
         self.task: Task | None = None
@@ -106,7 +114,7 @@ class AlfworldEnv(Environment):
         path = game_path(task.answer, task.meta.get("alfworld_data") or self.data_root)
         read_game(path)  # a clear error for a broken file before the engine's own
         if self._game is None:
-            self._game = Game()
+            self._game = engine_pool(self.workers).game() if self.workers else Game()
         obs = self._game.start(path)
         self.task = task
         self.steps = self.invalid = 0

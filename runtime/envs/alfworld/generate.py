@@ -486,40 +486,17 @@ def _problem(
 # -- the planner check -----------------------------------------------------------------------------
 
 
-def _import_engine():
-    """textworld's PddlEnv and alfworld's demangler, without keeping alfworld's import side effects.
-
-    `alfworld.info` runs at the first alfworld import: it creates `$ALFWORLD_DATA` (default
-    `~/.cache/alfworld`) and writes `os.environ["ALFWORLD_DATA"]`. We put the variable back as it
-    was and remove the folder again if the import created it (and it is still empty).
-    """
-    before = os.environ.get("ALFWORLD_DATA")
-    folder = Path(before or "~/.cache/alfworld").expanduser()
-    existed = folder.exists()
-    try:
-        import textworld
-        from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
-        from textworld.envs import PddlEnv
-    finally:
-        if before is None:
-            os.environ.pop("ALFWORLD_DATA", None)
-        else:
-            os.environ["ALFWORLD_DATA"] = before
-        if not existed:
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
-    return textworld, PddlEnv, AlfredDemangler
-
-
 class _Planner:
     """One engine, reused from game to game (building one copies fast-downward's library)."""
 
     def __init__(self) -> None:
-        textworld, pddl_env, demangler = _import_engine()
+        from .engine import import_engine
+
+        eng = import_engine()
         # shuffle=False: entity numbers as the environment shows them, so the plan replays verbatim.
-        self._env = demangler(pddl_env(textworld.EnvInfos(won=True, policy_commands=True)), shuffle=False)
+        self._env = eng.AlfredDemangler(
+            eng.PddlEnv(eng.textworld.EnvInfos(won=True, policy_commands=True)), shuffle=False
+        )
 
     def plan(self, game: str | os.PathLike | Mapping[str, Any]) -> list[str] | None:
         from .engine import ENGINE_LOCK
