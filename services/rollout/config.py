@@ -39,6 +39,13 @@ class RolloutSettings(Settings):
     task_seed: int = Field(0, ge=0, description="seed of the generated tasks")
     worker_id: str = Field("rollout-0", min_length=1, max_length=128, description="name of this replica")
     concurrency: int = Field(8, ge=1, le=1024, description="episodes in flight on the engine")
+    prefetch: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description="leases held ready beyond the running episodes, so a freed slot starts at once "
+        "instead of waiting for a dispatch; unset: a quarter of concurrency, at least 1",
+    )
     drain: Literal["finish", "abort"] = Field(
         "finish", description="on a new policy: let in-flight episodes finish, or release their leases"
     )

@@ -53,6 +53,10 @@ class RolloutMetrics:
             "spopp_rollout_policy_version", "policy version in the engine", registry=r
         )
         self.in_flight = Gauge("spopp_rollout_in_flight", "episodes in flight", registry=r)
+        self.prefetched = Gauge("spopp_rollout_prefetched", "leases held ready for a free slot", registry=r)
+        self.reporting = Gauge(
+            "spopp_rollout_reporting", "finished episodes whose outcome report is under way", registry=r
+        )
         self.tokens_per_s = Gauge(
             "spopp_rollout_tokens_per_second", "generated tokens/s, last minute", registry=r
         )

@@ -1,10 +1,14 @@
 """The rollout worker loop: dispatch → episode → outcome to the tracker → trajectory to the learner.
 
-Up to `concurrency` episodes run at once on one engine (which batches their generations). When
-the tracker answers a dispatch with 409, a newer policy is out: the worker stops dispatching,
-drains (`finish`: in-flight episodes complete and report; `abort`: their leases are released),
-swaps in the new snapshot's weights and goes on. Leases of long episodes are renewed. The
-replica keeps nothing the system needs: killed at any moment, its leases expire at the tracker.
+Up to `concurrency` episodes run at once on one engine (which batches their generations). The
+engine's batch is kept full: a slot frees the moment its episode's generation ends (the outcome
+report and the trajectory POST go on beside it), and `prefetch` leases wait ready, so a freed
+slot starts its next episode at once while the dispatch that refills the queue is under way.
+When the tracker answers a dispatch with 409, a newer policy is out: the worker releases the
+leases it holds ready, stops dispatching, drains (`finish`: in-flight episodes complete and
+report; `abort`: their leases are released), swaps in the new snapshot's weights and goes on.
+Leases of long episodes are renewed. The replica keeps nothing the system needs: killed at any
+moment, its leases expire at the tracker.
 
 Outages: every call to the tracker and the learner is retried for up to `retry_seconds`
 (spopp.retry), so a replica rides out a restart of either, or of Redis, keeping its in-flight
@@ -73,6 +77,13 @@ class Worker:
         self.version: int | None = None
         self.snapshot: str | None = None
         self.inflight: dict[asyncio.Task, Lease] = {}
+        # Leased, not started: the next episodes, so that a freed slot never waits on a dispatch.
+        self.ready: list[Lease] = []
+        self.prefetch = (
+            settings.prefetch if settings.prefetch is not None else max(1, settings.concurrency // 4)
+        )
+        # Outcome reports of episodes whose generation is over; their slots are free already.
+        self.reporting: set[asyncio.Task] = set()
         # Trajectory POSTs under way. They leave the episode once its outcome is reported, so a
         # drain waits for generation and reports only, never for a learner that is away.
         self.deliveries: set[asyncio.Task] = set()
@@ -121,13 +132,32 @@ class Worker:
         self.metrics.policy_version.set(version)
 
     async def _drain(self) -> None:
-        if not self.inflight:
-            return
-        log.info("draining %d episodes (%s)", len(self.inflight), self.s.drain)
-        if self.s.drain == "abort":
-            for task in self.inflight:
-                task.cancel()
-        await asyncio.gather(*self.inflight, return_exceptions=True)
+        await self._release_ready()
+        if self.inflight:
+            log.info("draining %d episodes (%s)", len(self.inflight), self.s.drain)
+            if self.s.drain == "abort":
+                for task in self.inflight:
+                    task.cancel()
+            await asyncio.gather(*self.inflight, return_exceptions=True)
+        # Their outcomes land before the new policy's episodes start (each at its own event time).
+        await asyncio.gather(*self.reporting, return_exceptions=True)
+
+    async def _release_ready(self) -> None:
+        """Give back the leases held ready: a new policy or a shutdown means they will not run."""
+        ready, self.ready = self.ready, []
+        self.metrics.prefetched.set(0)
+        if ready:
+            await asyncio.gather(*(self._release(lease) for lease in ready))
+
+    def _start_ready(self) -> None:
+        """Start held leases in the free slots."""
+        while self.ready and len(self.inflight) < self.s.concurrency and not self.stopping.is_set():
+            lease = self.ready.pop(0)
+            task = asyncio.create_task(self._episode(lease))
+            self.inflight[task] = lease
+            task.add_done_callback(self._finished)
+        self.metrics.in_flight.set(len(self.inflight))
+        self.metrics.prefetched.set(len(self.ready))
 
     # -- the loop -----------------------------------------------------------------------------
     def check_prompts(self) -> None:
@@ -148,12 +178,13 @@ class Worker:
         while not self.stopping.is_set():
             if max_episodes is not None and self._episodes >= max_episodes:
                 break
-            free = self.s.concurrency - len(self.inflight)
+            self._start_ready()
+            want = self.s.concurrency + self.prefetch - len(self.inflight) - len(self.ready)
             got: list[Lease] = []
-            if free > 0:
+            if want > 0:
                 try:
                     d = await self._unless_stopping(
-                        self.tracker.dispatch(self.s.run, self.s.worker_id, self.version, free)
+                        self.tracker.dispatch(self.s.run, self.s.worker_id, self.version, want)
                     )
                     got = d.requests if d is not None else []
                     if got and self.stopping.is_set():
@@ -171,11 +202,8 @@ class Worker:
                     # flight and try again, rather than exit and lose them.
                     self.metrics.tracker_errors.inc()
                     log.error("dispatch failed after %.0f s of retries: %s", self.s.retry_seconds, exc)
-            for lease in got:
-                task = asyncio.create_task(self._episode(lease))
-                self.inflight[task] = lease
-                task.add_done_callback(self._finished)
-            self.metrics.in_flight.set(len(self.inflight))
+            self.ready.extend(got)
+            self._start_ready()
             if self.inflight:
                 # Wake as soon as one episode ends (to refill its slot), or poll for idle tasks.
                 await asyncio.wait(
@@ -188,6 +216,7 @@ class Worker:
         else:  # max_episodes reached: finish the work, deliveries included (bounded by the retries)
             await self._drain()
             await asyncio.gather(*self.deliveries, return_exceptions=True)
+        await self._release_ready()
         if self.fatal is not None:
             raise self.fatal
 
@@ -213,14 +242,18 @@ class Worker:
     async def _finish_for_shutdown(self) -> None:
         """Give in-flight episodes and deliveries `shutdown_seconds` to finish, then cancel the rest
         (leases released; what was not delivered is logged and counted as lost)."""
+        await self._release_ready()
         deadline = time.monotonic() + self.s.shutdown_seconds
-        for pending in (self.inflight, self.deliveries):  # episodes first: they add deliveries
+        # Episodes first: they add reports, which add deliveries.
+        for pending in (self.inflight, self.reporting, self.deliveries):
             if not pending:
                 continue
             log.info(
                 "shutting down: %d %s to finish",
                 len(pending),
-                "episodes" if pending is self.inflight else "deliveries",
+                {id(self.inflight): "episodes", id(self.reporting): "outcome reports"}.get(
+                    id(pending), "deliveries"
+                ),
             )
             _, late = await asyncio.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             for task in late:
@@ -277,6 +310,20 @@ class Worker:
             await self._release(lease)
             return
         self.metrics.observe_episode(ep)
+        # The slot is free from here on: the report and the POST go on beside the next episode.
+        report = asyncio.create_task(self._report(lease, ep))
+        self.reporting.add(report)
+        self.metrics.reporting.set(len(self.reporting))
+        report.add_done_callback(self._reported)
+
+    def _reported(self, task: asyncio.Task) -> None:
+        self.reporting.discard(task)
+        self.metrics.reporting.set(len(self.reporting))
+        if not task.cancelled() and task.exception() is not None:
+            log.error("outcome report failed: %r", task.exception())
+
+    async def _report(self, lease: Lease, ep: Episode) -> None:
+        """Report the outcome (its value and advantage come back), then hand the POST to a delivery."""
         try:
             [result] = await self.tracker.outcomes(self.s.run, [(lease.request_id, ep.reward)])
         except asyncio.CancelledError:

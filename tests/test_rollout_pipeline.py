@@ -1,0 +1,118 @@
+"""A replica keeps its engine's batch full: reports leave the generation path, leases wait ready.
+
+Real tracker over HTTP, the real rollout Worker and toy-calc environment, a learner sink over
+HTTP; the engine is scripted (each generation sleeps a fixed time, then answers) so that what
+runs when is visible, not timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from transformers import AutoTokenizer
+
+from runtime.engines.base import Engine, Generation
+from runtime.envs.toy_calc import ToyCalcEnv, generate_toy_calc_tasks
+from services.rollout.config import RolloutSettings
+from services.rollout.worker import Worker
+from tools.sink import LearnerSink
+
+TASKS = generate_toy_calc_tasks(8, seed=5)
+
+
+class ScriptedEngine(Engine):
+    """Answers every turn with `<ans>0</ans>` after `seconds`; counts generations running at once."""
+
+    def __init__(self, tokenizer, seconds: float) -> None:
+        self.tokenizer, self.seconds = tokenizer, seconds
+        self.active = self.peak = self.done = 0
+
+    async def generate(self, prompt_ids, sampling) -> Generation:
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            await asyncio.sleep(self.seconds)
+        finally:
+            self.active -= 1
+        self.done += 1
+        ids = self.tokenizer.encode("<ans>0</ans>", add_special_tokens=False)
+        return Generation(token_ids=ids, logprobs=[-0.1] * len(ids), finish_reason="stop")
+
+    async def load_weights(self, snapshot_dir) -> None:
+        raise AssertionError("no policy change in these tests")
+
+    async def close(self) -> None:
+        pass
+
+
+def _settings(tiny_model, tracker, run, sink, **over) -> RolloutSettings:
+    return RolloutSettings(
+        model=tiny_model, tracker=tracker.url, learner=sink.url, run=run, env="toy-calc", concurrency=2,
+        max_turns=3, max_tokens_per_turn=16, max_total_tokens=256, poll_seconds=0.05, retry_seconds=5, **over,
+    )  # fmt: skip
+
+
+def test_episodes_keep_generating_while_their_outcome_reports_wait(tiny_model, tracker, client, make_run):
+    run = make_run(tasks=[{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in TASKS])
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model), seconds=0.05)
+    with LearnerSink(run) as sink:
+        worker = Worker(
+            _settings(tiny_model, tracker, run, sink), engine, ToyCalcEnv, {t.task_id: t for t in TASKS}
+        )
+        gate = asyncio.Event()
+        reported = []
+        outcomes = worker.tracker.outcomes
+
+        async def held_outcomes(r, items):
+            await gate.wait()  # the tracker is slow to answer every report
+            result = await outcomes(r, items)
+            reported.extend(items)
+            return result
+
+        worker.tracker.outcomes = held_outcomes
+
+        async def scenario():
+            job = asyncio.create_task(worker.run(max_episodes=12))
+            deadline = asyncio.get_running_loop().time() + 30
+            while engine.done < 8:  # four times the slots, and not one report answered
+                assert asyncio.get_running_loop().time() < deadline, (
+                    f"slots stuck after {engine.done} episodes"
+                )
+                await asyncio.sleep(0.01)
+            held, ready, answered = len(worker.reporting), len(worker.ready), len(reported)
+            gate.set()
+            await asyncio.wait_for(job, 60)
+            await worker.close()
+            return held, ready, answered
+
+        held, ready, answered = asyncio.run(scenario())
+    # Reports waited beside the generations instead of holding their slots...
+    assert answered == 0 and held >= 6 and engine.peak == 2
+    # ...a lease waited ready for the next free slot (prefetch: a quarter of concurrency, at least 1)...
+    assert worker.prefetch == 1 and ready <= 1
+    # ...and once the tracker answered, nothing was lost: every finished episode reported and
+    # delivered, no lease left behind (leases held ready at the end were given back).
+    assert len(reported) == engine.done >= 12
+    assert len(sink.trajectories()) == engine.done
+    assert client.get_run(run).counts.in_flight == 0
+
+
+def test_leases_held_ready_are_given_back_on_shutdown(tiny_model, tracker, client, make_run):
+    run = make_run(tasks=[{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in TASKS])
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model), seconds=0.2)
+    with LearnerSink(run) as sink:
+        settings = _settings(tiny_model, tracker, run, sink, prefetch=3, shutdown_seconds=5)
+        worker = Worker(settings, engine, ToyCalcEnv, {t.task_id: t for t in TASKS})
+
+        async def scenario():
+            job = asyncio.create_task(worker.run())
+            while len(worker.ready) < 3:
+                await asyncio.sleep(0.01)
+            assert client.get_run(run).counts.in_flight == 2 + 3  # two running, three held ready
+            await worker.shutdown()
+            await asyncio.wait_for(job, 30)
+            await worker.close()
+
+        asyncio.run(scenario())
+    assert worker.ready == [] and client.get_run(run).counts.in_flight == 0
+    assert len(sink.trajectories()) == engine.done >= 2  # the running ones finished and were delivered
