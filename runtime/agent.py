@@ -9,6 +9,7 @@ a budget gets reward 0 and says which budget cut it.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -56,6 +57,25 @@ class _Sequence:
         self.ids += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+def reserve_env_threads(episodes: int) -> None:
+    """Give the running loop's default executor a thread per concurrent episode (and a few more).
+
+    Environments run in `asyncio.to_thread`, whose default pool has min(32, cores + 4) threads: on
+    a 2-core machine six episodes could be inside a tool call at once, whatever the replica's
+    `concurrency`, and the rest would queue behind them with the engine idle. Only ever grows it.
+    """
+    import concurrent.futures
+
+    loop = asyncio.get_running_loop()
+    current = getattr(loop, "_spopp_env_threads", 0)
+    if episodes + 4 <= max(current, min(32, (os.cpu_count() or 1) + 4)):
+        return
+    loop.set_default_executor(
+        concurrent.futures.ThreadPoolExecutor(max_workers=episodes + 4, thread_name_prefix="spopp-env")
+    )
+    loop._spopp_env_threads = episodes + 4
 
 
 def prompts_over_budget(

@@ -116,3 +116,18 @@ def test_leases_held_ready_are_given_back_on_shutdown(tiny_model, tracker, clien
         asyncio.run(scenario())
     assert worker.ready == [] and client.get_run(run).counts.in_flight == 0
     assert len(sink.trajectories()) == engine.done >= 2  # the running ones finished and were delivered
+
+
+def test_every_concurrent_episode_gets_a_thread_for_its_environment():
+    """Sixteen environments inside a blocking call at once (a barrier only all sixteen pass): the
+    default pool (cores + 4 threads here) would leave ten of them queued and the barrier broken."""
+    import threading
+
+    from runtime.agent import reserve_env_threads
+
+    async def sixteen_at_once():
+        reserve_env_threads(16)
+        barrier = threading.Barrier(16, timeout=10)
+        await asyncio.gather(*(asyncio.to_thread(barrier.wait) for _ in range(16)))
+
+    asyncio.run(sixteen_at_once())

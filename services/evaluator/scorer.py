@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.agent import Budget, Episode, prompts_over_budget, run_episode
+from runtime.agent import Budget, Episode, prompts_over_budget, reserve_env_threads, run_episode
 from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs import env_factory
@@ -197,6 +197,7 @@ class Scorer:
         `on_episode(position, job, episode)` as each ends; keeps nothing itself, so a caller that
         needs only rewards plays a million episodes in constant memory. Answers the load seconds."""
         load_s = await self.load(folder)
+        reserve_env_threads(self.s.concurrency)
         pending = enumerate(self.jobs())  # shared: each worker takes the next job in play order
 
         async def worker() -> None:

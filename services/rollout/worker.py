@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import httpx
 
-from runtime.agent import Budget, Episode, prompts_over_budget, run_episode
+from runtime.agent import Budget, Episode, prompts_over_budget, reserve_env_threads, run_episode
 from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Environment, Task
@@ -171,6 +171,7 @@ class Worker:
             )
 
     async def run(self, max_episodes: int | None = None) -> None:
+        reserve_env_threads(self.s.concurrency)
         self.check_prompts()
         # A run's configuration never changes: read its lease length once, not per episode.
         self.lease_seconds = (await self.tracker.get_run(self.s.run)).config.lease_seconds
