@@ -29,6 +29,7 @@ from bench.tracker_bench import write_section
 from runtime.chat import ChatRenderer
 from runtime.engines.base import SamplingConfig
 from runtime.engines.factory import make_engine
+from runtime.envs.base import StepResult
 from runtime.envs.math_tir import MathTIREnv
 from runtime.tasks import generate_arithmetic_tasks
 from services.rollout.config import RolloutSettings
@@ -40,6 +41,17 @@ from tools.sink import LearnerSink
 from tools.tiny_model import build_tiny_model, perturb_weights
 
 HEAD = "## Rollout: service against raw engine, weight swaps"
+
+
+class OneTurnEnv(MathTIREnv):
+    """Math-TIR's opening and stop strings; the first turn ends the episode without running its code.
+
+    Raw generation runs no tool, so neither may the service: the ratio is the service's overhead
+    (dispatch, reports, POSTs, scheduling), not the sandbox's CPU on a machine both share.
+    """
+
+    def step(self, action: str) -> StepResult:
+        return StepResult([], done=True, reward=0.0, info={"finish": "answer"})
 
 
 def _progress(msg: str) -> None:
@@ -63,7 +75,7 @@ async def service_generate(engine, settings, tasks, episodes) -> tuple[int, floa
         worker = Worker(
             settings.model_copy(update={"learner": sink.url}),
             engine,
-            MathTIREnv,
+            OneTurnEnv,
             {t.task_id: t for t in tasks},
         )
         t0 = time.perf_counter()

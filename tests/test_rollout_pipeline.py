@@ -131,3 +131,14 @@ def test_every_concurrent_episode_gets_a_thread_for_its_environment():
         await asyncio.gather(*(asyncio.to_thread(barrier.wait) for _ in range(16)))
 
     asyncio.run(sixteen_at_once())
+
+
+def test_default_prefetch_follows_how_the_engine_batches(tiny_model):
+    from services.rollout.worker import default_prefetch
+
+    def s(**kw):
+        return RolloutSettings(model=tiny_model, **kw)
+
+    assert default_prefetch(s(engine="transformers", concurrency=16)) == 16  # static batches restart together
+    assert default_prefetch(s(engine="vllm", concurrency=16)) == 4  # continuous batching: the round trip only
+    assert default_prefetch(s(engine="vllm", concurrency=2)) == 1

@@ -44,7 +44,8 @@ class RolloutSettings(Settings):
         ge=0,
         le=1024,
         description="leases held ready beyond the running episodes, so a freed slot starts at once "
-        "instead of waiting for a dispatch; unset: a quarter of concurrency, at least 1",
+        "instead of waiting for a dispatch; unset: concurrency for transformers (static batches), "
+        "a quarter of it (at least 1) for vllm",
     )
     drain: Literal["finish", "abort"] = Field(
         "finish", description="on a new policy: let in-flight episodes finish, or release their leases"

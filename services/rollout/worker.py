@@ -45,6 +45,20 @@ from .metrics import RolloutMetrics
 log = logging.getLogger("spopp.rollout")
 
 
+def default_prefetch(s: RolloutSettings) -> int:
+    """Leases to hold ready when the settings leave it open.
+
+    vLLM batches continuously: a request joins the running batch whenever it comes, so a few
+    ready leases cover the dispatch round trip. The transformers engine batches statically: the
+    requests that arrive within its short window run together to the end, so the slots that free
+    together must restart together, from leases already in hand, or the next batch runs part-empty
+    (measured: service/raw 0.73 with a quarter of the slots ready, 0.97 with all of them).
+    """
+    if s.engine == "transformers":
+        return s.concurrency
+    return max(1, s.concurrency // 4)
+
+
 class Worker:
     def __init__(
         self,
@@ -79,9 +93,7 @@ class Worker:
         self.inflight: dict[asyncio.Task, Lease] = {}
         # Leased, not started: the next episodes, so that a freed slot never waits on a dispatch.
         self.ready: list[Lease] = []
-        self.prefetch = (
-            settings.prefetch if settings.prefetch is not None else max(1, settings.concurrency // 4)
-        )
+        self.prefetch = settings.prefetch if settings.prefetch is not None else default_prefetch(settings)
         # Outcome reports of episodes whose generation is over; their slots are free already.
         self.reporting: set[asyncio.Task] = set()
         # Trajectory POSTs under way. They leave the episode once its outcome is reported, so a
