@@ -85,6 +85,7 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
             health = httpx.get(replica_url + "/healthz").json()
             assert health["policy_version"] == 1
             assert _metric(replica_url, "spopp_rollout_weight_reloads_total") == 1.0
+            assert _metric(replica_url, "spopp_rollout_drain_seconds_count") == 1.0  # one drain, timed
             assert _metric(replica_url, "spopp_rollout_drained_episodes_total") == sink.refused_stale
             # The version-1 trajectories were sampled from the new weights, not the old ones.
             traj = later[0]

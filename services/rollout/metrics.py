@@ -49,6 +49,11 @@ class RolloutMetrics:
             registry=r,
         )
         self.reload_seconds = Histogram("spopp_rollout_reload_seconds", "weight swap time", registry=r)
+        self.drain_seconds = Histogram(
+            "spopp_rollout_drain_seconds",
+            "time a new policy waited for in-flight episodes and their reports (no generation starts)",
+            registry=r,
+        )
         self.policy_version = Gauge(
             "spopp_rollout_policy_version", "policy version in the engine", registry=r
         )

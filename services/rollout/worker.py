@@ -144,6 +144,13 @@ class Worker:
         self.metrics.policy_version.set(version)
 
     async def _drain(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self._drain_work()
+        finally:
+            self.metrics.drain_seconds.observe(time.perf_counter() - t0)
+
+    async def _drain_work(self) -> None:
         await self._release_ready()
         if self.inflight:
             log.info("draining %d episodes (%s)", len(self.inflight), self.s.drain)
