@@ -92,7 +92,8 @@ def plugin_steps(tasks, scripts) -> tuple[float, float]:
 
 
 def threaded_episodes(tasks, scripts, threads: int, workers: int) -> float:
-    """Aggregate steps/s, game loads included, of `threads` threads each playing every game once.
+    """Aggregate steps/s, game loads included, of every game played once by `threads` threads at once
+    (thread i plays games i, i + threads, ...): the same work whatever the thread count.
 
     workers=0: the plug-in in this process (one lock); workers=N: a pool of N engine processes.
     """
@@ -106,8 +107,7 @@ def threaded_episodes(tasks, scripts, threads: int, workers: int) -> float:
     def play(offset):
         env = AlfworldEnv(max_steps=10_000, workers=workers)
         start.wait()
-        for i in range(len(tasks)):
-            k = (i + offset) % len(tasks)
+        for k in range(offset, len(tasks), threads):
             env.reset(tasks[k])
             for command in scripts[k]:
                 env.step(command)
@@ -120,7 +120,7 @@ def threaded_episodes(tasks, scripts, threads: int, workers: int) -> float:
     t0 = time.perf_counter()
     for w in pool:
         w.join()
-    return threads * sum(len(s) for s in scripts) / (time.perf_counter() - t0)
+    return sum(len(s) for s in scripts) / (time.perf_counter() - t0)
 
 
 async def episode_split(
@@ -176,7 +176,7 @@ def markdown(r: dict, command: str) -> str:
         f"| median reset (game load) s | {r['raw_reset']:.3f} | {r['plugin_reset']:.3f} | "
         f"{r['plugin_reset'] / r['raw_reset']:.2f} |",
         "",
-        f"Episodes at once, each thread playing every game (load and {r['steps']} commands); steps/s with "
+        f"Episodes at once: every game played once (load and {r['steps']} commands), split over the threads; steps/s with "
         f"the loads' time included. `in-process`: one engine lock (the default); `pool of {r['workers']}`: "
         f"`workers: {r['workers']}`, games in {r['workers']} engine processes.", "",
         f"| episodes at once | in-process steps/s | pool of {r['workers']} steps/s | pool/in-process |",
