@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system test bench lint clean demo demo-quick
+.PHONY: setup system test bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick
 
 setup: $(STAMP) system
 
@@ -52,7 +52,13 @@ bench: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.tracker_bench --out BENCHMARKS.md
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.rollout_bench --out BENCHMARKS.md
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.learner_bench --out BENCHMARKS.md
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.collection_bench --out BENCHMARKS.md
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.alfworld_bench --out BENCHMARKS.md
+
+# Where a demo run's time goes (updates per hour, learner waits, replica drains and swaps): one
+# more run of `make demo`'s configuration in demo-out/ (made first if absent), into BENCHMARKS.md.
+profile: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.demo_profile --demo demo-out --out BENCHMARKS.md
 
 # The paper's protocol at toy scale on this CPU: data, cold start, prior, paired SPO / SPO++ runs
 # through `spopp launch`, report. Seeds of the runs: make demo SEEDS="3 4 5". ABLATE=1 adds
@@ -65,6 +71,16 @@ demo: setup
 # The same path, smaller: under 4 minutes on 2 cores.
 demo-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --quick --out demo-quick-out $(if $(SEEDS),--seeds "$(SEEDS)")
+
+# The same protocol on ALFWorld's engine with generated games (small rooms, at most 12 interactions):
+# data, cold start of a tiny word-level model, prior, paired SPO / SPO++ runs, report. Under 20 minutes
+# on 2 cores. SEEDS and ABLATE as for `demo`. Output: demo-alfworld-out/.
+demo-alfworld: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.alfworld_demo --out demo-alfworld-out $(if $(SEEDS),--seeds "$(SEEDS)") $(if $(ABLATE),--ablate)
+
+# The same path, smaller: fewer games, a shorter cold start, one pair of short runs.
+demo-alfworld-quick: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.alfworld_demo --quick --out demo-alfworld-quick-out $(if $(SEEDS),--seeds "$(SEEDS)")
 
 # ruff, then the import contracts in pyproject.toml ([tool.importlinter]).
 lint: setup

@@ -201,9 +201,11 @@ def markdown(r: dict, command: str) -> str:
     lines += [
         "",
         "In-process, one lock serializes every engine call (the package's parsers are module-global and "
-        "fast-downward rewrites `sys.argv`), so more episodes at once add no steps/s; a pool runs games on as "
-        "many cores as it has workers (this machine has 2). Concurrent episodes overlap, so a share is of "
-        "summed episode time, not of wall time.",
+        "fast-downward rewrites `sys.argv`), so more episodes at once add no steps/s. A pool plays games in "
+        "separate processes, so it can use as many cores as it has workers, at the cost of a pipe round trip "
+        "per call; with no core to spare (this machine has 2, shared with the caller and whatever else runs) "
+        "that cost is all it adds. Concurrent episodes overlap, so a share is of summed episode time, not of "
+        "wall time.",
         "",
     ]
     return "\n".join(lines)

@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write the section into this markdown file")
     args = ap.parse_args()
     r = profile(args.demo.resolve())
-    section = markdown(r, "python -m bench.demo_profile --demo demo-out")
+    section = markdown(r, "make profile")
     print(section)
     if args.out:
         write_section(args.out, section, HEAD)
