@@ -246,7 +246,7 @@ def main() -> None:
     cfg = (
         {"episodes": 16, "max_tokens": 32, "concurrency": 8, "repeats": 1}
         if args.quick
-        else {"episodes": 64, "max_tokens": 64, "concurrency": 16, "repeats": 3}
+        else {"episodes": 192, "max_tokens": 64, "concurrency": 16, "repeats": 3}
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
