@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system test bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick
+.PHONY: setup system test bench profile lint clean demo demo-quick
 
 setup: $(STAMP) system
 
@@ -71,16 +71,6 @@ demo: setup
 # The same path, smaller: under 4 minutes on 2 cores.
 demo-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --quick --out demo-quick-out $(if $(SEEDS),--seeds "$(SEEDS)")
-
-# The same protocol on ALFWorld's engine with generated games (small rooms, at most 12 interactions):
-# data, cold start of a tiny word-level model, prior, paired SPO / SPO++ runs, report. Under 20 minutes
-# on 2 cores. SEEDS and ABLATE as for `demo`. Output: demo-alfworld-out/.
-demo-alfworld: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.alfworld_demo --out demo-alfworld-out $(if $(SEEDS),--seeds "$(SEEDS)") $(if $(ABLATE),--ablate)
-
-# The same path, smaller: fewer games, a shorter cold start, one pair of short runs.
-demo-alfworld-quick: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.alfworld_demo --quick --out demo-alfworld-quick-out $(if $(SEEDS),--seeds "$(SEEDS)")
 
 # ruff, then the import contracts in pyproject.toml ([tool.importlinter]).
 lint: setup
