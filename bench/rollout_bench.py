@@ -4,7 +4,9 @@
   strings, max tokens), the same concurrency and the same engine object. `raw` awaits
   `engine.generate` on the prompts directly; `service` runs the rollout worker (dispatch from a
   real tracker over HTTP, one-turn episodes, outcome report, trajectory POST to a sink standing
-  in for the learner). Generated tokens/s of each, and service/raw: the service's overhead.
+  in for the learner, in a process of its own as the learner is). The engine is built as a
+  replica builds it (transformers: in a process of its own) and shared by both. Generated
+  tokens/s of each, and service/raw: the service's overhead.
 - Weight swap: `engine.load_weights(snapshot)` for the tiny model and a ~100 M parameter model
   (random weights, same tokenizer), median of 3 swaps.
 
@@ -70,19 +72,74 @@ async def raw_generate(engine, prompts, sampling, concurrency) -> tuple[int, flo
     return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0
 
 
-async def service_generate(engine, settings, tasks, episodes) -> tuple[int, float]:
-    with LearnerSink(settings.run) as sink:
+def _sink_process(conn, run: str) -> None:
+    """Child: the stand-in learner, answering with the tokens it accepted when told to stop."""
+    with LearnerSink(run) as sink:
+        conn.send(sink.url)
+        conn.recv()
+        conn.send(sum(t.action_tokens for t in sink.trajectories()))
+
+
+class SinkProcess:
+    """The sink in a process of its own, as the learner is: in the bench's process its HTTP server
+    would share the replica's GIL, which the learner never does."""
+
+    def __init__(self, run: str) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_sink_process, args=(child, run), daemon=True)
+
+    def __enter__(self) -> SinkProcess:
+        self._proc.start()
+        self.url = self._conn.recv()
+        return self
+
+    def accepted_tokens(self) -> int:
+        self._conn.send("stop")
+        return self._conn.recv()
+
+    def __exit__(self, *exc) -> None:
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+class _FirstCall:
+    """The engine, noting when the replica first asks it to generate."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.first: float | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def generate(self, *args, **kwargs):
+        if self.first is None:
+            self.first = time.perf_counter()
+        return await self._engine.generate(*args, **kwargs)
+
+
+async def service_generate(engine, settings, tasks, episodes) -> tuple[int, float, float]:
+    """(tokens, seconds from the first generate call to the end, start-up seconds before it)."""
+    with SinkProcess(settings.run) as sink:
+        watched = _FirstCall(engine)
         worker = Worker(
             settings.model_copy(update={"learner": sink.url}),
-            engine,
+            watched,
             OneTurnEnv,
             {t.task_id: t for t in tasks},
         )
         t0 = time.perf_counter()
         await worker.run(max_episodes=episodes)
-        elapsed = time.perf_counter() - t0
+        end = time.perf_counter()
         await worker.close()
-        return sum(t.action_tokens for t in sink.trajectories()), elapsed
+        # The replica's start-up (prompt check of every task, run and policy reads, first
+        # dispatch) happens once per replica, not per episode: timed apart from the throughput.
+        first = watched.first if watched.first is not None else t0
+        return sink.accepted_tokens(), end - first, first - t0
 
 
 def build_100m(tiny: Path, out: Path) -> Path:
@@ -136,37 +193,41 @@ async def swap_seconds(engine, a: Path, b: Path, repeats: int = 3) -> float:
 
 
 async def bench_engine(kind, tiny, tiny2, big, big2, tracker_url, run, tasks, cfg) -> dict:
-    _progress(f"{kind}: starting engine")
-    engine = make_engine(kind, tiny)
+    settings = RolloutSettings(
+        model=tiny,
+        tracker=tracker_url,
+        run=run,
+        engine=kind,
+        concurrency=cfg["concurrency"],
+        max_turns=1,
+        max_tokens_per_turn=cfg["max_tokens"],
+        max_total_tokens=1024,
+    )
+    # The engine as a replica builds it (transformers: in a process of its own); raw and service
+    # share it, so the ratio is the service's overhead and nothing else.
+    _progress(f"{kind}: starting engine {settings.engine_kwargs()}")
+    engine = make_engine(kind, tiny, **settings.engine_kwargs())
     try:
         renderer = ChatRenderer(engine.tokenizer)
         env = MathTIREnv()
         prompts = [renderer.prompt(env.reset(t)) for t in tasks]
         sampling = SamplingConfig(max_tokens=cfg["max_tokens"], stop=MathTIREnv.stop)
-        settings = RolloutSettings(
-            model=tiny,
-            tracker=tracker_url,
-            run=run,
-            engine=kind,
-            concurrency=cfg["concurrency"],
-            max_turns=1,
-            max_tokens_per_turn=cfg["max_tokens"],
-            max_total_tokens=1024,
-        )
         await raw_generate(engine, prompts[:4], sampling, cfg["concurrency"])  # warm-up
         rows = []
         for rep in range(cfg["repeats"]):
             _progress(f"{kind}: repeat {rep + 1}/{cfg['repeats']}")
             rt, rs = await raw_generate(engine, prompts, sampling, cfg["concurrency"])
-            st, ss = await service_generate(engine, settings, tasks, len(tasks))
-            rows.append((rt / rs, st / ss))
-        raw_tps = statistics.median(r for r, _ in rows)
-        svc_tps = statistics.median(s for _, s in rows)
+            st, ss, startup = await service_generate(engine, settings, tasks, len(tasks))
+            rows.append((rt / rs, st / ss, startup))
+        raw_tps = statistics.median(r for r, _, _ in rows)
+        svc_tps = statistics.median(s for _, s, _ in rows)
+        pair_ratios = sorted(s / r for r, s, _ in rows)
+        startup_s = statistics.median(u for _, _, u in rows)
         swap_tiny = await swap_seconds(engine, tiny, tiny2)
     finally:
         await engine.close()
     _progress(f"{kind}: swapping the ~100M model")
-    engine = make_engine(kind, big)
+    engine = make_engine(kind, big, **settings.engine_kwargs())
     try:
         swap_big = await swap_seconds(engine, big, big2)
     finally:
@@ -177,6 +238,8 @@ async def bench_engine(kind, tiny, tiny2, big, big2, tracker_url, run, tasks, cf
         "service_tps": svc_tps,
         "swap_tiny_s": swap_tiny,
         "swap_big_s": swap_big,
+        "pair_ratios": pair_ratios,
+        "startup_s": startup_s,
     }
 
 
@@ -202,7 +265,9 @@ async def run_all(engines, cfg, workdir: Path) -> tuple[list[dict], dict]:
                     r = rows[-1]
                     print(
                         f"{kind}: raw {r['raw_tps']:,.0f} tok/s, service {r['service_tps']:,.0f} tok/s "
-                        f"(ratio {r['service_tps'] / r['raw_tps']:.2f}); swap tiny {r['swap_tiny_s']:.3f} s, "
+                        f"(ratio {r['service_tps'] / r['raw_tps']:.2f}, per repeat "
+                        f"{', '.join(f'{x:.2f}' for x in r['pair_ratios'])}; start-up {r['startup_s']:.2f} s); "
+                        f"swap tiny {r['swap_tiny_s']:.3f} s, "
                         f"~100M {r['swap_big_s']:.3f} s",
                         flush=True,
                     )
@@ -221,18 +286,27 @@ def markdown(rows, sizes, cfg, command) -> str:
         f"flight, temperature 1; median of {cfg['repeats']} alternating repeats. Tiny model: "
         f"{sizes['tiny'] / 1e6:.2f} M parameters; swap model: {sizes['big'] / 1e6:.0f} M (fp32, random weights).",
         "",
-        "| engine | raw generate tok/s | through the service tok/s | service/raw | swap tiny s | swap ~100M s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| engine | raw generate tok/s | through the service tok/s | service/raw | per-repeat service/raw "
+        "| replica start-up s | swap tiny s | swap ~100M s |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for r in rows:
+        pairs = ", ".join(f"{x:.2f}" for x in r["pair_ratios"])
         out.append(
             f"| {r['engine']} | {r['raw_tps']:,.0f} | {r['service_tps']:,.0f} | "
-            f"{r['service_tps'] / r['raw_tps']:.2f} | {r['swap_tiny_s']:.3f} | {r['swap_big_s']:.3f} |"
+            f"{r['service_tps'] / r['raw_tps']:.2f} | {pairs} | {r['startup_s']:.2f} | "
+            f"{r['swap_tiny_s']:.3f} | {r['swap_big_s']:.3f} |"
         )
     out += [
         "",
-        "`service` counts the tokens of trajectories the sink accepted over the worker's wall time, "
-        "which includes dispatch, outcome and trajectory HTTP calls and the start-up prompt check.",
+        "`service` counts the tokens of trajectories the sink accepted, from the replica's first "
+        "generate call to the end of its last episode (dispatch, outcome reports and trajectory "
+        "POSTs included); the replica's one-off start-up before that call (prompt check of every "
+        "task, run and policy reads, first dispatch) is the start-up column. service/raw is the "
+        "ratio of the medians; the per-repeat ratios (sorted) show the spread on this machine. The "
+        "sink stands in for the learner in a process of its own; the transformers engine runs in "
+        "a process of its own, as replicas run it (`engine_options: {process: false}` keeps it in "
+        "the replica's process).",
     ]
     return "\n".join(out) + "\n"
 
@@ -246,7 +320,7 @@ def main() -> None:
     cfg = (
         {"episodes": 16, "max_tokens": 32, "concurrency": 8, "repeats": 1}
         if args.quick
-        else {"episodes": 192, "max_tokens": 64, "concurrency": 16, "repeats": 3}
+        else {"episodes": 384, "max_tokens": 64, "concurrency": 16, "repeats": 5}
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:

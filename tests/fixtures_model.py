@@ -1,4 +1,5 @@
-"""Session fixture `tiny_model`: the folder of tools.tiny_model's model, built once per session.
+"""Session fixtures: `tiny_model`, the folder of tools.tiny_model's model, built once per session;
+`perturbed_model`, a copy with perturbed weights; `reference`, float64 models of model folders.
 
 With SPOPP_TEST_CACHE set, the folder is kept there across sessions, under a key that changes
 when the builder's source or the transformers version does.
@@ -44,3 +45,26 @@ def tiny_model(tmp_path_factory) -> Path:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+@pytest.fixture(scope="session")
+def perturbed_model(tiny_model, tmp_path_factory):
+    return tools.tiny_model.perturb_weights(
+        tiny_model, tmp_path_factory.mktemp("perturbed") / "model", scale=0.05, seed=1
+    )
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    """model folder -> float64 transformers model of its weights (loaded once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(folder):
+        if folder not in cache:
+            cache[folder] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        return cache[folder]
+
+    return get

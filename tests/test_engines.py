@@ -16,11 +16,12 @@ import torch
 
 from runtime.engines.base import SamplingConfig
 from runtime.engines.factory import make_engine
-from tools.tiny_model import perturb_weights, render, sample_chat
+from tools.tiny_model import render, sample_chat
 
-ENGINES = ["transformers", "vllm"]
+# "process": the transformers engine in a child process of its own, as replicas run it.
+ENGINES = ["transformers", "process", "vllm"]
 # Absolute tolerance on log-probs against the float64 reference; vLLM's kernels differ more.
-LOGPROB_TOL = {"transformers": 1e-4, "vllm": 1e-3}
+LOGPROB_TOL = {"transformers": 1e-4, "process": 1e-4, "vllm": 1e-3}
 # Top-2 logit margins below this are ties as far as float32 kernels can tell.
 TIE_MARGIN = 1e-3
 
@@ -49,6 +50,13 @@ def transformers_engine(tiny_model, runner):
 
 
 @pytest.fixture(scope="module")
+def process_engine(tiny_model, runner):
+    engine = make_engine("transformers", tiny_model, process=True)
+    yield engine
+    runner.run(engine.close())
+
+
+@pytest.fixture(scope="module")
 def vllm_engine(tiny_model, runner):
     async def start():
         return make_engine("vllm", tiny_model, max_model_len=1024, kv_cache_gib=1, seed=0)
@@ -66,26 +74,6 @@ def kind(request):
 @pytest.fixture
 def engine(kind, request):
     return request.getfixturevalue(f"{kind}_engine")
-
-
-@pytest.fixture(scope="module")
-def perturbed_model(tiny_model, tmp_path_factory):
-    return perturb_weights(tiny_model, tmp_path_factory.mktemp("perturbed") / "model", scale=0.05, seed=1)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    """model folder -> float64 transformers model of its weights (loaded once)."""
-    from transformers import AutoModelForCausalLM
-
-    cache = {}
-
-    def get(folder):
-        if folder not in cache:
-            cache[folder] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-        return cache[folder]
-
-    return get
 
 
 @pytest.fixture(scope="module")

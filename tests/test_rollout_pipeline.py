@@ -133,12 +133,27 @@ def test_every_concurrent_episode_gets_a_thread_for_its_environment():
     asyncio.run(sixteen_at_once())
 
 
-def test_default_prefetch_follows_how_the_engine_batches(tiny_model):
+def test_default_prefetch_is_a_quarter_of_the_slots(tiny_model):
     from services.rollout.worker import default_prefetch
 
     def s(**kw):
         return RolloutSettings(model=tiny_model, **kw)
 
-    assert default_prefetch(s(engine="transformers", concurrency=16)) == 16  # static batches restart together
-    assert default_prefetch(s(engine="vllm", concurrency=16)) == 4  # continuous batching: the round trip only
+    # Both engines batch continuously: a quarter of the slots covers the dispatch round trip.
+    assert default_prefetch(s(engine="transformers", concurrency=16)) == 4
+    assert default_prefetch(s(engine="vllm", concurrency=16)) == 4
     assert default_prefetch(s(engine="vllm", concurrency=2)) == 1
+
+
+def test_replicas_host_the_transformers_engine_in_a_process_of_its_own(tiny_model):
+    def kw(**k):
+        return RolloutSettings(model=tiny_model, **k).engine_kwargs()
+
+    assert kw(engine="transformers") == {"process": True}
+    assert kw(engine="transformers", engine_options={"process": False, "max_batch": 8}) == {
+        "process": False,
+        "max_batch": 8,
+    }
+    assert kw(engine="vllm", engine_options={"max_model_len": 1024}) == {
+        "max_model_len": 1024
+    }  # vLLM has its own

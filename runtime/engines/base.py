@@ -1,7 +1,7 @@
 """The engine interface: one async request in, the sampled token ids and their log-probs out.
 
-Engines batch concurrent requests themselves (vLLM's continuous batching, a short collection
-window for transformers), so the agent loop simply awaits one generation per turn. Log-probs are
+Engines batch concurrent requests themselves (both continuously: a request joins the running
+batch whenever it comes), so the agent loop simply awaits one generation per turn. Log-probs are
 those of the distribution the tokens were sampled from (temperature applied, no top-p/top-k
 renormalization when those are off), because the learner uses them as the behaviour policy in
 its importance weights.

@@ -1,17 +1,28 @@
-"""The transformers engine: a KV-cached sampling loop over batches of concurrent requests.
+"""The transformers engine: a KV-cached sampling loop with continuous batching.
 
-Requests that arrive within `batch_window_s` of each other run as one left-padded batch in a
-worker thread; rows leave the batch as they finish. Semantics follow the vLLM engine: the
-tokenizer's and generation config's end-of-sequence tokens stop a turn, stop tokens and stop
-strings are kept in the output, a stop on the last allowed token counts as "stop", and the
-log-prob of a sampled token is taken under the distribution it was drawn from (logits / T, then
-top-k/top-p masking and renormalization when those are on). Greedy decoding (T = 0) reports
-log-probs at T = 1, as vLLM's processed log-probs do.
+One worker thread decodes. Between two decode steps it admits the requests that arrived
+meanwhile (prefilled together in one left-padded forward pass, their cache rows merged into the
+running batch) and hands each row back the step it finishes. A replica's episodes therefore keep
+the batch full the way vLLM's scheduler does: an episode that is stepping its environment or
+reporting does not hold the others back, and a request never waits for the slowest row of a batch
+it missed. Models whose cache is not made of plain full-attention layers (sliding windows, linear
+attention) cannot merge rows mid-flight; for them a new batch starts when the running one is empty,
+and rows still return as they finish.
+
+Weight swaps admit nothing new and wait for the running rows to finish, so every generation is
+sampled from one set of weights.
+
+Semantics follow the vLLM engine: the tokenizer's and generation config's end-of-sequence tokens
+stop a turn, stop tokens and stop strings are kept in the output, a stop on the last allowed token
+counts as "stop", and the log-prob of a sampled token is taken under the distribution it was drawn
+from (logits / T, then top-k/top-p masking and renormalization when those are on). Greedy decoding
+(T = 0) reports log-probs at T = 1, as vLLM's processed log-probs do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import threading
 import time
@@ -27,21 +38,39 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingConfig
     future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
     submitted: float = field(default_factory=time.perf_counter)
+
+    def wanted(self) -> bool:
+        """False once the caller stopped waiting (cancelled, or its event loop is gone)."""
+        return not self.future.done() and not self.loop.is_closed()
 
 
 @dataclass
 class _Row:
-    """Decoding state of one request inside a batch."""
+    """Decoding state of one request inside the running batch."""
 
     request: _Request
     generator: object  # torch.Generator
     stop_ids: frozenset[int]
     max_tokens: int
+    admitted: float
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None
+    batch_rows: int = 0  # summed over the forward passes this row took part in, for its mean batch size
+
+
+@dataclass
+class _Batch:
+    """The running rows: their KV cache, the attention mask over its columns (left padding is 0) and
+    each row's next input token. Row i of every tensor is rows[i]."""
+
+    rows: list[_Row]
+    cache: object  # transformers.DynamicCache
+    mask: object  # LongTensor (rows, cache columns)
+    next_ids: object  # LongTensor (rows,)
 
 
 class TransformersEngine(Engine):
@@ -55,7 +84,8 @@ class TransformersEngine(Engine):
         batch_window_s: float = 0.002,
     ) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
         if max_batch < 1 or batch_window_s < 0:
             raise ValueError(
@@ -67,17 +97,26 @@ class TransformersEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
         self.max_batch = max_batch
+        # An idle engine waits this long before its first forward pass, so that requests sent
+        # together start together.
         self.batch_window_s = batch_window_s
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = frozenset(self._eos_ids())
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
-        # Held while a batch runs and while weights are copied, so no batch sees half a swap.
+        # Rows can join a running batch only if every cache layer is a plain growing key/value
+        # store, which left padding can align.
+        layers = DynamicCache(config=self.model.config).layers
+        self.merges_rows = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+        # Held during each forward pass and while weights are copied.
         self._lock = threading.Lock()
-        # One worker: batches run one after another; requests arriving meanwhile form the next.
+        # Guards the queue and the swap handshake below.
+        self._cv = threading.Condition()
+        self._pending: collections.deque[_Request] = collections.deque()
+        self._serving = False  # a decoding loop is running (or about to) in the worker thread
+        self._swaps = 0  # weight swaps waiting for the running rows to finish
+        self._running_rows = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
-        self._pending: list[_Request] = []
-        self._dispatcher: asyncio.Task | None = None
         self._closed = False
         # Requests without a seed draw from this engine-wide stream.
         self._shared_gen = torch.Generator(self.device).manual_seed(
@@ -105,102 +144,176 @@ class TransformersEngine(Engine):
         if len(prompt_ids) >= self.max_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in {self.max_len} positions")
         loop = asyncio.get_running_loop()
-        request = _Request(list(map(int, prompt_ids)), sampling, loop.create_future())
-        self._pending.append(request)
-        # The engine serves one event loop at a time; a new loop (e.g. a later asyncio.run) gets a
-        # new dispatcher, and requests left over from a finished loop are dropped.
-        if self._dispatcher is None or self._dispatcher.done() or self._dispatcher.get_loop() is not loop:
-            self._dispatcher = loop.create_task(self._dispatch())
+        request = _Request(list(map(int, prompt_ids)), sampling, loop.create_future(), loop)
+        with self._cv:
+            self._pending.append(request)
+            self._wake()
         return await request.future
 
-    async def _dispatch(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._pending:
-            await asyncio.sleep(self.batch_window_s)
-            taken, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
-            batch = [r for r in taken if not r.future.done() and r.future.get_loop() is loop]
-            if not batch:
-                continue
-            try:
-                results = await loop.run_in_executor(self._pool, self._run_batch, batch)
-            except Exception as exc:
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(exc)
-                continue
-            for r, gen in zip(batch, results, strict=True):
-                if not r.future.done():
-                    r.future.set_result(gen)
+    def _wake(self) -> None:
+        """Start the decoding loop if it is not running (caller holds `_cv`)."""
+        if not self._serving and self._pending and not self._swaps and not self._closed:
+            self._serving = True
+            self._pool.submit(self._serve)
 
     # -- the decoding loop (worker thread) -----------------------------------------------------
 
-    def _run_batch(self, batch: list[_Request]) -> list[Generation]:
+    def _serve(self) -> None:
         import torch
 
-        started = time.perf_counter()
-        rows = []
-        for r in batch:
-            s = r.sampling
-            gen = self._shared_gen
-            if s.seed is not None:
-                gen = torch.Generator(self.device).manual_seed(int(s.seed))
-            room = self.max_len - len(r.prompt_ids)
-            rows.append(
-                _Row(r, gen, frozenset(s.stop_token_ids) | self.eos_ids, max_tokens=min(s.max_tokens, room))
-            )
-        with self._lock, torch.inference_mode():
-            self._decode(rows)
-        elapsed = time.perf_counter() - started
-        out = []
-        for row in rows:
-            text = row.text
-            if text is None:
-                text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
-            timings = {
-                "queue_s": started - row.request.submitted,
-                "engine_s": elapsed,
-                "batch_size": float(len(rows)),
-            }
-            out.append(Generation(row.token_ids, row.logprobs, row.finish_reason, text, timings))
-        return out
+        if self.batch_window_s:
+            time.sleep(self.batch_window_s)
+        batch: _Batch | None = None
+        while True:
+            running = batch.rows if batch is not None else []
+            admit: list[_Request] = []
+            with self._cv:
+                if not self._swaps and (self.merges_rows or not running):
+                    while self._pending and len(running) + len(admit) < self.max_batch:
+                        request = self._pending.popleft()
+                        if request.wanted():
+                            admit.append(request)
+                if not running and not admit:
+                    self._serving = False
+                    self._running_rows = 0
+                    self._cv.notify_all()
+                    self._wake()  # a request that raced the exit, or a swap that just finished
+                    return
+                self._running_rows = len(running) + len(admit)
+            try:
+                with self._lock, torch.inference_mode():
+                    if admit:
+                        batch = self._merge(batch, self._prefill(admit, batch_rows=len(running) + len(admit)))
+                    elif batch is not None:
+                        self._step(batch)
+                batch = self._retire(batch)
+            except Exception as exc:  # fail the rows that saw it; the next requests start afresh
+                failed = [r.request for r in running] + admit
+                for request in failed:
+                    _settle(request, exc)
+                batch = None
 
-    def _decode(self, rows: list[_Row]) -> None:
+    def _new_row(self, request: _Request):
+        import torch
+
+        s = request.sampling
+        gen = self._shared_gen
+        if s.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(int(s.seed))
+        room = self.max_len - len(request.prompt_ids)
+        return _Row(
+            request,
+            gen,
+            frozenset(s.stop_token_ids) | self.eos_ids,
+            max_tokens=min(s.max_tokens, room),
+            admitted=time.perf_counter(),
+        )
+
+    def _prefill(self, requests: list[_Request], batch_rows: int) -> _Batch:
+        """One forward pass over the new prompts, left-padded to a common width; samples each row's
+        first token."""
         import torch
         from transformers import DynamicCache
 
-        dev = self.device
-        width = max(len(r.request.prompt_ids) for r in rows)
+        rows = [self._new_row(r) for r in requests]
+        width = max(len(r.prompt_ids) for r in requests)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            p = r.request.prompt_ids
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         cache = DynamicCache(config=self.model.config)
-        active = list(range(len(rows)))  # indices into `rows` of the cache's batch rows
-        while True:
-            logits = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1, :]
-            next_ids = self._sample([rows[i] for i in active], logits.float())
-            keep = [k for k, i in enumerate(active) if rows[i].finish_reason is None]
-            if not keep:
-                return
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(index)
-                mask, positions, next_ids = mask[index], positions[index], next_ids[index]
-                active = [active[k] for k in keep]
-            ids = next_ids.unsqueeze(1)
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-            positions = positions[:, -1:] + 1
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
+        for row in rows:
+            row.batch_rows += batch_rows
+        return _Batch(rows, cache, mask, self._sample(rows, logits.float()))
+
+    def _step(self, batch: _Batch) -> None:
+        """One decode step: every row's next token in, one sampled token out."""
+        mask = torch_cat_ones(batch.mask)
+        logits = self.model(
+            input_ids=batch.next_ids.unsqueeze(1),
+            attention_mask=mask,
+            # A row's next position is the number of real tokens before it.
+            position_ids=batch.mask.sum(-1, keepdim=True),
+            past_key_values=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
+        batch.mask = mask
+        for row in batch.rows:
+            row.batch_rows += len(batch.rows)
+        batch.next_ids = self._sample(batch.rows, logits.float())
+
+    def _merge(self, a: _Batch | None, b: _Batch) -> _Batch:
+        """One batch of both: the narrower cache is padded on the left (masked out) to the wider."""
+        import torch
+        import torch.nn.functional as F
+
+        if a is None or not a.rows:
+            return b
+        width = max(a.mask.shape[1], b.mask.shape[1])
+        for x in (a, b):
+            pad = width - x.mask.shape[1]
+            if pad:
+                x.mask = F.pad(x.mask, (pad, 0))
+                for layer in x.cache.layers:
+                    layer.keys = F.pad(layer.keys, (0, 0, pad, 0))
+                    layer.values = F.pad(layer.values, (0, 0, pad, 0))
+        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+            la.keys = torch.cat([la.keys, lb.keys])
+            la.values = torch.cat([la.values, lb.values])
+        return _Batch(
+            a.rows + b.rows, a.cache, torch.cat([a.mask, b.mask]), torch.cat([a.next_ids, b.next_ids])
+        )
+
+    def _retire(self, batch: _Batch | None) -> _Batch | None:
+        """Hand back the rows that finished, drop those nobody waits for, and trim the cache columns
+        that only the departed rows used."""
+        import torch
+
+        if batch is None:
+            return None
+        keep = []
+        now = time.perf_counter()
+        for k, row in enumerate(batch.rows):
+            if row.finish_reason is not None:
+                _settle(row.request, self._generation(row, now))
+            elif row.request.wanted():
+                keep.append(k)
+        if not keep:
+            return None
+        if len(keep) < len(batch.rows):
+            index = torch.tensor(keep, device=self.device)
+            batch.cache.batch_select_indices(index)
+            batch.rows = [batch.rows[k] for k in keep]
+            batch.mask, batch.next_ids = batch.mask[index], batch.next_ids[index]
+            # Left padding is 0 in every row; columns where all rows are 0 hold nothing anyone reads.
+            first = int(batch.mask.any(0).int().argmax())
+            if first:
+                batch.mask = batch.mask[:, first:]
+                for layer in batch.cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        return batch
+
+    def _generation(self, row: _Row, now: float) -> Generation:
+        text = row.text
+        if text is None:
+            text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
+        timings = {
+            "queue_s": row.admitted - row.request.submitted,
+            "engine_s": now - row.admitted,
+            "batch_size": row.batch_rows / max(1, len(row.token_ids)),
+        }
+        return Generation(row.token_ids, row.logprobs, row.finish_reason, text, timings)
 
     def _sample(self, rows: list[_Row], logits):
         """Pick one token per row, record it with its log-prob, and mark rows that finished."""
@@ -267,20 +380,55 @@ class TransformersEngine(Engine):
             raise ValueError(
                 f"snapshot {folder} does not fit: unknown={unknown} missing={missing} shape={bad_shape}"
             )
-        with self._lock, torch.no_grad():
-            for name, tensor in state.items():
-                targets[name].copy_(tensor)
+        # No row may see half a swap, nor be sampled from two sets of weights: admit nothing new
+        # and let the running rows finish first.
+        with self._cv:
+            self._swaps += 1
+            while self._serving and self._running_rows:
+                self._cv.wait()
+        try:
+            with self._lock, torch.no_grad():
+                for name, tensor in state.items():
+                    targets[name].copy_(tensor)
+        finally:
+            with self._cv:
+                self._swaps -= 1
+                self._wake()
 
     async def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        for r in self._pending:
-            if not r.future.done():
-                r.future.set_exception(RuntimeError("engine closed"))
-        self._pending.clear()
+        with self._cv:
+            self._closed = True
+            pending, self._pending = list(self._pending), collections.deque()
+        for r in pending:
+            _settle(r, RuntimeError("engine closed"))
         await asyncio.to_thread(self._pool.shutdown, wait=True)
         self.model = None
+
+
+def torch_cat_ones(mask):
+    """The mask with one more real column, for the token being fed."""
+    import torch
+
+    return torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+
+
+def _settle(request: _Request, outcome) -> None:
+    """Resolve a request's future from the worker thread (an exception or a Generation)."""
+
+    def settle() -> None:
+        if request.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            request.future.set_exception(outcome)
+        else:
+            request.future.set_result(outcome)
+
+    try:
+        request.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's event loop has closed; nobody is waiting
+        pass
 
 
 def _top_k_top_p(logits, top_k: int, top_p: float):

@@ -25,7 +25,9 @@ class RolloutSettings(Settings):
     )
     engine: Literal["vllm", "transformers"] = Field("vllm", description="generation engine")
     engine_options: dict = Field(
-        default_factory=dict, description="extra engine arguments, a mapping: {max_model_len: 4096}"
+        default_factory=dict,
+        description="extra engine arguments, a mapping: {max_model_len: 4096}; the transformers engine "
+        "runs in a process of its own unless {process: false}",
     )
     env: Literal["math-tir", "toy-calc", "alfworld"] = Field("math-tir", description="environment plug-in")
     env_options: dict = Field(
@@ -44,8 +46,7 @@ class RolloutSettings(Settings):
         ge=0,
         le=1024,
         description="leases held ready beyond the running episodes, so a freed slot starts at once "
-        "instead of waiting for a dispatch; unset: concurrency for transformers (static batches), "
-        "a quarter of it (at least 1) for vllm",
+        "instead of waiting for a dispatch; unset: a quarter of concurrency (at least 1)",
     )
     drain: Literal["finish", "abort"] = Field(
         "finish", description="on a new policy: let in-flight episodes finish, or release their leases"
@@ -78,3 +79,11 @@ class RolloutSettings(Settings):
     max_episodes: int | None = Field(
         None, ge=1, description="stop after N episodes (smoke runs, tests); unset: run until stopped"
     )
+
+    def engine_kwargs(self) -> dict:
+        """Arguments of `make_engine` for this replica. The transformers engine gets a process of its
+        own by default: in the replica's process its decoding thread would share the GIL with the
+        event loop (leases, reports, POSTs), which cost a quarter of its tokens/s (BENCHMARKS.md)."""
+        if self.engine == "transformers":
+            return {"process": True, **self.engine_options}
+        return dict(self.engine_options)

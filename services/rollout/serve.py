@@ -50,7 +50,7 @@ async def serve(s: RolloutSettings) -> None:
 
     tasks = load_task_table(s)
     make_env = env_factory(s.env, s.env_options)
-    engine = make_engine(s.engine, s.model, **s.engine_options)
+    engine = make_engine(s.engine, s.model, **s.engine_kwargs())
     worker = Worker(s, engine, make_env, tasks)
     server = serve_in_loop(health_app(worker), s.host, s.port)
     loop = asyncio.get_running_loop()

@@ -4,6 +4,8 @@ Up to `concurrency` episodes run at once on one engine (which batches their gene
 engine's batch is kept full: a slot frees the moment its episode's generation ends (the outcome
 report and the trajectory POST go on beside it), and `prefetch` leases wait ready, so a freed
 slot starts its next episode at once while the dispatch that refills the queue is under way.
+Outcome reports are coalesced (services/rollout/outcomes.py): those that finish while one is on
+its way leave together.
 When the tracker answers a dispatch with 409, a newer policy is out: the worker releases the
 leases it holds ready, stops dispatching, drains (`finish`: in-flight episodes complete and
 report; `abort`: their leases are released), swaps in the new snapshot's weights and goes on.
@@ -41,21 +43,19 @@ from spopp.trajectory import Trajectory
 
 from .config import RolloutSettings
 from .metrics import RolloutMetrics
+from .outcomes import OutcomeBatcher
 
 log = logging.getLogger("spopp.rollout")
 
 
 def default_prefetch(s: RolloutSettings) -> int:
-    """Leases to hold ready when the settings leave it open.
+    """Leases to hold ready when the settings leave it open: a quarter of the slots, at least one.
 
-    vLLM batches continuously: a request joins the running batch whenever it comes, so a few
-    ready leases cover the dispatch round trip. The transformers engine batches statically: the
-    requests that arrive within its short window run together to the end, so the slots that free
-    together must restart together, from leases already in hand, or the next batch runs part-empty
-    (measured: service/raw 0.73 with a quarter of the slots ready, 0.97 with all of them).
+    Both engines batch continuously (a request joins the running batch whenever it comes, and a
+    row leaves it the step it ends), so slots free one at a time and a few ready leases cover the
+    dispatch round trip. More would only freeze more prompt values early: a ready lease's value
+    is the one at its dispatch.
     """
-    if s.engine == "transformers":
-        return s.concurrency
     return max(1, s.concurrency // 4)
 
 
@@ -76,6 +76,7 @@ class Worker:
         self.tracker = AsyncTrackerClient(
             settings.tracker, token=settings.api_token, retry_seconds=settings.retry_seconds
         )
+        self.outcomes = OutcomeBatcher(self.tracker, settings.run)
         self.retry = RetryPolicy(settings.retry_seconds)
         # The learner's intake takes the same bearer token as the tracker.
         auth = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
@@ -345,7 +346,7 @@ class Worker:
     async def _report(self, lease: Lease, ep: Episode) -> None:
         """Report the outcome (its value and advantage come back), then hand the POST to a delivery."""
         try:
-            [result] = await self.tracker.outcomes(self.s.run, [(lease.request_id, ep.reward)])
+            result = await self.outcomes.report(lease.request_id, ep.reward)
         except asyncio.CancelledError:
             # Cut off by a shutdown while reporting: give the lease back (a 409 if the report had
             # landed after all, which is logged and harmless) rather than leave it until expiry.

@@ -1,0 +1,302 @@
+"""An engine hosted in a child process, so that it has an interpreter (and a GIL) of its own.
+
+The transformers engine decodes in a Python thread. In a replica the same interpreter also runs
+the event loop (leases, outcome reports, trajectory POSTs, prompt rendering), and every
+millisecond that loop holds the GIL is a millisecond the decoding thread stands still: with the
+tiny CPU model the replica's loop took about 17% of the GIL and the replica delivered 0.76 of the
+engine's own tokens/s. vLLM avoids this by running its engine core in a process of its own; this
+does the same for any engine built by `make_engine`.
+
+The child is `python -m runtime.engines.process`, not a multiprocessing spawn, so that the
+caller's main module is never re-imported (scripts need no `__main__` guard). Requests and answers
+cross an authenticated Unix socket (`multiprocessing.connection`, pickled: prompt ids, sampling,
+generations). The tokenizer is loaded in the parent as well, because agents render prompts there.
+If the child dies, every waiting request and every later call fails with an `EngineProcessError`
+that names its exit code; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+
+from .base import Engine, Generation, SamplingConfig
+
+
+class EngineProcessError(RuntimeError):
+    """The engine's process failed to start or has exited."""
+
+
+class EngineProcess(Engine):
+    def __init__(self, kind: str, model_dir: str | Path, *, start_timeout_s: float = 600.0, **kwargs) -> None:
+        from transformers import AutoTokenizer
+
+        self.kind = kind
+        self.model_dir = Path(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self._tmp = tempfile.TemporaryDirectory(prefix="spopp-engine-")
+        address = os.path.join(self._tmp.name, "engine.sock")
+        authkey = os.urandom(32)
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        spec = json.dumps(
+            {"address": address, "kind": kind, "model_dir": str(self.model_dir), "kwargs": kwargs}
+        )
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.engines.process", spec],
+            env={**os.environ, "SPOPP_ENGINE_AUTHKEY": authkey.hex(), "PYTHONPATH": _import_path()},
+        )
+        try:
+            self._conn = _accept(listener, self._proc, start_timeout_s)
+        finally:
+            listener.close()
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._waiting_lock = threading.Lock()
+        self._dead: EngineProcessError | None = None
+        self._closed = False
+        # The child answers "ready" once its engine is built, or the reason it could not be.
+        what = f"{kind} engine process for {self.model_dir}"
+        if not self._conn.poll(start_timeout_s):
+            self._proc.kill()
+            raise EngineProcessError(f"{what} did not start in {start_timeout_s:.0f} s")
+        try:
+            state, _, payload = self._conn.recv()
+        except (EOFError, OSError):
+            raise EngineProcessError(f"{what} exited while starting (code {self._proc.wait()})") from None
+        if state != "ready":
+            self._proc.wait(30)
+            raise payload
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    # -- calls --------------------------------------------------------------------------------
+
+    async def _call(self, op: str, *args):
+        if self._dead is not None:
+            raise self._dead
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        loop = asyncio.get_running_loop()
+        call_id = next(self._ids)
+        future = loop.create_future()
+        with self._waiting_lock:
+            self._waiting[call_id] = (loop, future)
+        try:
+            with self._send_lock:
+                self._conn.send((op, call_id, args))
+        except (OSError, ValueError):
+            with self._waiting_lock:
+                self._waiting.pop(call_id, None)
+            raise self._dead or EngineProcessError(f"{self.kind} engine process is gone") from None
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The child stops decoding a request nobody waits for.
+            with self._waiting_lock:
+                self._waiting.pop(call_id, None)
+            if self._dead is None and not self._closed:
+                try:
+                    with self._send_lock:
+                        self._conn.send(("cancel", call_id, ()))
+                except (OSError, ValueError):
+                    pass
+            raise
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingConfig) -> Generation:
+        return await self._call("generate", list(map(int, prompt_ids)), sampling)
+
+    async def load_weights(self, snapshot_dir: str | Path) -> None:
+        await self._call("load_weights", str(snapshot_dir))
+
+    def _read(self) -> None:
+        """Reader thread: hand each answer to the event loop that waits for it."""
+        while True:
+            try:
+                call_id, ok, payload = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._waiting_lock:
+                entry = self._waiting.pop(call_id, None)
+            if entry is not None:
+                _settle(*entry, ok, payload)
+        try:
+            code = self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        if not self._closed:
+            self._dead = EngineProcessError(
+                f"{self.kind} engine process exited (code {code}); the replica needs a restart"
+            )
+        with self._waiting_lock:
+            waiting, self._waiting = list(self._waiting.values()), {}
+        for loop, future in waiting:
+            _settle(loop, future, False, self._dead or RuntimeError("engine closed"))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._stop)
+
+    def _stop(self) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(("close", -1, ()))
+        except (OSError, ValueError):
+            pass
+        try:
+            self._proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
+        self._reader.join(10)
+        self._conn.close()
+        self._tmp.cleanup()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+
+def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, ok: bool, payload) -> None:
+    def settle() -> None:
+        if future.done():
+            return
+        if ok:
+            future.set_result(payload)
+        else:
+            future.set_exception(payload)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # that event loop has closed: nobody is waiting
+        pass
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """The exception itself if it survives pickling, else a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _import_path() -> str:
+    """PYTHONPATH for the child: this project's root first, so `-m runtime.engines.process` resolves
+    to this very code whatever the working directory."""
+    root = str(Path(__file__).resolve().parents[2])
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    return os.pathsep.join([root, *rest])
+
+
+def _accept(listener: Listener, proc: subprocess.Popen, timeout_s: float):
+    """The child's connection, or an error if it exits (or hangs) before connecting."""
+    import time
+
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(listener.accept()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive():
+        thread.join(0.1)
+        if proc.poll() is not None and thread.is_alive():
+            raise EngineProcessError(f"engine process exited before connecting (code {proc.returncode})")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise EngineProcessError(f"engine process did not connect in {timeout_s:.0f} s")
+    if not result:
+        raise EngineProcessError("engine process connected but failed authentication")
+    return result[0]
+
+
+def _child_main(conn, kind: str, model_dir: str, kwargs: dict) -> None:
+    """The child: build the engine, then serve calls until told to close or the parent goes."""
+    from .factory import make_engine
+
+    async def main() -> None:
+        try:
+            engine = make_engine(kind, model_dir, **kwargs)
+        except BaseException as exc:
+            traceback.print_exc()
+            conn.send(("failed", -1, _portable(exc)))
+            return
+        conn.send(("ready", -1, None))
+        loop = asyncio.get_running_loop()
+        send_lock = threading.Lock()
+        tasks: dict[int, asyncio.Task] = {}
+        stop = asyncio.Event()
+
+        def reply(call_id: int, ok: bool, payload) -> None:
+            with send_lock:
+                try:
+                    conn.send((call_id, ok, payload))
+                except (OSError, ValueError):  # the parent is gone
+                    loop.call_soon_threadsafe(stop.set)
+
+        async def run(op: str, call_id: int, args) -> None:
+            try:
+                if op == "generate":
+                    result = await engine.generate(*args)
+                elif op == "load_weights":
+                    result = await engine.load_weights(*args)
+                else:
+                    raise ValueError(f"unknown engine call {op!r}")
+            except asyncio.CancelledError:
+                return
+            except Exception as exc:
+                reply(call_id, False, _portable(exc))
+            else:
+                reply(call_id, True, result)
+            finally:
+                tasks.pop(call_id, None)
+
+        def receive(message) -> None:
+            op, call_id, args = message
+            if op == "close":
+                stop.set()
+            elif op == "cancel":
+                task = tasks.get(call_id)
+                if task is not None:
+                    task.cancel()
+            else:
+                tasks[call_id] = loop.create_task(run(op, call_id, args))
+
+        def read() -> None:
+            while True:
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):  # the parent died or closed the pipe
+                    loop.call_soon_threadsafe(stop.set)
+                    return
+                loop.call_soon_threadsafe(receive, message)
+                if message[0] == "close":
+                    return
+
+        threading.Thread(target=read, name="engine-requests", daemon=True).start()
+        await stop.wait()
+        for task in list(tasks.values()):
+            task.cancel()
+        await engine.close()
+
+    asyncio.run(main())
+
+
+if __name__ == "__main__":
+    _spec = json.loads(sys.argv[1])
+    _conn = Client(
+        _spec["address"], family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("SPOPP_ENGINE_AUTHKEY"))
+    )
+    _child_main(_conn, _spec["kind"], _spec["model_dir"], _spec["kwargs"])
