@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system test bench profile lint clean demo demo-quick
+.PHONY: setup system test bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick
 
 setup: $(STAMP) system
 
@@ -72,6 +72,16 @@ demo: setup
 demo-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --quick --out demo-quick-out $(if $(SEEDS),--seeds "$(SEEDS)")
 
+# The same protocol on ALFWorld's engine with generated games (small rooms, at most 12 interactions):
+# data, cold start of a tiny word-level model, prior, paired SPO / SPO++ runs, report. About 19.5 minutes
+# on 2 cores shared with another job (README). SEEDS and ABLATE as for `demo`. Output: demo-alfworld-out/.
+demo-alfworld: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.alfworld_demo --out demo-alfworld-out $(if $(SEEDS),--seeds "$(SEEDS)") $(if $(ABLATE),--ablate)
+
+# The same path, smaller: half the training games and one pair of runs (not timed).
+demo-alfworld-quick: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.alfworld_demo --quick --out demo-alfworld-quick-out $(if $(SEEDS),--seeds "$(SEEDS)")
+
 # ruff, then the import contracts in pyproject.toml ([tool.importlinter]).
 lint: setup
 	$(VENV)/bin/ruff check spopp runtime services tools tests bench
@@ -79,4 +89,4 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out
+	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-alfworld-out demo-alfworld-quick-out

@@ -27,6 +27,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.agent import Budget, run_episode
@@ -94,26 +95,23 @@ def encode_episode(renderer: ChatRenderer, opening: list[dict], turns) -> tuple[
     return ids, mask
 
 
-def train_cold_start(
+def train_masked(
     model,
-    tok,
+    pad: int,
+    draw: Callable[[], tuple[list[int], list[int]]],
     *,
-    steps: int = 1000,
-    batch_size: int = 64,
-    lr: float = 1e-3,
-    warmup: int = 50,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    warmup: int,
     clip: float = 1.0,
-    seed: int = 0,
-    teacher: TeacherConfig = TeacherConfig(),
     log_every: int = 100,
-    log=print,
+    log: Callable[[str], None] | None = print,
 ) -> dict:
-    """Train `model` in place; returns {loss, teacher_success, seconds}."""
+    """Masked next-token training of `model` in place on batches of `draw()` (token ids, action mask):
+    AdamW, linear warm-up then cosine to zero, the loss on mask-1 tokens only. Returns {loss, seconds}."""
     import torch
 
-    rng = random.Random(f"cold-start:{seed}")
-    renderer = ChatRenderer(tok)
-    pad = tok.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
     def schedule(s: int) -> float:  # linear warm-up, then cosine to zero
@@ -124,14 +122,9 @@ def train_cold_start(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     model.train()
     t0 = time.perf_counter()
-    rewards: list[float] = []
     loss_v = float("nan")
     for step in range(1, steps + 1):
-        seqs = []
-        for _ in range(batch_size):
-            opening, turns, reward = teacher_episode(make_task(*sample_operands(rng, "train")), rng, teacher)
-            rewards.append(reward)
-            seqs.append(encode_episode(renderer, opening, turns))
+        seqs = [draw() for _ in range(batch_size)]
         width = max(len(ids) for ids, _ in seqs)
         ids = torch.full((batch_size, width), pad, dtype=torch.long)
         att = torch.zeros((batch_size, width), dtype=torch.long)
@@ -152,10 +145,39 @@ def train_cold_start(
                 f"step {step}/{steps}  loss {loss_v:.4f}  lr {sched.get_last_lr()[0]:.2e}  {time.perf_counter() - t0:.1f}s"
             )
     model.eval()
+    return {"loss": loss_v, "seconds": time.perf_counter() - t0}
+
+
+def train_cold_start(
+    model,
+    tok,
+    *,
+    steps: int = 1000,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    warmup: int = 50,
+    clip: float = 1.0,
+    seed: int = 0,
+    teacher: TeacherConfig = TeacherConfig(),
+    log_every: int = 100,
+    log=print,
+) -> dict:
+    """Train `model` in place; returns {loss, teacher_success, seconds}."""
+    rng = random.Random(f"cold-start:{seed}")
+    renderer = ChatRenderer(tok)
+    rewards: list[float] = []
+
+    def draw() -> tuple[list[int], list[int]]:
+        opening, turns, reward = teacher_episode(make_task(*sample_operands(rng, "train")), rng, teacher)
+        rewards.append(reward)
+        return encode_episode(renderer, opening, turns)
+
+    report = train_masked(model, tok.pad_token_id, draw, steps=steps, batch_size=batch_size, lr=lr,
+                          warmup=warmup, clip=clip, log_every=log_every, log=log)  # fmt: skip
     return {
-        "loss": loss_v,
+        "loss": report["loss"],
         "teacher_success": statistics.fmean(rewards) if rewards else float("nan"),
-        "seconds": time.perf_counter() - t0,
+        "seconds": report["seconds"],
     }
 
 

@@ -93,26 +93,72 @@ def base_config(out: Path, size: dict, wandb: bool) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("demo-out"), help="output folder")
-    p.add_argument("--seeds", default=None, help="run seeds, comma-separated (default 0,1,2; quick 0,1)")
-    p.add_argument("--quick", action="store_true", help="the same path, smaller (under 4 minutes)")
+def demo_parser(doc: str, out: str, *, seeds: str, quick: str, data_seed: str) -> argparse.ArgumentParser:
+    """The demos' shared command line: --out, --seeds, --quick, --tiny, --ablate, --updates, --data-seed, --wandb."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path(out), help="output folder")
+    p.add_argument("--seeds", default=None, help=f"run seeds, comma-separated (default {seeds})")
+    p.add_argument("--quick", action="store_true", help=quick)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
     p.add_argument("--ablate", action="store_true", help="add SPO++ with trajectory normalization (Table 2)")
     p.add_argument("--updates", type=int, default=None, help="learner updates per run")
-    p.add_argument("--data-seed", type=int, default=0, help="seed of the tasks and the cold start")
+    p.add_argument("--data-seed", type=int, default=0, help=data_seed)
     p.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (offline)")
-    a = p.parse_args(argv)
-    size = dict(TINY if a.tiny else QUICK if a.quick else FULL)
+    return p
+
+
+def demo_size(a: argparse.Namespace, full: dict, quick: dict, tiny: dict) -> tuple[dict, str]:
+    """(the size the flags pick, with --updates applied; the run seeds as "0,1,2")."""
+    size = dict(tiny if a.tiny else quick if a.quick else full)
     if a.updates is not None:
         size["updates"] = a.updates
     # `make demo SEEDS="3 4 5"` or --seeds 3,4,5
-    seeds = ",".join((a.seeds or size["seeds"]).replace(",", " ").split())
+    return size, ",".join((a.seeds or size["seeds"]).replace(",", " ").split())
+
+
+def make_prior(out: Path, *, env: str, rollouts: int, concurrency: int, seed: int, budget: dict,
+               extra: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """`spopp prior` with the cold-start policy on the training tasks, Jeffreys mass 8, into out/prior.json."""
+    _run([sys.executable, "-m", "services.cli", "prior", "--model", str(out / "cold-start"),
+          "--tasks", str(out / "data" / "train.jsonl"), "--out", str(out / "prior.json"),
+          "--env", env, *extra, "--engine", "transformers", "--rollouts", str(rollouts), "--prior-mass", "8",
+          "--concurrency", str(concurrency), "--seed", str(seed),
+          *[f"--{k.replace('_', '-')}={v}" for k, v in budget.items()]])  # fmt: skip
+
+
+def run_and_report(out: Path, config: dict, *, seeds: str, ablate: bool, updates: int) -> int:
+    """Stages 4 and 5: `spopp ablate` over the arms and seeds with `config`, then the learning check."""
+    arms = "spo,spopp-trajnorm,spopp" if ablate else "spo,spopp"
+    n_runs = len(arms.split(",")) * len(seeds.split(","))
+    _say(f"4/5 runs: {n_runs} runs ({arms} x seeds {seeds}), {updates} updates each")
+    path = out / "launch.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    code = subprocess.run([sys.executable, "-m", "services.cli", "ablate", str(path), "--seeds", seeds,
+                           "--arms", arms, "--out", str(out)]).returncode  # fmt: skip
+    if code != 0:
+        _say(f"the runs stopped with exit code {code}; run the same command again to resume")
+        return code
+    _say("5/5 report (printed above by `spopp report`)")
+    report = json.loads((out / "report.json").read_text())
+    for line in learning_check(report):
+        _say(line)
+    return 0
+
+
+def finish(out: Path, t0: float) -> None:
+    _say(f"done in {time.monotonic() - t0:.0f} s")
+    print(f"demo output: {out}")
+    print(f"  {out / 'report.md'}\n  {out / 'report.json'}\n  {out / 'curves.png'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = demo_parser(__doc__, "demo-out", seeds="0,1,2; quick 0,1", quick="the same path, smaller (under 4 minutes)",
+                    data_seed="seed of the tasks and the cold start")  # fmt: skip
+    a = p.parse_args(argv)
+    size, seeds = demo_size(a, FULL, QUICK, TINY)
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    py = [sys.executable, "-m"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from runtime.envs.toy_calc import write_toy_calc_tasks
@@ -125,36 +171,18 @@ def main(argv: list[str] | None = None) -> int:
 
     _say(f"2/5 cold start: {size['cold_start_steps']} supervised steps on imperfect teacher traces")
     if not (out / "cold-start" / "cold_start.json").is_file():
-        _run([*py, "tools.cold_start", "--out", str(out / "cold-start"), "--seed", str(a.data_seed),
+        _run([sys.executable, "-m", "tools.cold_start", "--out", str(out / "cold-start"), "--seed", str(a.data_seed),
               "--steps", str(size["cold_start_steps"]), "--eval-tasks", "0", "--log-every", "250"])  # fmt: skip
 
     _say("3/5 prior: 8 rollouts per training task with the cold-start policy, Jeffreys mass 8")
     if not (out / "prior.json").is_file():
-        _run([*py, "services.cli", "prior", "--model", str(out / "cold-start"),
-              "--tasks", str(out / "data" / "train.jsonl"), "--out", str(out / "prior.json"),
-              "--env", "toy-calc", "--engine", "transformers", "--rollouts", "8", "--prior-mass", "8",
-              "--concurrency", "64", "--seed", str(a.data_seed),
-              *[f"--{k.replace('_', '-')}={v}" for k, v in BUDGET.items()]])  # fmt: skip
+        make_prior(out, env="toy-calc", rollouts=8, concurrency=64, seed=a.data_seed, budget=BUDGET)
 
-    arms = "spo,spopp-trajnorm,spopp" if a.ablate else "spo,spopp"
-    n_runs = len(arms.split(",")) * len(seeds.split(","))
-    _say(f"4/5 runs: {n_runs} runs ({arms} x seeds {seeds}), {size['updates']} updates each")
-    config = out / "launch.yaml"
-    config.write_text(yaml.safe_dump(base_config(out, size, a.wandb), sort_keys=False))
-    code = subprocess.run([*py, "services.cli", "ablate", str(config), "--seeds", seeds, "--arms", arms,
-                           "--out", str(out)]).returncode  # fmt: skip
-    if code != 0:
-        _say(f"the runs stopped with exit code {code}; run the same command again to resume")
-        return code
-
-    _say("5/5 report (printed above by `spopp report`)")
-    report = json.loads((out / "report.json").read_text())
-    for line in learning_check(report):
-        _say(line)
-    _say(f"done in {time.monotonic() - t0:.0f} s")
-    print(f"demo output: {out}")
-    print(f"  {out / 'report.md'}\n  {out / 'report.json'}\n  {out / 'curves.png'}")
-    return 0
+    code = run_and_report(out, base_config(out, size, a.wandb), seeds=seeds, ablate=a.ablate,
+                          updates=size["updates"])  # fmt: skip
+    if code == 0:
+        finish(out, t0)
+    return code
 
 
 def learning_check(report: dict) -> list[str]:
