@@ -134,8 +134,10 @@ class Game:
         )
 
     def _call(self, fn, *args):
-        argv = list(sys.argv)
         with ENGINE_LOCK:
+            # Copied under the lock: outside it, another thread's call may have the translator's
+            # argv in place, and that is what this call would then put back.
+            argv = list(sys.argv)
             try:
                 return fn(*args)
             finally:
