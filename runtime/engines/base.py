@@ -9,6 +9,7 @@ its importance weights.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,3 +58,22 @@ class Engine(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Release the model and any worker threads."""
+
+
+def settle_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future, outcome) -> None:
+    """Resolve `future` from another thread (an engine's worker or reader thread): an exception
+    `outcome` is raised to the waiter, anything else is its result. A future already done
+    (cancelled) or a loop already closed is left alone: nobody waits any more."""
+
+    def settle() -> None:
+        if future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop has closed
+        pass

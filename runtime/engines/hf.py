@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .base import Engine, Generation, SamplingConfig
+from .base import Engine, Generation, SamplingConfig, settle_threadsafe
 
 
 @dataclass
@@ -115,7 +115,6 @@ class TransformersEngine(Engine):
         self._pending: collections.deque[_Request] = collections.deque()
         self._serving = False  # a decoding loop is running (or about to) in the worker thread
         self._swaps = 0  # weight swaps waiting for the running rows to finish
-        self._running_rows = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._closed = False
         # Requests without a seed draw from this engine-wide stream.
@@ -175,11 +174,9 @@ class TransformersEngine(Engine):
                             admit.append(request)
                 if not running and not admit:
                     self._serving = False
-                    self._running_rows = 0
                     self._cv.notify_all()
                     self._wake()  # a request that raced the exit, or a swap that just finished
                     return
-                self._running_rows = len(running) + len(admit)
             try:
                 with self._lock, torch.inference_mode():
                     if admit:
@@ -190,7 +187,7 @@ class TransformersEngine(Engine):
             except Exception as exc:  # fail the rows that saw it; the next requests start afresh
                 failed = [r.request for r in running] + admit
                 for request in failed:
-                    _settle(request, exc)
+                    settle_threadsafe(request.loop, request.future, exc)
                 batch = None
 
     def _new_row(self, request: _Request):
@@ -238,7 +235,9 @@ class TransformersEngine(Engine):
 
     def _step(self, batch: _Batch) -> None:
         """One decode step: every row's next token in, one sampled token out."""
-        mask = torch_cat_ones(batch.mask)
+        import torch
+
+        mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
         logits = self.model(
             input_ids=batch.next_ids.unsqueeze(1),
             attention_mask=mask,
@@ -286,7 +285,7 @@ class TransformersEngine(Engine):
         now = time.perf_counter()
         for k, row in enumerate(batch.rows):
             if row.finish_reason is not None:
-                _settle(row.request, self._generation(row, now))
+                settle_threadsafe(row.request.loop, row.request.future, self._generation(row, now))
             elif row.request.wanted():
                 keep.append(k)
         if not keep:
@@ -384,7 +383,7 @@ class TransformersEngine(Engine):
         # and let the running rows finish first.
         with self._cv:
             self._swaps += 1
-            while self._serving and self._running_rows:
+            while self._serving:  # it stops once its running rows are done
                 self._cv.wait()
         try:
             with self._lock, torch.no_grad():
@@ -402,33 +401,9 @@ class TransformersEngine(Engine):
             self._closed = True
             pending, self._pending = list(self._pending), collections.deque()
         for r in pending:
-            _settle(r, RuntimeError("engine closed"))
+            settle_threadsafe(r.loop, r.future, RuntimeError("engine closed"))
         await asyncio.to_thread(self._pool.shutdown, wait=True)
         self.model = None
-
-
-def torch_cat_ones(mask):
-    """The mask with one more real column, for the token being fed."""
-    import torch
-
-    return torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-
-
-def _settle(request: _Request, outcome) -> None:
-    """Resolve a request's future from the worker thread (an exception or a Generation)."""
-
-    def settle() -> None:
-        if request.future.done():
-            return
-        if isinstance(outcome, BaseException):
-            request.future.set_exception(outcome)
-        else:
-            request.future.set_result(outcome)
-
-    try:
-        request.loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the caller's event loop has closed; nobody is waiting
-        pass
 
 
 def _top_k_top_p(logits, top_k: int, top_p: float):

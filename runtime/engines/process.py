@@ -29,7 +29,7 @@ import traceback
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
-from .base import Engine, Generation, SamplingConfig
+from .base import Engine, Generation, SamplingConfig, settle_threadsafe
 
 
 class EngineProcessError(RuntimeError):
@@ -43,7 +43,30 @@ class EngineProcess(Engine):
         self.kind = kind
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._waiting_lock = threading.Lock()
+        self._dead: EngineProcessError | None = None
+        self._closed = False
         self._tmp = tempfile.TemporaryDirectory(prefix="spopp-engine-")
+        self._proc: subprocess.Popen | None = None
+        self._conn = None
+        try:
+            self._start(kind, kwargs, start_timeout_s)
+        except BaseException:
+            # Nothing of a failed start outlives it: no child, no socket, no folder.
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait(5)
+            if self._conn is not None:
+                self._conn.close()
+            self._tmp.cleanup()
+            raise
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    def _start(self, kind: str, kwargs: dict, timeout_s: float) -> None:
         address = os.path.join(self._tmp.name, "engine.sock")
         authkey = os.urandom(32)
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
@@ -55,29 +78,19 @@ class EngineProcess(Engine):
             env={**os.environ, "SPOPP_ENGINE_AUTHKEY": authkey.hex(), "PYTHONPATH": _import_path()},
         )
         try:
-            self._conn = _accept(listener, self._proc, start_timeout_s)
+            self._conn = _accept(listener, self._proc, timeout_s)
         finally:
             listener.close()
-        self._send_lock = threading.Lock()
-        self._ids = itertools.count()
-        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._waiting_lock = threading.Lock()
-        self._dead: EngineProcessError | None = None
-        self._closed = False
-        # The child answers "ready" once its engine is built, or the reason it could not be.
+        # The child sends None once its engine is built, or the exception that stopped it.
         what = f"{kind} engine process for {self.model_dir}"
-        if not self._conn.poll(start_timeout_s):
-            self._proc.kill()
-            raise EngineProcessError(f"{what} did not start in {start_timeout_s:.0f} s")
+        if not self._conn.poll(timeout_s):
+            raise EngineProcessError(f"{what} did not start in {timeout_s:.0f} s")
         try:
-            state, _, payload = self._conn.recv()
+            failure = self._conn.recv()
         except (EOFError, OSError):
             raise EngineProcessError(f"{what} exited while starting (code {self._proc.wait()})") from None
-        if state != "ready":
-            self._proc.wait(30)
-            raise payload
-        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
-        self._reader.start()
+        if failure is not None:
+            raise failure
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -122,13 +135,13 @@ class EngineProcess(Engine):
         """Reader thread: hand each answer to the event loop that waits for it."""
         while True:
             try:
-                call_id, ok, payload = self._conn.recv()
+                call_id, payload = self._conn.recv()
             except (EOFError, OSError):
                 break
             with self._waiting_lock:
                 entry = self._waiting.pop(call_id, None)
             if entry is not None:
-                _settle(*entry, ok, payload)
+                settle_threadsafe(*entry, payload)  # a failed call's payload is its exception
         try:
             code = self._proc.wait(5)
         except subprocess.TimeoutExpired:
@@ -140,7 +153,7 @@ class EngineProcess(Engine):
         with self._waiting_lock:
             waiting, self._waiting = list(self._waiting.values()), {}
         for loop, future in waiting:
-            _settle(loop, future, False, self._dead or RuntimeError("engine closed"))
+            settle_threadsafe(loop, future, self._dead or RuntimeError("engine closed"))
 
     async def close(self) -> None:
         if self._closed:
@@ -166,21 +179,6 @@ class EngineProcess(Engine):
     @property
     def pid(self) -> int | None:
         return self._proc.pid
-
-
-def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, ok: bool, payload) -> None:
-    def settle() -> None:
-        if future.done():
-            return
-        if ok:
-            future.set_result(payload)
-        else:
-            future.set_exception(payload)
-
-    try:
-        loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # that event loop has closed: nobody is waiting
-        pass
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -231,20 +229,19 @@ def _child_main(conn, kind: str, model_dir: str, kwargs: dict) -> None:
             engine = make_engine(kind, model_dir, **kwargs)
         except BaseException as exc:
             traceback.print_exc()
-            conn.send(("failed", -1, _portable(exc)))
+            conn.send(_portable(exc))
             return
-        conn.send(("ready", -1, None))
+        conn.send(None)
         loop = asyncio.get_running_loop()
-        send_lock = threading.Lock()
         tasks: dict[int, asyncio.Task] = {}
         stop = asyncio.Event()
 
-        def reply(call_id: int, ok: bool, payload) -> None:
-            with send_lock:
-                try:
-                    conn.send((call_id, ok, payload))
-                except (OSError, ValueError):  # the parent is gone
-                    loop.call_soon_threadsafe(stop.set)
+        def reply(call_id: int, payload) -> None:
+            # Only this loop's thread sends; the reader thread only receives.
+            try:
+                conn.send((call_id, payload))
+            except (OSError, ValueError):  # the parent is gone
+                stop.set()
 
         async def run(op: str, call_id: int, args) -> None:
             try:
@@ -257,9 +254,9 @@ def _child_main(conn, kind: str, model_dir: str, kwargs: dict) -> None:
             except asyncio.CancelledError:
                 return
             except Exception as exc:
-                reply(call_id, False, _portable(exc))
+                reply(call_id, _portable(exc))
             else:
-                reply(call_id, True, result)
+                reply(call_id, result)
             finally:
                 tasks.pop(call_id, None)
 

@@ -34,7 +34,7 @@ class OutcomeBatcher:
         self.max_per_call = max_per_call
         self._queue: list[tuple[str, float, asyncio.Future]] = []
         self._sender: asyncio.Task | None = None
-        self.calls = 0  # POSTs sent, for tests and metrics
+        self.calls = 0  # POSTs sent (what the tests count)
 
     async def report(self, request_id: str, reward: float) -> OutcomeResult:
         """The tracker's answer to this outcome (its frozen value and the advantage); raises what the
