@@ -266,12 +266,12 @@ def test_teacher_is_imperfect_and_failures_are_shorter():
     assert sum(n_turns[1]) / len(n_turns[1]) < 0.02  # its guess is exact only when 100 divides a
 
 
-def test_cold_start_smoke_writes_a_loadable_model(tmp_path):
+def test_cold_start_smoke_writes_a_loadable_model_and_seeded_evaluation_ignores_batching(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from runtime.engines.hf import TransformersEngine
-    from tools.cold_start import evaluate, main
+    from tools.cold_start import evaluate, main, run_episodes
 
     threads = torch.get_num_threads()
     try:
@@ -289,6 +289,13 @@ def test_cold_start_smoke_writes_a_loadable_model(tmp_path):
     engine = TransformersEngine(tmp_path / "m")
     try:
         r = evaluate(engine, generate_toy_calc_tasks(4, 0, "heldout"), temperature=1.0, seed=0)
+        # Seeded per task and sample: the same episodes whether they share the batch or run alone.
+        tasks = generate_toy_calc_tasks(6, 1, "heldout")
+        together = asyncio.run(run_episodes(engine, tasks, seed=3, samples=2))
+        alone = asyncio.run(run_episodes(engine, tasks, seed=3, samples=2, concurrency=1))
+        other = asyncio.run(run_episodes(engine, tasks, seed=4, samples=2))
     finally:
         asyncio.run(engine.close())
     assert r["episodes"] == 4
+    assert len(together) == 12 and [e.token_ids for e in together] == [e.token_ids for e in alone]
+    assert [e.token_ids for e in together] != [e.token_ids for e in other]

@@ -49,7 +49,7 @@ from runtime.agent import Budget
 from runtime.chat import ChatRenderer
 from runtime.envs.base import Task
 from runtime.tasks import load_tasks
-from tools.cold_start import encode_episode, train_masked
+from tools.cold_start import encode_episode, run_episodes, train_masked
 
 # The demo's environment: the observation alone (no admissible list), no system prompt, a short
 # step limit (the paper's is 50) so that the whole history stays a few hundred tokens.
@@ -431,31 +431,21 @@ def train_on_traces(
 
 def evaluate(model_dir, tasks: list[Task], *, samples: int = 1, temperature: float = 1.0, seed: int = 0,
              env_options: dict | None = None, budget: Budget = BUDGET, concurrency: int = 32) -> dict:  # fmt: skip
-    """Success of the model through the real agent loop and transformers engine."""
+    """Success of the model through the real agent loop and transformers engine (episodes seeded
+    per task and sample, as the evaluator seeds them)."""
     import asyncio
 
-    from runtime.agent import run_episode
-    from runtime.engines.base import SamplingConfig
     from runtime.engines.hf import TransformersEngine
     from runtime.envs.alfworld.env import AlfworldEnv
 
     engine = TransformersEngine(model_dir, max_batch=64)
-    engine._shared_gen.manual_seed(seed)  # a demo tool may reach in; the product does not
-    renderer = ChatRenderer(engine.tokenizer)
-    sampling = SamplingConfig(max_tokens=budget.max_tokens_per_turn, temperature=temperature)
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(task: Task):
-        async with gate:
-            env = AlfworldEnv(**(env_options or ENV_OPTIONS))
-            try:
-                return await run_episode(engine, env, task, budget, sampling, renderer)
-            finally:
-                env.close()
+    options = env_options or ENV_OPTIONS
 
     async def play():
         try:
-            return await asyncio.gather(*(one(t) for t in tasks for _ in range(samples)))
+            return await run_episodes(engine, tasks, temperature=temperature, budget=budget,
+                                      make_env=lambda: AlfworldEnv(**options), samples=samples, seed=seed,
+                                      concurrency=concurrency)  # fmt: skip
         finally:
             await engine.close()
 

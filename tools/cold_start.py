@@ -28,13 +28,14 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runtime.agent import Budget, run_episode
 from runtime.chat import ChatRenderer
 from runtime.engines.base import SamplingConfig
-from runtime.envs.base import Task
+from runtime.envs.base import Environment, Task
 from runtime.envs.toy_calc import ToyCalcEnv, generate_toy_calc_tasks, make_task, sample_operands
+from services.evaluator.scorer import sample_seed
 
 BUDGET = Budget(max_turns=3, max_tokens_per_turn=32, max_total_tokens=128)
 
@@ -184,18 +185,34 @@ def train_cold_start(
 # -- evaluation through the real agent loop ---------------------------------------------------
 
 
-async def run_episodes(engine, tasks: list[Task], *, temperature: float = 1.0, budget: Budget = BUDGET):
+async def run_episodes(
+    engine,
+    tasks: list[Task],
+    *,
+    temperature: float = 1.0,
+    budget: Budget = BUDGET,
+    make_env: Callable[[], Environment] = ToyCalcEnv,
+    samples: int = 1,
+    seed: int | None = None,
+    concurrency: int | None = None,
+):
+    """`samples` episodes of each task through the real agent loop. With `seed`, episode j of task
+    i samples with the evaluator's seed for (i, j), so a score does not depend on what the engine
+    batched it with; without, from the engine's shared stream."""
     renderer = ChatRenderer(engine.tokenizer)
     sampling = SamplingConfig(max_tokens=budget.max_tokens_per_turn, temperature=temperature)
+    gate = asyncio.Semaphore(concurrency or len(tasks) * samples or 1)
 
-    async def one(task: Task):
-        env = ToyCalcEnv()
-        try:
-            return await run_episode(engine, env, task, budget, sampling, renderer)
-        finally:
-            env.close()
+    async def one(i: int, j: int, task: Task):
+        episode_sampling = sampling if seed is None else replace(sampling, seed=sample_seed(seed, i, j))
+        async with gate:
+            env = make_env()
+            try:
+                return await run_episode(engine, env, task, budget, episode_sampling, renderer)
+            finally:
+                env.close()
 
-    return await asyncio.gather(*(one(t) for t in tasks))
+    return await asyncio.gather(*(one(i, j, t) for i, t in enumerate(tasks) for j in range(samples)))
 
 
 def summarize(episodes) -> dict:
@@ -215,13 +232,13 @@ def summarize(episodes) -> dict:
     }
 
 
-def evaluate(engine, tasks: list[Task], *, temperature: float = 1.0, seed: int | None = None) -> dict:
-    """Held-out success through run_episode; `seed` fixes the engine's shared sampling stream."""
-    if seed is not None:
-        engine._shared_gen.manual_seed(seed)  # a test/demo tool may reach in; the product does not
+def evaluate(
+    engine, tasks: list[Task], *, temperature: float = 1.0, seed: int | None = None, **episodes
+) -> dict:
+    """Held-out success through run_episode (`episodes`: the rest of run_episodes' arguments)."""
     t0 = time.perf_counter()
-    episodes = asyncio.run(run_episodes(engine, tasks, temperature=temperature))
-    out = summarize(episodes)
+    played = asyncio.run(run_episodes(engine, tasks, temperature=temperature, seed=seed, **episodes))
+    out = summarize(played)
     out["seconds"] = time.perf_counter() - t0
     return out
 
