@@ -20,6 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from .tracker_api import Id
 
 MAX_TOKENS = 1 << 20
+# The learner's intake routes (rank 0): one record, and many in one call.
+INTAKE = "/v1/trajectories"
+INTAKE_BATCH = INTAKE + "/batch"
+# Trajectories per POST /v1/trajectories/batch at most; the body limit bounds it too.
+MAX_TRAJECTORIES_PER_CALL = 256
 
 
 def count_action_tokens(action_mask: Sequence[int]) -> int:
@@ -86,3 +91,27 @@ class Trajectory(BaseModel):
     def action_tokens(self) -> int:
         """Tokens the policy generated and the loss trains on (see count_action_tokens)."""
         return count_action_tokens(self.action_mask)
+
+
+class TrajectoryBatch(BaseModel):
+    """The body of POST /v1/trajectories/batch: records that are judged one by one.
+
+    The schema holds for the whole batch (one malformed record refuses the call, naming its
+    index, and nothing is buffered); acceptance is per record, since a batch that straddles a
+    policy swap carries records of both versions and only the old ones are stale.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    trajectories: list[Trajectory] = Field(min_length=1, max_length=MAX_TRAJECTORIES_PER_CALL)
+
+
+class Delivered(BaseModel):
+    """The learner's answer for one record of a batch: the status the single route would give."""
+
+    request_id: str
+    status: int
+    accepted: bool
+    position: int | None = None
+    code: str | None = None
+    message: str | None = None

@@ -6,7 +6,7 @@ import os
 import uuid
 
 import pytest
-from fixtures_model import perturbed_model, reference, tiny_model  # noqa: F401  (session fixtures)
+from fixtures_model import model_limits, perturbed_model, reference, tiny_model  # noqa: F401  (session fixtures)
 
 from services.tracker.embedded import EmbeddedRedis
 from services.tracker.launcher import TrackerProcess

@@ -68,3 +68,14 @@ def reference(tiny_model):
         return cache[folder]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def model_limits(tiny_model):
+    """The learner's intake limits read from the tiny model (SPO++), and the model's config."""
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.ingest import IntakeLimits
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    return IntakeLimits.for_model(model, "spopp"), model.config

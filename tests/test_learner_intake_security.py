@@ -34,14 +34,6 @@ def long(n):
     return dict(token_ids=[1] * n, action_mask=[0] + [1] * (n - 1), rollout_logprobs=[0.0] + [-0.5] * (n - 1))
 
 
-@pytest.fixture(scope="module")
-def model_limits(tiny_model):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    return IntakeLimits.for_model(model, "spopp"), model.config
-
-
 def start(limits, capacity=6, token=TOKEN):
     buffer, metrics = TrajectoryBuffer("r", capacity=capacity), LearnerMetrics()
     app = ingest_app(buffer, MAX_BODY, token=token, limits=limits, metrics=metrics)

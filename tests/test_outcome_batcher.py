@@ -110,3 +110,21 @@ def test_a_report_cancelled_before_it_leaves_never_reaches_the_tracker(tracker, 
     _run(go, tracker.url)
     states = {r.request_id: r.state for r in client.lookup(run, [a, b_, c_])}
     assert states == {a: "reported", b_: "leased", c_: "reported"}
+
+
+def test_reports_spaced_wider_than_a_call_share_one_when_lingering(tracker, client, leased):
+    run, reqs = leased
+
+    async def go(c):
+        b = OutcomeBatcher(c, run, linger=0.5)
+        tasks = []
+        for rid, _, _ in reqs[:10]:
+            tasks.append(asyncio.create_task(b.report(rid, 1.0)))
+            await asyncio.sleep(0.005)  # one at a time, as episodes end under continuous batching
+        await asyncio.gather(*tasks)
+        return b.calls
+
+    assert _run(go, tracker.url) == 1  # the first waited for the other nine
+    assert all(r.state == "reported" for r in client.lookup(run, [rid for rid, _, _ in reqs[:10]]))
+    with pytest.raises(ValueError, match="linger"):
+        OutcomeBatcher(None, run, linger=-1)

@@ -1,4 +1,5 @@
-"""A replica keeps its engine's batch full: reports leave the generation path, leases wait ready.
+"""A replica keeps its engine's batch full: reports leave the generation path, leases wait ready,
+reports and deliveries that finish together leave in shared calls.
 
 Real tracker over HTTP, the real rollout Worker and toy-calc environment, a learner sink over
 HTTP; the engine is scripted (each generation sleeps a fixed time, then answers) so that what
@@ -8,6 +9,7 @@ runs when is visible, not timed.
 from __future__ import annotations
 
 import asyncio
+import random
 
 from transformers import AutoTokenizer
 
@@ -46,10 +48,11 @@ class ScriptedEngine(Engine):
 
 
 def _settings(tiny_model, tracker, run, sink, **over) -> RolloutSettings:
-    return RolloutSettings(
+    base = dict(
         model=tiny_model, tracker=tracker.url, learner=sink.url, run=run, env="toy-calc", concurrency=2,
-        max_turns=3, max_tokens_per_turn=16, max_total_tokens=256, poll_seconds=0.05, retry_seconds=5, **over,
+        max_turns=3, max_tokens_per_turn=16, max_total_tokens=256, poll_seconds=0.05, retry_seconds=5,
     )  # fmt: skip
+    return RolloutSettings(**{**base, **over})
 
 
 def test_episodes_keep_generating_while_their_outcome_reports_wait(tiny_model, tracker, client, make_run):
@@ -94,6 +97,60 @@ def test_episodes_keep_generating_while_their_outcome_reports_wait(tiny_model, t
     # delivered, no lease left behind (leases held ready at the end were given back).
     assert len(reported) == engine.done >= 12
     assert len(sink.trajectories()) == engine.done
+    assert client.get_run(run).counts.in_flight == 0
+    # The held reports came back in one answer, so their trajectories left in shared calls.
+    assert worker.outcomes.calls < engine.done and worker.trajectories.calls < engine.done - 4
+
+
+class JitteredEngine(ScriptedEngine):
+    """Generations of 20-60 ms: episodes end one at a time, as under continuous batching."""
+
+    def __init__(self, tokenizer, seed: int = 0) -> None:
+        super().__init__(tokenizer, 0.0)
+        self.rng = random.Random(seed)
+
+    async def generate(self, prompt_ids, sampling) -> Generation:
+        self.seconds = 0.02 + 0.04 * self.rng.random()  # read by the sleep before any other call runs
+        return await super().generate(prompt_ids, sampling)
+
+
+def test_episodes_ending_one_at_a_time_share_dispatches_reports_and_deliveries(
+    tiny_model, tracker, client, make_run
+):
+    tasks = generate_toy_calc_tasks(64, seed=6)  # more than the 20 leases a replica holds at once
+    run = make_run(tasks=[{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in tasks])
+    engine = JitteredEngine(AutoTokenizer.from_pretrained(tiny_model))
+    with LearnerSink(run) as sink:
+        settings = _settings(tiny_model, tracker, run, sink, concurrency=16, max_turns=1)
+        worker = Worker(settings, engine, ToyCalcEnv, {t.task_id: t for t in tasks})
+        dispatch, calls, active = worker.tracker.dispatch, [], []
+
+        async def counted(*args, **kwargs):
+            d = await dispatch(*args, **kwargs)
+            calls.append(len(d.requests))
+            return d
+
+        worker.tracker.dispatch = counted
+
+        async def scenario():
+            job = asyncio.create_task(worker.run(max_episodes=160))
+            while not job.done():
+                if 32 <= engine.done <= 128:  # the steady state, past the start and before the end
+                    active.append(engine.active)
+                await asyncio.sleep(0.005)
+            await job
+            await worker.close()
+
+        asyncio.run(scenario())
+    episodes = engine.done
+    assert episodes >= 160 and len(sink.trajectories()) == episodes
+    # Ready leases are refilled two at a time (half of a prefetch of four), not one by one...
+    assert worker.prefetch == 4 and worker.dispatch_step == 2
+    assert len(calls) < 0.6 * episodes and sum(n >= 2 for n in calls) > 0.8 * len(calls), calls
+    # ...and the batch stays full while they wait: a freed slot starts a held lease at once.
+    assert engine.peak == 16 and sum(active) / len(active) > 14
+    # Reports and deliveries wait a little for company instead of leaving one per episode.
+    assert worker.outcomes.calls < episodes / 2 and worker.trajectories.calls < episodes / 4
     assert client.get_run(run).counts.in_flight == 0
 
 

@@ -1,5 +1,10 @@
 """Trajectory intake on rank 0: POST /v1/trajectories into a buffer of the current policy version.
 
+POST /v1/trajectories/batch takes many records in one call (what a busy replica sends: one HTTP
+request per episode costs both ends more CPU than the record itself). Its schema and limit checks
+hold for the whole call (a 422 names the record's index, nothing is buffered), then each record
+is admitted as the single route would and gets that route's status in the answer's `results`.
+
 The learner trains on the *first* trajectories of each policy version, in arrival order: the
 buffer accepts `capacity` (B × updates per publish) of them and refuses the rest. A trajectory of
 another version is refused with 409 (the rollout counts it as drained), one of another run or
@@ -24,11 +29,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from spopp.asgi import BearerAuth, BodyLimit
-from spopp.trajectory import Trajectory
+from spopp.trajectory import INTAKE, INTAKE_BATCH, Delivered, Trajectory, TrajectoryBatch
 
 from .metrics import LearnerMetrics
 
-INTAKE = "/v1/trajectories"
 # The refusal code a client reads -> the metric's reason label.
 _REASON = {"stale_policy": "stale", "batch_full": "full", "invalid": "invalid", "unknown_run": "unknown_run"}
 
@@ -39,8 +43,9 @@ class Refused(Exception):
         self.status, self.detail = status, {"code": code, "message": message, **context}
 
 
-def invalid(errors: list[dict]) -> Refused:
+def invalid(errors: list[dict], at: str = "") -> Refused:
     """A 422 in the same shape as a schema error: the first field in the message, all listed."""
+    errors = [{**e, "field": at + e["field"]} for e in errors]
     first = errors[0]
     return Refused(422, "invalid", f"{first['field']}: {first['message']}", errors=errors)
 
@@ -91,9 +96,10 @@ class IntakeLimits:
             })  # fmt: skip
         return out
 
-    def check(self, t: Trajectory) -> None:
+    def check(self, t: Trajectory, at: str = "") -> None:
+        """Raise a 422 naming the field (behind `at`, the record's place in a batch)."""
         if errors := self.errors(t):
-            raise invalid(errors)
+            raise invalid(errors, at)
 
 
 class TrajectoryBuffer:
@@ -109,10 +115,13 @@ class TrajectoryBuffer:
         self._cond = threading.Condition()
         self.refused = {"stale": 0, "full": 0}
 
-    def admit(self, t: Trajectory) -> tuple[int, bool]:
-        """Queue `t`: (its position in this version's stream, whether it is new) or Refused."""
+    def check_run(self, t: Trajectory) -> None:
         if t.run != self.run:
             raise Refused(422, "unknown_run", f"this learner trains run {self.run!r}", run=t.run)
+
+    def admit(self, t: Trajectory) -> tuple[int, bool]:
+        """Queue `t`: (its position in this version's stream, whether it is new) or Refused."""
+        self.check_run(t)
         with self._cond:
             if t.policy_version != self.version:
                 self.refused["stale"] += 1
@@ -204,7 +213,7 @@ class _CountDoorRefusals:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] != INTAKE:
+        if scope["type"] != "http" or scope["path"] not in (INTAKE, INTAKE_BATCH):
             return await self.app(scope, receive, send)
 
         async def watch(message):
@@ -229,13 +238,49 @@ def ingest_app(
     metrics.watch(buffer)
     app = FastAPI(title="spopp learner")
 
-    @app.post(INTAKE)
-    def post(t: Trajectory) -> dict:
-        limits.check(t)
+    def admit(t: Trajectory) -> int:
         position, new = buffer.admit(t)
         if new:
             metrics.accepted.inc()
-        return {"accepted": True, "policy_version": buffer.version, "position": position}
+        return position
+
+    @app.post(INTAKE)
+    def post(t: Trajectory) -> dict:
+        limits.check(t)
+        return {"accepted": True, "policy_version": buffer.version, "position": admit(t)}
+
+    @app.post(INTAKE_BATCH)
+    def post_batch(batch: TrajectoryBatch) -> dict:
+        # Every check that is the sender's fault first, for every record: a 422 leaves nothing
+        # buffered. What remains (stale, full) depends on when each record came, not on it.
+        for i, t in enumerate(batch.trajectories):
+            try:
+                buffer.check_run(t)
+            except Refused as exc:
+                exc.detail.update(index=i, request_id=t.request_id)
+                raise
+            limits.check(t, at=f"trajectories.{i}.")
+        results = []
+        for t in batch.trajectories:
+            try:
+                results.append(
+                    Delivered(request_id=t.request_id, status=200, accepted=True, position=admit(t))
+                )
+            except Refused as exc:
+                metrics.refuse(_REASON.get(exc.detail["code"], exc.detail["code"]))
+                results.append(
+                    Delivered(
+                        request_id=t.request_id,
+                        status=exc.status,
+                        accepted=False,
+                        code=exc.detail["code"],
+                        message=exc.detail["message"],
+                    )
+                )
+        return {
+            "policy_version": buffer.version,
+            "results": [r.model_dump(exclude_none=True) for r in results],
+        }
 
     @app.get("/healthz")
     def healthz() -> dict:
