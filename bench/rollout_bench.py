@@ -122,8 +122,9 @@ class _FirstCall:
         return await self._engine.generate(*args, **kwargs)
 
 
-async def service_generate(engine, settings, tasks, episodes) -> tuple[int, float, float]:
-    """(tokens, seconds from the first generate call to the end, start-up seconds before it)."""
+async def service_generate(engine, settings, tasks, episodes) -> tuple[int, float, float, tuple]:
+    """(tokens, seconds from the first generate call to the end, start-up seconds before it,
+    (dispatch, outcome and trajectory calls per episode))."""
     with SinkProcess(settings.run) as sink:
         watched = _FirstCall(engine)
         worker = Worker(
@@ -139,7 +140,9 @@ async def service_generate(engine, settings, tasks, episodes) -> tuple[int, floa
         # The replica's start-up (prompt check of every task, run and policy reads, first
         # dispatch) happens once per replica, not per episode: timed apart from the throughput.
         first = watched.first if watched.first is not None else t0
-        return sink.accepted_tokens(), end - first, first - t0
+        done = max(1, worker._episodes)
+        calls = (worker.dispatches, worker.outcomes.calls, worker.trajectories.calls)
+        return sink.accepted_tokens(), end - first, first - t0, tuple(c / done for c in calls)
 
 
 def build_100m(tiny: Path, out: Path) -> Path:
@@ -217,12 +220,13 @@ async def bench_engine(kind, tiny, tiny2, big, big2, tracker_url, run, tasks, cf
         for rep in range(cfg["repeats"]):
             _progress(f"{kind}: repeat {rep + 1}/{cfg['repeats']}")
             rt, rs = await raw_generate(engine, prompts, sampling, cfg["concurrency"])
-            st, ss, startup = await service_generate(engine, settings, tasks, len(tasks))
-            rows.append((rt / rs, st / ss, startup))
-        raw_tps = statistics.median(r for r, _, _ in rows)
-        svc_tps = statistics.median(s for _, s, _ in rows)
-        pair_ratios = sorted(s / r for r, s, _ in rows)
-        startup_s = statistics.median(u for _, _, u in rows)
+            st, ss, startup, calls = await service_generate(engine, settings, tasks, len(tasks))
+            rows.append((rt / rs, st / ss, startup, calls))
+        raw_tps = statistics.median(r[0] for r in rows)
+        svc_tps = statistics.median(r[1] for r in rows)
+        pair_ratios = sorted(r[1] / r[0] for r in rows)
+        startup_s = statistics.median(r[2] for r in rows)
+        calls = tuple(statistics.median(r[3][i] for r in rows) for i in range(3))
         swap_tiny = await swap_seconds(engine, tiny, tiny2)
     finally:
         await engine.close()
@@ -240,6 +244,7 @@ async def bench_engine(kind, tiny, tiny2, big, big2, tracker_url, run, tasks, cf
         "swap_big_s": swap_big,
         "pair_ratios": pair_ratios,
         "startup_s": startup_s,
+        "calls": calls,
     }
 
 
@@ -266,7 +271,8 @@ async def run_all(engines, cfg, workdir: Path) -> tuple[list[dict], dict]:
                     print(
                         f"{kind}: raw {r['raw_tps']:,.0f} tok/s, service {r['service_tps']:,.0f} tok/s "
                         f"(ratio {r['service_tps'] / r['raw_tps']:.2f}, per repeat "
-                        f"{', '.join(f'{x:.2f}' for x in r['pair_ratios'])}; start-up {r['startup_s']:.2f} s); "
+                        f"{', '.join(f'{x:.2f}' for x in r['pair_ratios'])}; start-up {r['startup_s']:.2f} s; "
+                        f"calls per episode {', '.join(f'{x:.2f}' for x in r['calls'])}); "
                         f"swap tiny {r['swap_tiny_s']:.3f} s, "
                         f"~100M {r['swap_big_s']:.3f} s",
                         flush=True,
@@ -287,14 +293,15 @@ def markdown(rows, sizes, cfg, command) -> str:
         f"{sizes['tiny'] / 1e6:.2f} M parameters; swap model: {sizes['big'] / 1e6:.0f} M (fp32, random weights).",
         "",
         "| engine | raw generate tok/s | through the service tok/s | service/raw | per-repeat service/raw "
-        "| replica start-up s | swap tiny s | swap ~100M s |",
-        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| calls per episode: dispatch, outcomes, trajectories | replica start-up s | swap tiny s | swap ~100M s |",
+        "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |",
     ]
     for r in rows:
         pairs = ", ".join(f"{x:.2f}" for x in r["pair_ratios"])
         out.append(
             f"| {r['engine']} | {r['raw_tps']:,.0f} | {r['service_tps']:,.0f} | "
-            f"{r['service_tps'] / r['raw_tps']:.2f} | {pairs} | {r['startup_s']:.2f} | "
+            f"{r['service_tps'] / r['raw_tps']:.2f} | {pairs} | {', '.join(f'{x:.2f}' for x in r['calls'])} | "
+            f"{r['startup_s']:.2f} | "
             f"{r['swap_tiny_s']:.3f} | {r['swap_big_s']:.3f} |"
         )
     out += [
@@ -303,7 +310,9 @@ def markdown(rows, sizes, cfg, command) -> str:
         "generate call to the end of its last episode (dispatch, outcome reports and trajectory "
         "POSTs included); the replica's one-off start-up before that call (prompt check of every "
         "task, run and policy reads, first dispatch) is the start-up column. service/raw is the "
-        "ratio of the medians; the per-repeat ratios (sorted) show the spread on this machine. The "
+        "ratio of the medians; the per-repeat ratios (sorted) show the spread on this machine. "
+        "Calls per episode are the replica's HTTP calls (medians): ready leases are refilled half a "
+        "prefetch at a time, and outcome reports and trajectories wait briefly to share calls. The "
         "sink stands in for the learner in a process of its own; the transformers engine runs in "
         "a process of its own, as replicas run it (`engine_options: {process: false}` keeps it in "
         "the replica's process).",

@@ -121,6 +121,7 @@ class Worker:
         self.fatal: Exception | None = None
         self.lease_seconds = 900.0
         self._episodes = 0
+        self.dispatches = 0  # dispatch calls made (the rollout bench reports calls per episode)
 
     # -- policy -------------------------------------------------------------------------------
     async def sync_policy(self) -> None:
@@ -220,6 +221,7 @@ class Worker:
             want = self.s.concurrency + self.prefetch - len(self.inflight) - len(self.ready)
             got: list[Lease] = []
             if want >= self.dispatch_step or (want > 0 and not self.ready):
+                self.dispatches += 1
                 try:
                     d = await self._unless_stopping(
                         self.tracker.dispatch(self.s.run, self.s.worker_id, self.version, want)
