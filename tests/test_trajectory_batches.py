@@ -305,3 +305,25 @@ def test_a_delivery_cancelled_before_it_leaves_never_reaches_the_learner(intake)
     asyncio.run(go())
     assert [t.request_id for t in buffer.take(2)] == ["q0", "q2"]
     assert buffer.take(1, timeout=0.05) is None
+
+
+def test_an_answer_that_does_not_line_up_fails_its_records_and_nothing_hangs():
+    """A learner answering 200 with the wrong number of results (a broken proxy, a bug): each
+    waiter gets the error at once, and the batcher goes on with what comes next."""
+    seen = []
+
+    async def broken(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b'{"results": []}'})
+
+    server = ThreadedServer(broken).start()
+    try:
+        out, calls, _, _ = _deliver_all(server.url, [traj(i) for i in range(3)], stagger=True)
+    finally:
+        server.stop()
+    assert all(isinstance(x, ValueError) for x in out), out
+    assert calls == 2 and seen == [INTAKE_BATCH] * 2

@@ -55,8 +55,13 @@ class Coalescer(Generic[Item, Result]):
                 if self.linger and len(self._queue) < self.max_per_call:
                     await asyncio.sleep(self.linger)
                 batch = [entry for entry in self._take() if not entry[1].done()]  # cancelled: stays home
-                if batch:
+                if not batch:
+                    continue
+                try:
                     await self._send(batch)
+                except Exception as exc:  # noqa: BLE001 - an unforeseen failure: no waiter may hang
+                    for _, future in batch:
+                        settle(future, exc=exc)
         except asyncio.CancelledError:  # the loop is shutting down: nobody waits forever
             for _, future in batch + self._queue:
                 future.cancel()

@@ -427,6 +427,11 @@ class Worker:
         except asyncio.CancelledError:
             self.metrics.lost.labels("trajectory").inc()
             raise
+        except Exception as exc:  # noqa: BLE001 - an answer that makes no sense: counted, not hidden
+            log.error("trajectory %s not delivered: %r", lease.request_id, exc)
+            self.metrics.lost.labels("trajectory").inc()
+            self.metrics.posted.labels("error").inc()
+            return
         if d.status == 409:
             # An old version's episode: SPO++ already has its outcome, the learner has moved on.
             self.metrics.drained.inc()
