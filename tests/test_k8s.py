@@ -1,11 +1,20 @@
-"""Static checks of deploy/k8s/ (no cluster here): every manifest validates against the Kubernetes
-schemas in strict mode (kubernetes-validate, offline), and the objects fit together and with the
-CLI and the settings: commands, flags and variables exist, one run's settings everywhere, the
-learner's rank 0 behind its Service, one GPU per replica, the token from the Secret."""
+"""Static checks of deploy/k8s/ (no cluster here): every manifest, and what every kustomization
+renders (`kubectl kustomize`), validates against the Kubernetes schemas in strict mode
+(kubernetes-validate, offline), and the objects fit together and with the CLI and the settings:
+commands, flags and variables exist, one run's settings everywhere, the learner's rank 0 behind its
+Service and its probes right on every node, one GPU per replica and its worker id from a claim, the
+token from the Secret."""
 
 from __future__ import annotations
 
+import functools
+import http.server
 import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -27,15 +36,17 @@ from services.launch.init import InitSettings
 from spopp.settings import API_TOKEN_ENV
 
 K8S = ROOT / "deploy" / "k8s"
-FILES = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+BASE = K8S / "base"  # the manifests; deploy/k8s/kustomization.yaml and every overlay build on it
+FILES = sorted(p for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml")
 DOCS = [(p, doc) for p in FILES for doc in yaml.safe_load_all(p.read_text()) if doc]
+MANIFESTS = [doc for _, doc in DOCS]
+KUSTOMIZATIONS = sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
+OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 # appArmorProfile (the sandbox's AppArmor setting) is a field from 1.30 on; before, an annotation.
 MIN_VERSION = "1.30.0"
-IMAGES = {
-    "spopp/tracker": ROOT / "deploy" / "tracker.Dockerfile",
-    "spopp/rollout": ROOT / "deploy" / "rollout.Dockerfile",
-    "spopp/learner": ROOT / "deploy" / "learner.Dockerfile",
-}
+# Each image is a build target of the one Dockerfile.
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+IMAGES = {"spopp/tracker": "tracker", "spopp/rollout": "rollout", "spopp/learner": "learner"}
 # Container name -> the settings it reads (wait-for-run runs `spopp init`).
 CONTAINER_SETTINGS = {**SERVICE_SETTINGS, "wait-for-run": InitSettings}
 OTHER_VARIABLES = {"HF_TOKEN", "NNODES", "GPUS_PER_NODE", "REDIS_ADDR"}
@@ -43,13 +54,13 @@ OTHER_VARIABLES = {"HF_TOKEN", "NNODES", "GPUS_PER_NODE", "REDIS_ADDR"}
 COMPOSE_ONLY = {"COMPOSE_FILE", "SPOPP_MODELS", "SPOPP_DATA", "SPOPP_PUBLISH", API_TOKEN_ENV, "HF_TOKEN"}
 
 
-def objects(kind: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == kind}
+def objects(kind: str, docs: list[dict] = MANIFESTS) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
-def workloads():
+def workloads(docs: list[dict] = MANIFESTS):
     """(kind, name, pod template) of every Deployment, StatefulSet and Job."""
-    for _, d in DOCS:
+    for d in docs:
         if d["kind"] in ("Deployment", "StatefulSet", "Job"):
             yield d["kind"], d["metadata"]["name"], d["spec"]["template"]
 
@@ -59,16 +70,19 @@ def containers(template: dict) -> list[dict]:
     return [*spec.get("initContainers", []), *spec["containers"]]
 
 
-def all_containers():
-    for kind, name, template in workloads():
+def all_containers(docs: list[dict] = MANIFESTS):
+    for kind, name, template in workloads(docs):
         for c in containers(template):
             yield f"{kind}/{name}/{c['name']}", template, c
 
 
-def container(workload: str, name: str) -> dict:
+def template_of(workload: str, docs: list[dict] = MANIFESTS) -> dict:
     kind, _, wname = workload.partition("/")
-    template = next(t for k, n, t in workloads() if (k, n) == (kind, wname))
-    return next(c for c in containers(template) if c["name"] == name)
+    return next(t for k, n, t in workloads(docs) if (k, n) == (kind, wname))
+
+
+def container(workload: str, name: str, docs: list[dict] = MANIFESTS) -> dict:
+    return next(c for c in containers(template_of(workload, docs)) if c["name"] == name)
 
 
 CONFIG = objects("ConfigMap")["spopp-config"]["data"]
@@ -99,16 +113,28 @@ def container_env(c: dict, template: dict) -> dict[str, str]:
             ref = e["valueFrom"]["secretKeyRef"]
             env[e["name"]] = TOKEN if ref["key"] == "api-token" else "hf_secret"
         else:
-            assert e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+            assert e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", e
             env[e["name"]] = f"{template['metadata']['labels']['app.kubernetes.io/name']}-7d9c-abcde"
     return env
+
+
+def stage(target: str) -> str:
+    """The instructions of one build target of deploy/Dockerfile, its `FROM ... AS target` up to the
+    next FROM, without comments."""
+    text = DOCKERFILE.read_text()
+    m = re.search(rf"^FROM\s+\S+\s+AS\s+{re.escape(target)}\s*$", text, re.MULTILINE | re.IGNORECASE)
+    assert m, f"deploy/Dockerfile has no target {target!r} (FROM ... AS {target})"
+    end = re.search(r"^FROM\s", text[m.end() :], re.MULTILINE)
+    text = text[m.start() : m.end() + end.start()] if end else text[m.start() :]
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
 def argv(c: dict, env: dict[str, str]) -> list[str]:
     image = c["image"].rpartition(":")[0]
     if image not in IMAGES:
         return []  # redis and its exporter: not ours
-    return [expand(a, env) for a in container_argv(IMAGES[image], c.get("command"), c.get("args"))]
+    args = container_argv(DOCKERFILE, c.get("command"), c.get("args"), target=IMAGES[image])
+    return [expand(a, env) for a in args]
 
 
 # --- schemas ---------------------------------------------------------------------------------------
@@ -134,31 +160,158 @@ def test_every_manifest_validates_strictly(version):
 
 
 def test_validation_refuses_an_unknown_field():
-    doc = next(yaml.safe_load_all((K8S / "tracker.yaml").read_text()))
+    doc = next(yaml.safe_load_all((BASE / "tracker.yaml").read_text()))
     doc["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(doc, MIN_VERSION, strict=True)
 
 
-def test_kustomization_lists_every_manifest_and_the_overlay_patches_agree():
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert sorted(kustomization["resources"]) == sorted(p.name for p in FILES)
-    assert kustomization["namespace"] == "spopp"
+# --- kustomizations: what `kubectl apply -k` applies -------------------------------------------------
+
+
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.fail(
+            "kubectl is not on PATH: tests/test_k8s.py renders every kustomization under deploy/k8s with "
+            "`kubectl kustomize` (no cluster needed; on Debian: apt-get install kubernetes-client)",
+            pytrace=False,
+        )
+    return path
+
+
+@functools.cache
+def _render(directory: Path) -> tuple[int, str, str]:
+    proc = subprocess.run(
+        [kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def render(directory: Path) -> list[dict]:
+    """`kubectl kustomize DIR`: the objects `kubectl apply -k DIR` would apply."""
+    code, out, err = _render(directory)
+    assert code == 0, f"kubectl kustomize {directory.relative_to(ROOT)} failed:\n{err}"
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def kustomization(directory: Path) -> dict:
+    return yaml.safe_load((directory / "kustomization.yaml").read_text())
+
+
+def strategic_patches(overlay: Path) -> dict[tuple[str, str], dict]:
+    """An overlay's patch files by (kind, name) of the object they patch."""
+    patches = {}
+    for name in kustomization(overlay).get("patchesStrategicMerge", []):
+        for doc in yaml.safe_load_all((overlay / name).read_text()):
+            patches[doc["kind"], doc["metadata"]["name"]] = doc
+    return patches
+
+
+def learner_nodes(docs: list[dict]) -> tuple[int, int, int, int, int]:
+    """The learner's node count in its three places and its GPUs per node in its two."""
+    job = objects("Job", docs)["learner"]
+    c = container("Job/learner", "learner", docs)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    gpus = c["resources"]["limits"]["nvidia.com/gpu"]
+    return (
+        job["spec"]["completions"],
+        job["spec"]["parallelism"],
+        int(env["NNODES"]),
+        int(env["GPUS_PER_NODE"]),
+        gpus,
+    )
+
+
+def test_kustomization_layout():
+    """deploy/k8s/base holds the manifests; deploy/k8s/ and every overlay build on it, none on a
+    folder that contains it (kustomize's cycle)."""
+    assert KUSTOMIZATIONS == sorted([K8S, BASE, *OVERLAYS]) and OVERLAYS
+    base = kustomization(BASE)
+    assert sorted(base["resources"]) == sorted(p.name for p in FILES)
+    assert base["namespace"] == "spopp"
     used = {c["image"].rpartition(":")[0] for _, _, c in all_containers()}
-    assert {i["name"] for i in kustomization["images"]} == used & IMAGES.keys()
-    for overlay in sorted((K8S / "overlays").glob("*/kustomization.yaml")):
-        k = yaml.safe_load(overlay.read_text())
-        for resource in k["resources"]:
-            assert (overlay.parent / resource / "kustomization.yaml").exists()
-        for item in k.get("patches", []):
-            patch = yaml.safe_load(item["patch"])
-            if (patch["kind"], patch["metadata"]["name"]) == ("Job", "learner"):
-                nodes = {
-                    e["name"]: e["value"] for e in patch["spec"]["template"]["spec"]["containers"][0]["env"]
-                }
-                assert patch["spec"]["completions"] == patch["spec"]["parallelism"] == int(nodes["NNODES"])
-        for r in k.get("replicas", []):
-            assert r["name"] in objects("Deployment")
+    assert {i["name"] for i in base["images"]} == used & IMAGES.keys()
+    assert kustomization(K8S)["bases"] == ["base"]
+    for overlay in OVERLAYS:
+        # bases and patchesStrategicMerge: what kubectl 1.20's kustomize (v2.0.3) also reads.
+        k = kustomization(overlay)
+        assert k["bases"] == ["../../base"] and "resources" not in k, overlay.name
+        assert not {"patches", "replicas"} & k.keys(), f"{overlay.name}: kustomize v2.0.3 has no such field"
+        for name in k.get("patchesStrategicMerge", []):
+            assert (overlay / name).is_file(), f"{overlay.name}: no patch {name}"
+
+
+@pytest.mark.parametrize(
+    "directory", KUSTOMIZATIONS, ids=lambda d: str(d.relative_to(K8S)) if d != K8S else "k8s"
+)
+def test_every_kustomization_renders_and_validates_strictly(directory):
+    rendered = render(directory)
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == sorted(
+        (d["kind"], d["metadata"]["name"]) for d in MANIFESTS
+    )
+    images = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in kustomization(BASE)["images"]}
+    for doc in rendered:
+        where = f"{directory.relative_to(ROOT)}: {doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "spopp", where
+        for version in _versions():
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{where}: {'.'.join(map(str, exc.path))}: {exc.message} (Kubernetes {version})")
+    used = {c["image"] for _, _, c in all_containers(rendered)}
+    assert not {i.rpartition(":")[0] for i in used} & IMAGES.keys(), "an image not set by the base's images:"
+    assert set(images.values()) <= used
+    # Every render: the learner's node count agrees in its three places, its GPUs in their two.
+    completions, parallelism, nnodes, per_node, gpus = learner_nodes(rendered)
+    assert completions == parallelism == nnodes and per_node == gpus, directory
+
+
+def test_the_top_level_kustomization_is_the_base():
+    assert render(K8S) == render(BASE)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda d: d.name)
+def test_overlay_counts_reach_the_rendered_objects(overlay):
+    """What an overlay's patches set (the rollout replicas, the learner's nodes and GPUs) is what
+    its render holds, and everything else is the base's."""
+    patches = strategic_patches(overlay)
+    assert patches, f"{overlay.name}: patches nothing"
+    rendered, base = render(overlay), render(BASE)
+    if ("Deployment", "rollout") in patches:
+        replicas = patches["Deployment", "rollout"]["spec"]["replicas"]
+        assert objects("Deployment", rendered)["rollout"]["spec"]["replicas"] == replicas
+        assert replicas != objects("Deployment", base)["rollout"]["spec"]["replicas"]
+    if ("Job", "learner") in patches:
+        patch = patches["Job", "learner"]
+        env = {
+            e["name"]: e["value"] for e in patch["spec"]["template"]["spec"]["containers"][0].get("env", [])
+        }
+        completions, parallelism, nnodes, _, _ = learner_nodes(rendered)
+        assert completions == patch["spec"]["completions"] and parallelism == patch["spec"]["parallelism"]
+        assert nnodes == int(env["NNODES"])  # all three patched: a patch of one would break the agreement
+        assert len(container("Job/learner", "learner", rendered)["env"]) == len(
+            container("Job/learner", "learner", base)["env"]
+        )  # merged by name, not replaced
+    untouched = {k for k in ((d["kind"], d["metadata"]["name"]) for d in base) if k not in patches}
+    by_key = {(d["kind"], d["metadata"]["name"]): d for d in rendered}
+    for d in base:
+        key = (d["kind"], d["metadata"]["name"])
+        if key in untouched:
+            assert by_key[key] == d, f"{overlay.name} changes {key} without a patch"
+
+
+def test_scale_out_renders_16_replicas_and_4_learner_nodes():
+    """deploy/README.md's numbers for the scale-out overlay, in what `kubectl apply -k` applies."""
+    rendered = render(K8S / "overlays" / "scale-out")
+    assert objects("Deployment", rendered)["rollout"]["spec"]["replicas"] == 16
+    assert learner_nodes(rendered) == (4, 4, 4, 8, 8)
+
+
+def test_images_are_targets_of_the_one_dockerfile():
+    for image, target in IMAGES.items():
+        assert stage(target), image
 
 
 def test_every_object_lives_in_the_spopp_namespace():
@@ -249,7 +402,6 @@ def test_containers_resolve_to_one_consistent_run():
     assert rollout.learner == f"http://learner:{intake['port']}" and learner.port == intake["port"]
     assert str(learner.snapshots) == str(evaluator.snapshots) == "/snapshots"
     assert {learner.host, rollout.host, evaluator.host} == {"0.0.0.0"}
-    assert rollout.worker_id.startswith("spopp-rollout-")  # the pod's name: one per replica
     assert s["Deployment/tracker/tracker"].redis_url == "redis://redis:6379/0"
     assert service["redis"]["spec"]["ports"][0]["port"] == 6379
 
@@ -292,6 +444,108 @@ def test_rollout_replicas_request_one_gpu_each():
     c = container("Deployment/rollout", "rollout")
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container("Deployment/evaluator", "evaluator")["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_replicas_and_the_evaluator_take_their_ids_from_claims_on_a_shared_volume():
+    """`kubectl scale deployment/rollout --replicas=N` starts N alike pods: each claims a numbered
+    slot (its worker id) in a folder on a ReadWriteMany volume that every replica mounts writable;
+    no device claims (each pod sees its one GPU as device 0), no port claims (a network per pod)."""
+    claims = objects("PersistentVolumeClaim")
+    shared = set()
+    for workload, name in (("Deployment/rollout", "rollout"), ("Deployment/evaluator", "evaluator")):
+        template, c = template_of(workload), container(workload, name)
+        env = container_env(c, template)
+        settings = CONTAINER_SETTINGS[name].resolve(env=env)
+        prefix = CONTAINER_SETTINGS[name].env_prefix
+        assert settings.claim_dir is not None and settings.devices is None, workload
+        assert settings.claim_ports is False, f"{workload}: a pod has its own network; keep its port"
+        assert settings.port == c["ports"][0]["containerPort"]
+        assert f"{prefix}WORKER_ID" not in env, f"{workload}: the worker id comes from the claim"
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == str(settings.claim_dir))
+        assert not mount.get("readOnly"), f"{workload}: the claim folder must be writable"
+        volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
+        claim = volume["persistentVolumeClaim"]["claimName"]
+        assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"], f"{workload}: pods on many nodes"
+        shared.add((claim, mount.get("subPath"), str(settings.claim_dir)))
+    assert len(shared) == 1  # one folder: each role has slots of its own
+    rollout = objects("Deployment")["rollout"]
+    assert rollout["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+
+
+def _serve(status: int) -> http.server.ThreadingHTTPServer:
+    """A stand-in intake on a free port: `status` on /healthz, 404 elsewhere."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(status if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_learner_probes_are_right_on_every_index():
+    """Only index 0 (global rank 0) serves HTTP: there the probes ask the intake's /healthz; on the
+    other indexes, whether torchrun (pid 1, the container's command) still has a learner rank. The
+    probe script is run here, against a stand-in intake and a stand-in torchrun."""
+    c = container("Job/learner", "learner")
+    probes = {p: c[p] for p in ("startupProbe", "livenessProbe", "readinessProbe") if p in c}
+    assert probes.keys() == {"startupProbe", "livenessProbe", "readinessProbe"}
+    commands = [p["exec"]["command"] for p in probes.values()]
+    assert all(cmd == commands[0] for cmd in commands)
+    python, flag, script, agent = commands[0]
+    assert (python, flag, agent) == ("python3", "-c", "1")
+    assert c["command"] == ["python", "-m", "torch.distributed.run"]  # replaces the ENTRYPOINT: pid 1
+    assert not template_of("Job/learner")["spec"].get("shareProcessNamespace")  # else pid 1 is pause
+    env = container_env(c, template_of("Job/learner"))
+    intake = next(p["containerPort"] for p in c["ports"] if p["name"] == "intake")
+    assert (
+        env["SPOPP_LEARNER_PORT"] == str(intake) and "SPOPP_LEARNER_PORT" in script and "/healthz" in script
+    )
+    assert objects("Service")["learner"]["spec"]["ports"][0]["targetPort"] == "intake"
+    startup = probes["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # rendezvous, model, resume
+
+    def probe(index: str, port: int = 0, pid: int = 1) -> int:
+        env = {"PATH": "/usr/bin:/bin", "JOB_COMPLETION_INDEX": index, "SPOPP_LEARNER_PORT": str(port)}
+        return subprocess.run(
+            [sys.executable, "-c", script, str(pid)], env=env, capture_output=True
+        ).returncode
+
+    for status, healthy in ((200, True), (503, False)):
+        server = _serve(status)
+        try:
+            assert (probe("0", server.server_address[1]) == 0) is healthy
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert probe("0", server.server_address[1]) != 0  # nothing listens
+
+    def torchrun(child: str) -> subprocess.Popen:
+        """A stand-in torchrun with one child that runs `child`, until the test closes its stdin."""
+        code = (
+            "import subprocess, sys; "
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {child!r}], "
+            "stdin=subprocess.DEVNULL); print('started', flush=True); sys.stdin.read(); p.kill(); p.wait()"
+        )
+        agent = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert agent.stdout.readline() == "started\n"  # the child runs: Popen returns after its exec
+        return agent
+
+    for child, alive in (("services.learner.cli", True), ("something-else", False)):
+        agent = torchrun(child)
+        try:
+            assert (probe("1", pid=agent.pid) == 0) is alive, f"a child of torchrun that runs {child}"
+        finally:
+            agent.stdin.close()
+            agent.wait(timeout=20)
+    assert probe("1", pid=agent.pid) != 0  # torchrun's ranks gone
 
 
 def test_learner_is_a_multi_node_indexed_job_with_rank_0_behind_its_service():
@@ -363,8 +617,8 @@ def test_bubblewrap_rights_only_where_model_code_runs_and_never_privileged():
             assert sc["appArmorProfile"] == {"type": "Unconfined"}, where
             assert c["image"].startswith("spopp/rollout:"), where  # the image with bubblewrap
     assert sandboxed == {"rollout", "evaluator", "prior"}
-    assert "bubblewrap" in IMAGES["spopp/rollout"].read_text()
-    assert "bubblewrap" not in IMAGES["spopp/learner"].read_text().split("FROM", 1)[1]
+    assert "bubblewrap" in stage(IMAGES["spopp/rollout"])
+    assert "bubblewrap" not in stage(IMAGES["spopp/learner"]) + stage(IMAGES["spopp/tracker"])
 
 
 def test_every_pod_waits_for_the_run_the_init_job_creates():

@@ -9,13 +9,44 @@ from spopp.settings import settings_command
 from .config import RolloutSettings
 
 
+def _claimed(s: RolloutSettings) -> RolloutSettings:
+    """With `claim_dir`: claim a free device or slot (held until the process ends) and take the
+    worker id and port from it; write `claim_record`. Runs before .serve is imported: that pulls
+    in the engines, and a claimed GPU must be in CUDA_VISIBLE_DEVICES before torch or vLLM start."""
+    import logging
+    import os
+
+    from spopp.claim import ClaimError, claim_process, write_record
+
+    if s.claim_dir is None:
+        if s.claim_record is not None:
+            write_record(s.claim_record, {"worker_id": s.worker_id, "port": s.port, "index": None,
+                                          "device": None, "pid": os.getpid()})  # fmt: skip
+        return s
+    try:
+        held, port = claim_process(
+            s.claim_dir, "rollout", s.devices, port=s.port, claim_ports=s.claim_ports,
+            record=s.claim_record, wait_seconds=s.claim_wait_seconds,
+        )  # fmt: skip
+    except ClaimError as exc:
+        click.echo(f"Error: {exc}", err=True)  # a plain message and exit code 2, no traceback
+        raise click.exceptions.Exit(2) from None
+    logging.getLogger("spopp.rollout").info(
+        "claimed %s (index %d, device %s): worker id %s, port %d",
+        held.path, held.index, held.device, held.worker_id, port,
+    )  # fmt: skip
+    return s.model_copy(update={"worker_id": held.worker_id, "port": port})
+
+
 def _serve(settings: RolloutSettings) -> None:
     import asyncio
     import logging
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = _claimed(settings)
+
     from .serve import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(settings))
 
 

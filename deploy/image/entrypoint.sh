@@ -1,0 +1,11 @@
+#!/bin/sh
+# Every spopp container starts here. The shared bearer token: SPOPP_API_TOKEN when .env sets one,
+# else the one the `data` step generated once into the secrets volume (readable by the services
+# only). Then the command itself, as PID 1's only child under tini (signals reach it; zombies of
+# sandboxed tool calls are reaped).
+set -e
+if [ -z "${SPOPP_API_TOKEN:-}" ] && [ -r /secrets/api-token ]; then
+    SPOPP_API_TOKEN="$(cat /secrets/api-token)"
+    export SPOPP_API_TOKEN
+fi
+exec "$@"

