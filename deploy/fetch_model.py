@@ -1,7 +1,9 @@
 """The deployment's model step: make `<root>/<model>` hold the policy's version 0.
 
 `--model` is a folder under `--root` (a local model the user put there) or a Hugging Face id
-(`org/name`), fetched once into `<root>/org/name`. Every service then reads the same path, so the
+(`org/name`), fetched once into `<root>/org/name`. With `--build toy-calc` a missing folder is
+made here instead: the CPU demo's tiny model, trained once on teacher traces (tools/cold_start.py;
+no model hub needed), which is what `make compose-cpu` runs. Every service then reads the same path, so the
 snapshot path the tracker records (base_snapshot) is the one the replicas load. Compose runs it
 as the `model` service and Kubernetes as the init Job's first step; `--check` (the other pods'
 gate) only says whether the model is complete.
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -56,11 +60,31 @@ def fetch(model: str, folder: Path, revision: str | None, download=None) -> None
     (folder / MARKER).write_text(f"{model}@{revision or 'main'}\n")
 
 
+# Models this step can make itself: name -> (module, arguments). Small enough for a CPU.
+BUILDS = {"toy-calc": ("tools.cold_start", ["--steps", "300", "--eval-tasks", "0", "--log-every", "100"])}
+
+
+def build(kind: str, folder: Path) -> None:
+    """Train the model into a sibling temporary folder, then rename: a cut-off build leaves no model."""
+    module, args = BUILDS[kind]
+    tmp = folder.with_name(folder.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"model: building the {kind} model into {folder} ({module})", flush=True)
+    code = subprocess.run([sys.executable, "-m", module, "--out", str(tmp), *args]).returncode
+    if code != 0 or not (tmp / "config.json").is_file():
+        raise ValueError(f"building the {kind} model failed (exit code {code})")
+    (tmp / MARKER).write_text(f"built:{kind}\n")
+    tmp.rename(folder)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="folder name under --root, or a Hugging Face id org/name")
     p.add_argument("--root", default="/models", help="the models volume")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit); empty: main")
+    p.add_argument(
+        "--build", default=None, help=f"make a missing model here: {', '.join(BUILDS)}; empty: fetch it"
+    )
     p.add_argument("--check", action="store_true", help="only report: exit 0 when the model is ready")
     return p
 
@@ -76,7 +100,12 @@ def main(argv: list[str] | None = None, download=None) -> int:
         if now == "ready":
             print(f"model: using {folder}", flush=True)
             return 0
-        fetch(a.model, folder, a.revision or None, download)
+        if a.build:
+            if a.build not in BUILDS:
+                raise ValueError(f"--build {a.build!r}: this step can build {', '.join(BUILDS)}")
+            build(a.build, folder)
+        else:
+            fetch(a.model, folder, a.revision or None, download)
     except ValueError as exc:
         print(f"model: {exc}", file=sys.stderr, flush=True)
         return 1

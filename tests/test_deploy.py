@@ -1,6 +1,7 @@
-"""Static checks of what cannot run here (no Docker engine): docker-compose.yml, .env.example, the
-Dockerfiles and deploy/compose_gpus.py agree with the compose specification, with the CLI and the
-settings, and give every long-running process its own GPUs.
+"""Static checks of the compose deployment: docker-compose.yml (with docker-compose.gpu.yml and the
+CPU flavour's deploy/compose-cpu.env), .env.example and deploy/Dockerfile agree with the compose
+specification, with the CLI and the settings; plus the deployment's own steps (data, token, model)
+run for real. `make compose-cpu` runs the stack itself (CI).
 
 Helpers here are shared with tests/test_k8s.py (the same checks of commands, flags and variables).
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -30,11 +33,14 @@ from spopp.settings import API_TOKEN_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+GPU_FILE = ROOT / "docker-compose.gpu.yml"
 COMPOSE = yaml.safe_load(COMPOSE_FILE.read_text())
-TOKEN = "t" * 32  # what a user puts in .env (the example leaves it empty)
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+CPU_ENV_FILE = ROOT / "deploy" / "compose-cpu.env"
+TOKEN = "t" * 32  # what a user may put in .env (the example leaves it empty: generated)
 SETTINGS = (TrackerSettings, RolloutSettings, LearnerSettings, EvaluatorSettings, PriorSettings, InitSettings)
 SETTINGS_BY_PREFIX = {cls.env_prefix: cls for cls in SETTINGS}
-# Compose services (and their GPU-file replicas) by the settings they read.
+# Compose services by the settings they read.
 SERVICE_SETTINGS = {
     "tracker": TrackerSettings,
     "rollout": RolloutSettings,
@@ -44,6 +50,7 @@ SERVICE_SETTINGS = {
     "init": InitSettings,
 }
 LONG_RUNNING = ("learner", "rollout", "evaluator")
+ONE_SHOT = ("data", "model", "prior", "init")
 
 
 def _load(name: str, path: Path):
@@ -54,8 +61,8 @@ def _load(name: str, path: Path):
     return module
 
 
-gpus = _load("compose_gpus", ROOT / "deploy" / "compose_gpus.py")
 fetch_model = _load("fetch_model", ROOT / "deploy" / "fetch_model.py")
+data_step = _load("data_step", ROOT / "deploy" / "data_step.py")
 
 
 # --- helpers: .env, interpolation, the merged project -------------------------------------------
@@ -78,7 +85,10 @@ def parse_dotenv(path: Path) -> dict[str, str]:
 
 
 ENV_EXAMPLE = parse_dotenv(ROOT / ".env.example")
-DOTENV = {**ENV_EXAMPLE, API_TOKEN_ENV: TOKEN}  # .env as a user leaves it: the example and a token
+CPU_ENV = parse_dotenv(CPU_ENV_FILE)
+DOTENV = dict(ENV_EXAMPLE)  # .env as a user leaves it: the example, no token (generated)
+# The two configurations the repository ships: a GPU node's .env (with the GPU file) and the CPU flavour.
+FLAVOURS = {"gpu": (ENV_EXAMPLE, True), "cpu": (CPU_ENV, False)}
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -129,63 +139,93 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def project(gpu_file: str | None = None) -> dict:
-    """docker-compose.yml with a GPU file on top, `extends` resolved as compose does."""
+def project(gpu: bool = True) -> dict:
+    """docker-compose.yml, with docker-compose.gpu.yml on top as COMPOSE_FILE reads it (GPU nodes)."""
     doc = copy.deepcopy(COMPOSE)
-    if gpu_file is None:
-        return doc
-    for name, over in yaml.safe_load(gpu_file)["services"].items():
-        if "extends" in over:
-            ext = over.pop("extends")
-            source = yaml.safe_load((ROOT / ext["file"]).read_text())["services"][ext["service"]]
-            doc["services"][name] = _merge(source, over)
-        else:
+    if gpu:
+        for name, over in yaml.safe_load(GPU_FILE.read_text())["services"].items():
             doc["services"][name] = _merge(doc["services"][name], over)
     return doc
 
 
-def generated(layout) -> str:
-    return gpus.render(layout, "test")
-
-
 def settings_of(service: str):
-    return SERVICE_SETTINGS[re.sub(r"-\d+$", "", service)]
+    return SERVICE_SETTINGS[service]
 
 
-def service_env(spec: dict) -> dict[str, str]:
-    """The environment a container gets: .env whole (env_file), then `environment` over it."""
-    env = dict(DOTENV) if spec.get("env_file") else {}
-    env.update({k: interpolate(str(v), DOTENV) for k, v in (spec.get("environment") or {}).items()})
+def service_env(spec: dict, dotenv: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a container gets: the env file whole (env_file), then `environment` over it."""
+    dotenv = DOTENV if dotenv is None else dotenv
+    env = dict(dotenv) if spec.get("env_file") else {}
+    env.update({k: interpolate(str(v), dotenv) for k, v in (spec.get("environment") or {}).items()})
     return env
 
 
-def device_ids(spec: dict) -> list[int]:
-    devices = spec.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
-    return [int(d) for dev in devices for d in dev.get("device_ids", [])]
+# --- helpers: commands, flags, the Dockerfile ------------------------------------------------------
 
 
-# --- helpers: commands, flags, Dockerfiles -------------------------------------------------------
-
-
-def dockerfile(path: Path) -> dict:
-    """ENTRYPOINT and CMD (exec form) and the COPY sources of a Dockerfile."""
+def stages(path: Path = DOCKERFILE) -> dict[str, dict]:
+    """Each build stage: its parent (FROM), ENTRYPOINT, CMD, USER and COPY sources, and its text."""
     text = re.sub(r"\\\n", " ", path.read_text())
-    out: dict = {"ENTRYPOINT": None, "CMD": None, "COPY": []}
+    out: dict[str, dict] = {}
+    current = None
     for line in text.splitlines():
         word, _, rest = line.strip().partition(" ")
-        if word in ("ENTRYPOINT", "CMD"):
-            out[word] = json.loads(rest)
-        elif word == "COPY":
-            out["COPY"] += [a for a in rest.split()[:-1] if not a.startswith("--")]
+        if word == "FROM":
+            m = re.match(r"(\S+)(?:\s+AS\s+(\S+))?", rest, re.I)
+            current = {
+                "from": m.group(1),
+                "ENTRYPOINT": None,
+                "CMD": None,
+                "USER": None,
+                "COPY": [],
+                "text": "",
+            }
+            out[m.group(2) or m.group(1)] = current
+        elif current is None:
+            continue
+        elif word in ("ENTRYPOINT", "CMD"):
+            current[word] = json.loads(rest)
+        elif word == "USER":
+            current["USER"] = rest.strip()
+        elif word == "COPY" and "--from=" not in rest:
+            current["COPY"] += [a for a in rest.split()[:-1] if not a.startswith("--")]
+        if current is not None and not line.lstrip().startswith("#"):
+            current["text"] += line + "\n"
     return out
 
 
-def container_argv(image_dockerfile: Path, entrypoint=None, command=None) -> list[str]:
+def resolved(target: str, path: Path = DOCKERFILE) -> dict:
+    """A target's ENTRYPOINT, CMD and USER as the image has them (inherited through FROM stages)."""
+    all_stages = stages(path)
+    chain, name = [], target
+    while name in all_stages:
+        chain.append(all_stages[name])
+        name = all_stages[name]["from"]
+    out = {"ENTRYPOINT": None, "CMD": None, "USER": None}
+    for stage in reversed(chain):  # the base first; a later stage overrides
+        for key in out:
+            if stage[key] is not None:
+                out[key] = stage[key]
+    return out
+
+
+def container_argv(path: Path, entrypoint=None, command=None, *, target: str) -> list[str]:
     """What a container runs: the image's ENTRYPOINT and CMD as compose or Kubernetes override them."""
-    image = dockerfile(image_dockerfile)
+    image = resolved(target, path)
     entry = entrypoint if entrypoint is not None else (image["ENTRYPOINT"] or [])
     cmd = command if command is not None else ([] if entrypoint is not None else (image["CMD"] or []))
     return list(entry) + list(cmd)
+
+
+# The images' entrypoint (tini, then the token script) runs every command; checks look past it.
+WRAPPERS = (["tini", "--", "/app/deploy/image/entrypoint.sh"], ["tini", "--"])
+
+
+def unwrap(argv: list[str]) -> list[str]:
+    for prefix in WRAPPERS:
+        if argv[: len(prefix)] == prefix:
+            return argv[len(prefix) :]
+    return argv
 
 
 def click_flags(cmd: click.Command) -> set[str]:
@@ -213,29 +253,30 @@ def check_script(script: str, env: dict[str, str]) -> list[list[str]]:
         check_spopp(words)
     for name in re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", script):
         assert name in env, f"the script reads ${name}, which its container does not set: {script!r}"
-    for m in re.finditer(
-        r"fetch_model\.py((?:\s+--?[a-z-]+(?:\s+\"[^\"]*\"|\s+[^-\s&;][^\s&;]*)?)+)", script
-    ):
-        check_fetch_model(m.group(1).split())
     return runs
 
 
-def check_fetch_model(args: list[str]) -> None:
-    flags = {o for a in fetch_model.parser()._actions for o in a.option_strings}
+def check_flags(parser, args: list[str], where: str) -> None:
+    flags = {o for a in parser._actions for o in a.option_strings}
     for a in args:
         if a.startswith("--"):
-            assert a in flags, f"deploy/fetch_model.py has no flag {a}"
+            assert a in flags, f"{where} has no flag {a}"
+    parser.parse_args(args)  # the required flags are there, the values parse
 
 
 def check_argv(argv: list[str], env: dict[str, str]) -> None:
-    """Any container command line of this deployment: spopp, a shell script or the model step."""
+    """Any container command line of this deployment: spopp, a shell script or a deploy step."""
+    argv = unwrap(argv)
     if argv[0] == "spopp":
         check_spopp(argv[1:])
     elif argv[:2] == ["sh", "-c"]:
         assert check_script(argv[2], env), f"the script runs no spopp command: {argv[2]!r}"
     elif argv[0] in ("python", "python3") and argv[1] == "/app/deploy/fetch_model.py":
-        check_fetch_model(argv[2:])
-        fetch_model.parser().parse_args(argv[2:])  # the required flags are there
+        check_flags(fetch_model.parser(), argv[2:], "deploy/fetch_model.py")
+    elif argv[0] in ("python", "python3") and argv[1] == "/app/deploy/data_step.py":
+        check_flags(data_step.parser(), argv[2:], "deploy/data_step.py")
+    elif argv[0] == "redis-server":
+        pass
     else:
         raise AssertionError(f"unexpected command {argv}")
 
@@ -244,29 +285,21 @@ def check_argv(argv: list[str], env: dict[str, str]) -> None:
 
 
 def _check_jsonschema(*files: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "check_jsonschema",
-            "--builtin-schema",
-            "vendor.compose-spec",
-            *map(str, files),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "check_jsonschema",
+        "--builtin-schema",
+        "vendor.compose-spec",
+        *map(str, files),
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
 def test_compose_files_validate_against_the_compose_specification(tmp_path):
-    files = [COMPOSE_FILE]
-    for n, layout in [("1", gpus.plan(1, share=True)), ("2", gpus.plan(2)), ("8", gpus.plan(8))]:
-        files.append(tmp_path / f"docker-compose.gpus-{n}.yml")
-        files[-1].write_text(generated(layout))
-        files.append(tmp_path / f"merged-{n}.yml")  # the project compose builds from both
-        files[-1].write_text(yaml.safe_dump(project(generated(layout))))
-    res = _check_jsonschema(*files)
+    merged = tmp_path / "merged-gpu.yml"  # the project compose builds from both files on a GPU node
+    merged.write_text(yaml.safe_dump(project(gpu=True)))
+    res = _check_jsonschema(COMPOSE_FILE, GPU_FILE, merged)
     assert res.returncode == 0, res.stdout + res.stderr
     # The check does check: a key the specification lacks is refused.
     bad = tmp_path / "bad.yml"
@@ -274,27 +307,29 @@ def test_compose_files_validate_against_the_compose_specification(tmp_path):
     assert _check_jsonschema(bad).returncode == 1
 
 
-def test_env_example_documents_every_compose_variable():
-    used = compose_variables(COMPOSE) | compose_variables(yaml.safe_load(generated(gpus.plan(4))))
-    assert used - ENV_EXAMPLE.keys() == set(), "variables docker-compose.yml uses but .env.example lacks"
-    # Every variable sits in a commented block.
-    blocks = (ROOT / ".env.example").read_text().split("\n\n")
-    for block in blocks:
-        lines = [line for line in block.splitlines() if line.strip()]
-        if any(not line.startswith("#") for line in lines):
-            assert any(line.startswith("#") for line in lines), f"uncommented: {block!r}"
+def test_env_files_document_every_compose_variable():
+    used = compose_variables(COMPOSE) | compose_variables(yaml.safe_load(GPU_FILE.read_text()))
+    assert used - ENV_EXAMPLE.keys() == set(), "variables the compose files use but .env.example lacks"
+    for path in (ROOT / ".env.example", CPU_ENV_FILE):  # every variable sits in a commented block
+        for block in path.read_text().split("\n\n"):
+            lines = [line for line in block.splitlines() if line.strip()]
+            if any(not line.startswith("#") for line in lines) and path.name == ".env.example":
+                assert any(line.startswith("#") for line in lines), f"uncommented: {block!r}"
+    assert CPU_ENV["COMPOSE_FILE"] == "docker-compose.yml"  # no GPU file on the CPU
+    assert ENV_EXAMPLE["COMPOSE_FILE"] == "docker-compose.yml:docker-compose.gpu.yml"
 
 
-def test_env_example_names_only_real_settings_and_compose_variables():
-    compose_level = compose_variables(COMPOSE) | {"COMPOSE_FILE", "HF_TOKEN"}
-    for name in ENV_EXAMPLE:
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_env_files_name_only_real_settings_and_compose_variables(flavour):
+    dotenv, _ = FLAVOURS[flavour]
+    compose_level = compose_variables(COMPOSE) | compose_variables(yaml.safe_load(GPU_FILE.read_text()))
+    compose_level |= {"COMPOSE_FILE", "COMPOSE_PROJECT_NAME", "HF_TOKEN"}
+    for name in dotenv:
         prefix = next((p for p in SETTINGS_BY_PREFIX if name.startswith(p)), None)
         if prefix:  # reaches every service via env_file: a wrong name would stop its service
-            assert name in SETTINGS_BY_PREFIX[prefix].env_names(), f".env.example: {name} is no setting"
+            assert name in SETTINGS_BY_PREFIX[prefix].env_names(), f"{flavour}: {name} is no setting"
         else:
-            assert name in compose_level, f".env.example: {name} is neither a setting nor used by compose"
-    # Its values validate: each service's settings from .env.example alone, plus the fields that
-    # docker-compose.yml sets.
+            assert name in compose_level, f"{flavour}: {name} is neither a setting nor used by compose"
     required = {
         "run": "r",
         "model": "/m",
@@ -302,75 +337,111 @@ def test_env_example_names_only_real_settings_and_compose_variables():
         "out": "/o",
         "recipe": "spopp",
         "base_snapshot": "/m",
+        "claim_dir": "/claims",
     }
-    for cls in SETTINGS:
-        env = {**DOTENV, **{cls.env_name(f): v for f, v in required.items() if f in cls.model_fields}}
+    for cls in SETTINGS:  # its values validate for every service
+        env = {**dotenv, **{cls.env_name(f): v for f, v in required.items() if f in cls.model_fields}}
         cls.resolve(env=env)
 
 
-def test_env_example_learner_matches_its_recipe():
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_env_files_learner_matches_its_recipe(flavour):
     from services.launch.config import RECIPE_DEFAULTS
 
-    recipe = RECIPE_DEFAULTS[ENV_EXAMPLE["SPOPP_RECIPE"]]
-    learner = LearnerSettings.resolve(env={**DOTENV, "SPOPP_LEARNER_RUN": "r", "SPOPP_LEARNER_MODEL": "/m"})
+    dotenv, _ = FLAVOURS[flavour]
+    recipe = RECIPE_DEFAULTS[dotenv["SPOPP_RECIPE"]]
+    learner = LearnerSettings.resolve(env={**dotenv, "SPOPP_LEARNER_RUN": "r", "SPOPP_LEARNER_MODEL": "/m"})
     assert (learner.normalization, learner.dual_clip) == (recipe["normalization"], recipe["dual_clip"])
 
 
-def test_compose_refuses_to_start_without_a_token():
-    with pytest.raises(KeyError, match="SPOPP_API_TOKEN"):
-        interpolate(COMPOSE["services"]["tracker"]["environment"][API_TOKEN_ENV], ENV_EXAMPLE)
+def test_compose_starts_without_a_token_and_every_service_reads_the_same_one():
+    # No ${SPOPP_API_TOKEN:?...} any more: an empty .env token means "the generated one".
+    for name, spec in COMPOSE["services"].items():
+        env = spec.get("environment") or {}
+        if API_TOKEN_ENV in env:
+            assert env[API_TOKEN_ENV] == "${SPOPP_API_TOKEN:-}", name
+            assert "secrets:/secrets:ro" in spec["volumes"] or name == "data", name
+    talkers = {"tracker", "init", "learner", "rollout", "evaluator"}
+    assert {
+        n for n, spec in COMPOSE["services"].items() if "secrets:/secrets:ro" in spec.get("volumes", [])
+    } == talkers
+    assert "secrets:/secrets" in COMPOSE["services"]["data"]["volumes"]  # the only writer
 
 
-LAYOUTS = {
-    "base": None,
-    "8": lambda: gpus.plan(8),
-    "2-evaluator-cpu": lambda: gpus.plan(2, evaluator="cpu"),
-    "1-cpu-learner": lambda: gpus.plan(1, learner_gpus=0),
-}
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_compose_environment_names_real_settings(layout):
-    make = LAYOUTS[layout]
-    services = project(generated(make()) if make else None)["services"]
-    for name, spec in services.items():
-        if re.sub(r"-\d+$", "", name) not in SERVICE_SETTINGS:
-            assert not spec.get("environment"), f"{name}: variables for no spopp service"
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_compose_environment_names_real_settings(flavour):
+    dotenv, gpu = FLAVOURS[flavour]
+    for name, spec in project(gpu)["services"].items():
+        if name not in SERVICE_SETTINGS:
+            assert not set(spec.get("environment") or {}) - {API_TOKEN_ENV}, (
+                f"{name}: variables for no spopp service"
+            )
             continue
         settings = settings_of(name)
         for var in spec["environment"]:
-            assert var in settings.env_names(), f"{name}: {var} is no setting of {settings.__name__}"
-        settings.resolve(env=service_env(spec))
-        if name != "prior":  # the prior talks to nobody
-            assert spec["environment"][API_TOKEN_ENV].startswith("${SPOPP_API_TOKEN")  # one token everywhere
+            assert var in settings.env_names() or var == "CUDA_VISIBLE_DEVICES", (
+                f"{name}: {var} is no setting of {settings.__name__}"
+            )
+        settings.resolve(env=service_env(spec, dotenv))
 
 
-def test_compose_services_resolve_to_one_consistent_run():
-    """Each service's settings, from .env and its environment, validate, and they all describe the
-    same run: one model path, one task file, one run name and recipe, the learner where the
-    replicas post, snapshots where the learner writes them."""
-    services = project(generated(gpus.plan(4)))["services"]
-    s = {name: settings_of(name).resolve(env=service_env(spec)) for name, spec in services.items()
-         if re.sub(r"-\d+$", "", name) in SERVICE_SETTINGS}  # fmt: skip
-    model = f"/models/{ENV_EXAMPLE['SPOPP_MODEL']}"
-    assert {str(s[n].model) for n in ("learner", "rollout", "rollout-1", "evaluator", "prior")} == {model}
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_compose_services_resolve_to_one_consistent_run(flavour):
+    """Each service's settings, from the env file and its environment, validate, and they all
+    describe the same run: one model path, one task file, one run name and recipe, the learner where
+    the replicas post, the tracker where everyone talks, snapshots where the learner writes them."""
+    dotenv, gpu = FLAVOURS[flavour]
+    services = project(gpu)["services"]
+    s = {n: settings_of(n).resolve(env=service_env(spec, dotenv)) for n, spec in services.items()
+         if n in SERVICE_SETTINGS}  # fmt: skip
+    model = f"/models/{dotenv['SPOPP_MODEL']}"
+    assert {str(s[n].model) for n in ("learner", "rollout", "evaluator", "prior")} == {model}
     assert s["init"].base_snapshot == model  # version 0 as the replicas load it
-    tasks = f"/data/{ENV_EXAMPLE['SPOPP_TASKS']}"
-    assert {str(s[n].tasks) for n in ("init", "rollout", "rollout-1", "prior")} == {tasks}
+    tasks = f"/data/{dotenv['SPOPP_TASKS']}"
+    assert {str(s[n].tasks) for n in ("init", "rollout", "prior")} == {tasks}
     assert str(s["init"].prior) == str(s["prior"].out)  # init loads the prior the prior step wrote
-    assert {s[n].run for n in ("init", "learner", "rollout", "rollout-1", "evaluator")} == {
-        ENV_EXAMPLE["SPOPP_RUN"]
-    }
-    assert s["init"].recipe == s["learner"].recipe == ENV_EXAMPLE["SPOPP_RECIPE"]
+    assert {s[n].run for n in ("init", "learner", "rollout", "evaluator")} == {dotenv["SPOPP_RUN"]}
+    assert s["init"].recipe == s["learner"].recipe == dotenv["SPOPP_RECIPE"]
     assert s["init"].seed == s["learner"].seed
-    assert s["init"].run_config == yaml.safe_load(ENV_EXAMPLE["SPOPP_INIT_RUN_CONFIG"])
-    assert {s[n].tracker for n in ("init", "learner", "rollout", "evaluator")} == {"http://tracker:8000"}
-    assert s["rollout"].learner == f"http://learner:{s['learner'].port}"
-    assert {s[n].api_token for n in s if n != "prior"} == {TOKEN}
-    assert s["rollout"].worker_id != s["rollout-1"].worker_id
-    for name in ("tracker", "learner", "rollout", "evaluator"):
-        assert s[name].host == "0.0.0.0", f"{name} must listen beyond the container"
+    assert s["init"].run_config == yaml.safe_load(dotenv["SPOPP_INIT_RUN_CONFIG"])
+    tracker = f"http://127.0.0.1:{s['tracker'].port}"  # host network: everyone on 127.0.0.1
+    assert {s[n].tracker for n in ("init", "learner", "rollout", "evaluator")} == {tracker}
+    assert s["tracker"].redis_url == f"redis://127.0.0.1:{dotenv.get('SPOPP_REDIS_PORT', 6379)}/0"
+    assert s["rollout"].learner == f"http://127.0.0.1:{s['learner'].port}"
+    ports = [s["tracker"].port, s["learner"].port, s["rollout"].port, s["evaluator"].port]
+    assert len(set(ports)) == 4 and s["evaluator"].port - s["rollout"].port >= 64  # room for 64 replicas
     assert str(s["learner"].snapshots) == str(s["evaluator"].snapshots) == "/snapshots"
+    if not gpu:
+        assert s["learner"].dtype == "fp32" and s["rollout"].engine == s["evaluator"].engine == "transformers"
+
+
+def test_every_service_is_on_the_host_network():
+    # Traffic between containers stays on 127.0.0.1; no bridge network, no published ports.
+    for name, spec in COMPOSE["services"].items():
+        assert spec.get("network_mode") == "host", name
+        assert "ports" not in spec and "networks" not in spec and "container_name" not in spec, name
+
+
+def test_replicas_scale_by_claims_not_by_names():
+    """`--scale rollout=N`: nothing in the replica's definition may be the same for two replicas that
+    must differ; the worker id, port and device come from a claim in a shared volume."""
+    gpu = project(gpu=True)["services"]
+    for name in ("rollout", "evaluator"):
+        spec = COMPOSE["services"][name]
+        prefix = SERVICE_SETTINGS[name].env_prefix
+        env = spec["environment"]
+        assert f"{prefix}WORKER_ID" not in env and env[f"{prefix}CLAIM_DIR"] == "/claims"
+        assert "claims:/claims" in spec["volumes"]
+        assert env[f"{prefix}CLAIM_RECORD"] in " ".join(spec["healthcheck"]["test"])  # the claimed port
+        assert SERVICE_SETTINGS[name].resolve(env=service_env(spec)).claim_ports  # port + slot
+        assert f"{prefix}DEVICES" in gpu[name]["environment"]  # a pool of GPUs on GPU nodes
+    # The default pools are disjoint from each other and from the learner's GPUs.
+    from spopp.claim import visible_devices
+
+    learner = set(visible_devices(ENV_EXAMPLE["SPOPP_GPUS_LEARNER"]))
+    rollout = set(visible_devices(ENV_EXAMPLE["SPOPP_ROLLOUT_DEVICES"]))
+    evaluator = set(visible_devices(ENV_EXAMPLE["SPOPP_EVALUATOR_DEVICES"]))
+    assert rollout and evaluator and not (learner & rollout or learner & evaluator or rollout & evaluator)
 
 
 def test_one_snapshot_volume_the_learner_writes_and_the_others_read():
@@ -380,8 +451,9 @@ def test_one_snapshot_volume_the_learner_writes_and_the_others_read():
     assert "snapshots:/snapshots" in services["evaluator"]["volumes"]  # its hold file
     writers = [n for n, spec in services.items() if "snapshots:/snapshots" in spec.get("volumes", [])]
     assert sorted(writers) == ["evaluator", "learner"]
-    assert "redis-data:/data" in services["redis"]["volumes"]
-    assert services["redis"]["command"][:3] == ["redis-server", "--appendonly", "yes"]
+    assert "redis-data:/redis" in services["redis"]["volumes"]
+    command = services["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes" and "/redis" in command
 
 
 def test_start_order_is_gated_by_health_checks_and_one_shot_steps():
@@ -390,58 +462,79 @@ def test_start_order_is_gated_by_health_checks_and_one_shot_steps():
     def deps(name):
         return {k: v["condition"] for k, v in services[name].get("depends_on", {}).items()}
 
-    assert deps("tracker") == {"redis": "service_healthy"}
-    assert deps("prior") == {"model": "service_completed_successfully"}
-    assert deps("init") == {"tracker": "service_healthy", "prior": "service_completed_successfully"}
-    assert deps("learner") == {"init": "service_completed_successfully"}
-    assert deps("rollout") == {"init": "service_completed_successfully", "learner": "service_healthy"}
-    assert deps("rollout") == gpus.ROLLOUT_DEPENDS
-    assert deps("evaluator") == {"init": "service_completed_successfully"}
-    for name in ("redis", "tracker", "learner", "rollout", "evaluator"):
+    done = "service_completed_successfully"
+    assert deps("tracker") == {"redis": "service_healthy", "data": done}  # the token exists first
+    assert deps("model") == {"data": done}
+    assert deps("prior") == {"model": done}
+    assert deps("init") == {"tracker": "service_healthy", "prior": done}
+    for name in LONG_RUNNING:  # replicas wait for the learner's /healthz themselves
+        assert deps(name) == {"init": done}, name
+    for name in ("redis", "tracker", *LONG_RUNNING):
         assert "healthcheck" in services[name], name
     assert "/readyz" in " ".join(services["tracker"]["healthcheck"]["test"])
-    for name in ("model", "prior", "init"):
+
+
+def test_restart_policies_end_a_finished_run():
+    services = COMPOSE["services"]
+    for name in ONE_SHOT:
         assert services[name]["restart"] == "no", f"{name} is a one-shot step"
+    for name in ("redis", "tracker", *LONG_RUNNING):  # a crash restarts; exit 0 at the end does not
+        assert services[name]["restart"] == "on-failure", name
 
 
 def test_a_second_up_resumes_and_never_resets():
     services = COMPOSE["services"]
     assert "--resume" in services["learner"]["command"]
     assert "/spopp-data" in " ".join(services["learner"]["volumes"])  # checkpoints on a volume
-    for layout in (gpus.plan(2), gpus.plan(8), gpus.plan(1, learner_gpus=0)):
-        assert "--resume" in project(generated(layout))["services"]["learner"]["command"]
-    script = services["prior"]["command"][0]
+    script = services["prior"]["command"][2]
     assert "--overwrite" not in script and script.startswith('if [ -f "$$SPOPP_PRIOR_OUT" ]')
-    assert services["init"]["command"] == ["init"]  # idempotent: the same run is found as it is
+    assert services["init"]["command"] == ["spopp", "init"]  # idempotent: the same run is found as it is
 
 
-def test_every_command_flag_and_entry_point_exists():
+TARGETS = {"tracker": "tracker", "learner": "learner", "rollout": "rollout", "redis": "redis"}
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_every_command_flag_and_entry_point_exists(flavour):
     """Every container's command line, from its image's ENTRYPOINT/CMD and the compose file."""
-    for spec in project(generated(gpus.plan(4)))["services"].values():
-        if "build" not in spec:
-            continue  # redis: not ours
-        argv = container_argv(ROOT / spec["build"]["dockerfile"], spec.get("entrypoint"), spec.get("command"))
-        argv = [interpolate(a, DOTENV) for a in argv]
-        check_argv(argv, service_env(spec))
+    dotenv, gpu = FLAVOURS[flavour]
+    for name, spec in project(gpu)["services"].items():
+        target = spec["build"]["target"]
+        assert spec["build"]["dockerfile"] == "deploy/Dockerfile" and target in stages(), name
+        argv = container_argv(DOCKERFILE, spec.get("entrypoint"), spec.get("command"), target=target)
+        argv = [interpolate(a, dotenv) for a in argv]
+        check_argv(argv, service_env(spec, dotenv))
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "deploy").glob("*.Dockerfile")), ids=lambda p: p.name)
-def test_dockerfile_entry_points_and_sources_exist(path):
+def test_dockerfile_targets_entry_points_and_sources_exist():
     import tomllib
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    d = dockerfile(path)
-    argv = container_argv(path)
-    assert argv[0] in scripts, f"{path.name}: {argv[0]} is no installed script"
-    check_spopp(argv[1:])
-    for src in d["COPY"]:
-        assert (ROOT / src).exists(), f"{path.name}: COPY {src}: no such file"
+    all_stages = stages()
+    assert {"tracker", "learner", "rollout", "redis"} <= all_stages.keys()
+    for target in ("tracker", "learner", "rollout"):
+        argv = unwrap(container_argv(DOCKERFILE, target=target))
+        assert argv[0] in scripts, f"{target}: {argv[0]} is no installed script"
+        check_spopp(argv[1:])
+    for name, stage in all_stages.items():
+        for src in stage["COPY"]:
+            assert (ROOT / src).exists(), f"{name}: COPY {src}: no such file"
+
+
+def test_images_run_unprivileged_where_they_can():
+    for target in ("tracker", "learner", "redis"):
+        assert resolved(target)["USER"] not in (None, "root", "0"), f"{target} runs as root"
+    assert resolved("rollout")["USER"] in (None, "root")  # bubblewrap needs root in the container
+    for name in ("data", "model", "init"):  # the rollout image's steps that run no model code
+        assert COMPOSE["services"][name]["user"] == "spopp", name
 
 
 def test_learner_image_has_no_vllm_sandbox_or_privileges():
-    text = (ROOT / COMPOSE["services"]["learner"]["build"]["dockerfile"]).read_text().lower()
-    dockerfile_text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    assert "vllm" not in dockerfile_text and "bubblewrap" not in dockerfile_text
+    all_stages = stages()
+    for target in ("learner", "venv-learner", "tracker", "venv-tracker"):
+        text = all_stages[target]["text"].lower()
+        assert "vllm" not in text and "bubblewrap" not in text, target
+    assert "vllm" in all_stages["venv-rollout"]["text"] and "bubblewrap" in all_stages["rollout"]["text"]
     learner = COMPOSE["services"]["learner"]
     assert not {"privileged", "cap_add", "security_opt"} & learner.keys()
     for name, spec in COMPOSE["services"].items():
@@ -454,116 +547,99 @@ def test_learner_image_has_no_vllm_sandbox_or_privileges():
         spec = COMPOSE["services"][name]
         assert sorted(spec["cap_add"]) == ["NET_ADMIN", "SYS_ADMIN"]
         assert sorted(spec["security_opt"]) == ["apparmor=unconfined", "seccomp=unconfined"]
-        assert "bubblewrap" in (ROOT / spec["build"]["dockerfile"]).read_text()
+        assert spec["build"]["target"] == "rollout"
 
 
-# --- GPUs ----------------------------------------------------------------------------------------------
+def test_gpu_file_gives_gpus_only_to_gpu_services():
+    gpu = yaml.safe_load(GPU_FILE.read_text())["services"]
+    assert set(gpu) == {"prior", "learner", "rollout", "evaluator"}
+    for name, spec in gpu.items():
+        devices = spec["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}], name
+    assert not any(
+        "deploy" in spec for spec in COMPOSE["services"].values()
+    )  # the CPU flavour reserves nothing
+    learner = project(gpu=True)["services"]["learner"]
+    assert learner["environment"]["CUDA_VISIBLE_DEVICES"] == "${SPOPP_GPUS_LEARNER:-0}"
 
 
-def _assigned(doc: dict) -> dict[str, list[int]]:
-    return {
-        n: device_ids(spec) for n, spec in doc["services"].items() if re.sub(r"-\d+$", "", n) in LONG_RUNNING
-    }
+# --- the deployment's own steps, run for real ----------------------------------------------------
 
 
-@pytest.mark.parametrize("n_gpus", [1, 2, 4, 8])
-def test_gpu_assignment_is_disjoint(n_gpus):
-    from services.launch.gpus import GpuPlan, check
+def test_entrypoint_exports_the_generated_token_unless_env_sets_one(tmp_path):
+    script = ROOT / "deploy" / "image" / "entrypoint.sh"
+    (tmp_path / "api-token").write_text("g" * 64 + "\n")
 
-    if n_gpus == 1:  # one device cannot hold a learner and a replica apart: say so, offer the ways
-        with pytest.raises(gpus.PlanError, match="--share"):
-            gpus.plan(1)
-        layout = gpus.plan(1, learner_gpus=0)  # the disjoint way: the learner on the CPU
-    else:
-        layout = gpus.plan(n_gpus)
-    doc = project(generated(layout))
-    assigned = _assigned(doc)
-    replicas = [n for n in assigned if n.startswith("rollout")]
-    assert replicas[0] == "rollout" and len(replicas) == len(layout.rollout) >= 1
-    # Disjoint, on devices the node has, and checked again by the launcher's own plan checker.
-    used = [d for devices in assigned.values() for d in devices]
-    assert len(used) == len(set(used)) and set(used) <= set(range(n_gpus))
-    plan = GpuPlan(learner=assigned["learner"], rollout=[assigned[r] for r in replicas],
-                   evaluator=assigned["evaluator"])  # fmt: skip
-    assert check(plan, len(replicas), n_gpus) == [] and gpus.problems(layout) == []
-    assert all(len(assigned[r]) == 1 for r in replicas)  # each replica its own GPU
-    assert len(used) == n_gpus  # and none left idle by the default layout
-    # The learner runs one rank per GPU; each replica names itself apart.
-    learner = doc["services"]["learner"]
-    assert learner["command"][learner["command"].index("--nproc") + 1] == str(
-        max(len(assigned["learner"]), 1)
+    def token(env_token: str | None, secrets: Path) -> str:
+        env = {"PATH": os.environ["PATH"], "SPOPP_SECRETS_DIR": str(secrets)}
+        if env_token is not None:
+            env[API_TOKEN_ENV] = env_token
+        out = subprocess.run(["sh", str(script), "sh", "-c", f'printf %s "${API_TOKEN_ENV}"'], env=env,
+                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        return out.stdout
+
+    assert token(None, tmp_path) == "g" * 64
+    assert token("", tmp_path) == "g" * 64  # compose's ${SPOPP_API_TOKEN:-} when .env has none
+    assert token(TOKEN, tmp_path) == TOKEN  # .env's token wins
+    assert token(None, tmp_path / "none") == ""  # nothing generated yet: no token
+
+
+def test_data_step_generates_the_token_once_and_never_replaces_files(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(API_TOKEN_ENV, raising=False)
+    data, secrets = tmp_path / "data", tmp_path / "secrets"
+    args = ["--data", str(data), "--secrets", str(secrets), "--env", "toy-calc",
+            "--tasks", "tasks.jsonl", "--held-out", "held_out.jsonl"]  # fmt: skip
+    assert data_step.main(args) == 0
+    token = (secrets / "api-token").read_text().strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    assert stat.S_IMODE((secrets / "api-token").stat().st_mode) == 0o600
+    train = [json.loads(line) for line in (data / "tasks.jsonl").read_text().splitlines()]
+    held = [json.loads(line) for line in (data / "held_out.jsonl").read_text().splitlines()]
+    assert len(train) == 128 and len(held) == 32
+    assert not {t["task_id"] for t in train} & {t["task_id"] for t in held}  # disjoint
+    # A second run keeps the token and the files, a user's own task file included.
+    (data / "tasks.jsonl").write_text('{"task_id": "mine", "prompt": "1+1", "answer": "2"}\n')
+    assert data_step.main(args) == 0
+    assert (secrets / "api-token").read_text().strip() == token
+    assert (data / "tasks.jsonl").read_text().startswith('{"task_id": "mine"')
+    assert "exists, used as it is" in capsys.readouterr().out
+    # A token in .env is never written to the volume.
+    monkeypatch.setenv(API_TOKEN_ENV, TOKEN)
+    assert data_step.main(["--data", str(data), "--secrets", str(tmp_path / "s2")]) == 0
+    assert not (tmp_path / "s2" / "api-token").exists()
+
+
+def test_data_step_math_tasks_and_an_env_without_defaults(tmp_path, capsys):
+    args = ["--data", str(tmp_path), "--secrets", str(tmp_path / "s"), "--env", "math-tir"]
+    assert data_step.main(args) == 0
+    train = (tmp_path / "tasks.jsonl").read_text().splitlines()
+    held = (tmp_path / "held_out.jsonl").read_text().splitlines()
+    assert len(train) == 2048 and len(held) == 256
+    assert not {json.loads(x)["task_id"] for x in train} & {json.loads(x)["task_id"] for x in held}
+    other = ["--data", str(tmp_path / "a"), "--secrets", str(tmp_path / "s"), "--env", "alfworld"]
+    assert data_step.main(other) == 1  # no defaults: say what to put where
+    assert "put tasks.jsonl, held_out.jsonl into the data volume" in capsys.readouterr().err
+
+
+def test_model_step_builds_the_toy_model_once(tmp_path, monkeypatch, capsys):
+    # The real build (tools.cold_start in a child process), shortened to a few steps.
+    monkeypatch.setitem(
+        fetch_model.BUILDS, "toy-calc", ("tools.cold_start", ["--steps", "3", "--eval-tasks", "0"])
     )
-    ids = {doc["services"][r]["environment"]["SPOPP_ROLLOUT_WORKER_ID"] for r in replicas}
-    assert len(ids) == len(replicas)
-    # The prior runs on a replica's GPU before any of them starts (init waits for it).
-    assert device_ids(doc["services"]["prior"])[0] in assigned["rollout"]
-    # No GPU for the evaluator: the CPU engine, and off unless its profile is asked for.
-    evaluator = doc["services"]["evaluator"]
-    if not assigned["evaluator"]:
-        assert evaluator["environment"]["SPOPP_EVALUATOR_ENGINE"] == "transformers"
-        assert evaluator.get("profiles") == ["evaluator"]
-
-
-def test_gpu_layouts_by_node_size():
-    def layout(n, **kw):
-        lay = gpus.plan(n, **kw)
-        return lay.learner, [r[0] for r in lay.rollout], lay.evaluator_gpus
-
-    assert layout(2) == ((0,), [1], ())
-    assert layout(4) == ((0,), [1, 2], (3,))
-    assert layout(5) == ((0, 1), [2, 3], (4,))
-    assert layout(8) == ((0, 1), [2, 3, 4, 5, 6], (7,))
-    assert layout(8, learner_gpus=4, evaluator="off") == ((0, 1, 2, 3), [4, 5, 6, 7], ())
-    assert layout(8, replicas=2) == ((0, 1), [2, 3], (4,))  # fewer: GPUs 5-7 stay free
-    with pytest.raises(gpus.PlanError, match="--share"):
-        gpus.plan(4, learner_gpus=4)
-
-
-def test_sharing_a_gpu_only_when_asked():
-    from services.launch.gpus import GpuPlan, check
-
-    layout = gpus.plan(1, share=True)
-    assigned = _assigned(project(generated(layout)))
-    assert assigned["learner"] == assigned["rollout"] == [0]
-    assert gpus.problems(layout) == []
-    # The launcher's checker refuses the same plan without share, and accepts it with it.
-    plan = dict(learner=assigned["learner"], rollout=[assigned["rollout"]], evaluator=assigned["evaluator"])
-    assert check(GpuPlan(**plan), 1, 1) and check(GpuPlan(**plan, share=True), 1, 1) == []
-    assert "--share" in generated(layout)
-
-
-def test_cpu_learner_trains_in_fp32():
-    doc = project(generated(gpus.plan(1, learner_gpus=0)))
-    learner = doc["services"]["learner"]
-    assert device_ids(learner) == [] and learner["environment"]["SPOPP_LEARNER_DTYPE"] == "fp32"
-    assert LearnerSettings.resolve(env=service_env(learner)).dtype == "fp32"
-
-
-def test_generated_replicas_are_the_rollout_service_on_another_gpu():
-    doc = project(generated(gpus.plan(8)))
-    base = doc["services"]["rollout"]
-    for name in ("rollout-1", "rollout-4"):
-        replica = doc["services"][name]
-        strip = ("deploy", "environment")
-        assert {k: v for k, v in replica.items() if k not in strip} == {
-            k: v for k, v in base.items() if k not in strip
-        }
-        diff = {k for k in base["environment"] if base["environment"][k] != replica["environment"][k]}
-        assert diff == {"SPOPP_ROLLOUT_WORKER_ID"}
-
-
-def test_compose_gpus_command_line(tmp_path, capsys):
-    import os
-
-    out = tmp_path / "docker-compose.gpus.yml"
-    assert gpus.main(["--gpus", "4", "--out", str(out)]) == 0
-    doc = yaml.safe_load(out.read_text())
-    # `extends` names the base file relative to the generated one, wherever that is written.
-    assert doc["services"]["rollout-1"]["extends"]["file"] == os.path.relpath(COMPOSE_FILE, tmp_path)
-    assert gpus.main(["--gpus", "1", "--out", str(out)]) == 2
-    assert "--share" in capsys.readouterr().err
-    assert gpus.main(["--gpus", "2", "--out", "-"]) == 0
-    assert "file: docker-compose.yml" not in capsys.readouterr().out  # one replica: nothing extends
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    args = ["--model", "toy", "--root", str(tmp_path), "--build", "toy-calc"]
+    assert fetch_model.main(args) == 0
+    assert (tmp_path / "toy" / "config.json").is_file() and (tmp_path / "toy" / fetch_model.MARKER).is_file()
+    assert not (tmp_path / "toy.building").exists()
+    mtime = (tmp_path / "toy" / "config.json").stat().st_mtime
+    assert fetch_model.main(args) == 0  # found: not built again
+    assert (tmp_path / "toy" / "config.json").stat().st_mtime == mtime
+    assert fetch_model.main(["--model", "x", "--root", str(tmp_path), "--build", "gpt-9"]) == 1
+    assert "can build toy-calc" in capsys.readouterr().err
+    monkeypatch.setitem(fetch_model.BUILDS, "toy-calc", ("tools.cold_start", ["--no-such-flag"]))
+    assert fetch_model.main(["--model", "broken", "--root", str(tmp_path), "--build", "toy-calc"]) == 1
+    assert not (tmp_path / "broken").exists()  # a failed build leaves no model behind
 
 
 # --- the model step ---------------------------------------------------------------------------------

@@ -51,7 +51,14 @@ IMAGES = {"spopp/tracker": "tracker", "spopp/rollout": "rollout", "spopp/learner
 CONTAINER_SETTINGS = {**SERVICE_SETTINGS, "wait-for-run": InitSettings}
 OTHER_VARIABLES = {"HF_TOKEN", "NNODES", "GPUS_PER_NODE", "REDIS_ADDR"}
 # .env.example's variables that only compose reads (files and ports on the compose host).
-COMPOSE_ONLY = {"COMPOSE_FILE", "SPOPP_MODELS", "SPOPP_DATA", "SPOPP_PUBLISH", API_TOKEN_ENV, "HF_TOKEN"}
+COMPOSE_ONLY = {
+    "COMPOSE_FILE", "SPOPP_MODELS", "SPOPP_DATA", API_TOKEN_ENV, "HF_TOKEN", "SPOPP_ENV_FILE",
+    "SPOPP_BASE_IMAGE", "SPOPP_FLAVOUR", "SPOPP_IMAGE_TAG", "SPOPP_MODEL_BUILD",
+    # Host-network addresses and the node's GPU layout: pods have their own network and GPUs.
+    "SPOPP_BIND", "SPOPP_REDIS_PORT", "SPOPP_TRACKER_PORT", "SPOPP_LEARNER_PORT", "SPOPP_ROLLOUT_PORT",
+    "SPOPP_EVALUATOR_PORT", "SPOPP_GPUS_LEARNER", "SPOPP_NPROC_LEARNER", "SPOPP_ROLLOUT_DEVICES",
+    "SPOPP_EVALUATOR_DEVICES", "SPOPP_GPUS_PRIOR",
+}  # fmt: skip
 
 
 def objects(kind: str, docs: list[dict] = MANIFESTS) -> dict[str, dict]:

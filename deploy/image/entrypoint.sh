@@ -4,8 +4,9 @@
 # only). Then the command itself, as PID 1's only child under tini (signals reach it; zombies of
 # sandboxed tool calls are reaped).
 set -e
-if [ -z "${SPOPP_API_TOKEN:-}" ] && [ -r /secrets/api-token ]; then
-    SPOPP_API_TOKEN="$(cat /secrets/api-token)"
+secrets="${SPOPP_SECRETS_DIR:-/secrets}"
+if [ -z "${SPOPP_API_TOKEN:-}" ] && [ -r "$secrets/api-token" ]; then
+    SPOPP_API_TOKEN="$(cat "$secrets/api-token")"
     export SPOPP_API_TOKEN
 fi
 exec "$@"

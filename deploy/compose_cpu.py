@@ -1,0 +1,286 @@
+"""`make compose-cpu`: the whole compose stack, for real, on a machine without a GPU.
+
+    python3 deploy/compose_cpu.py [--replicas 2] [--max-updates 6] [--timeout 2400]
+    python3 deploy/compose_cpu.py --clean          # `make compose-clean`: containers and volumes
+
+What it does, each step skipped when already done:
+1. Docker: installs Debian's `docker.io` and `docker-compose` when they are missing and we are root,
+   and starts `dockerd` (host networking only: no bridge, no iptables) when none answers.
+2. The base image `spopp-debian:bookworm` (no registry is needed): `debootstrap --variant=minbase
+   bookworm` and `docker import`.
+3. The images: deploy/image/host.py copies the host's package-index settings into the build
+   context, then `docker compose build` builds the tracker, learner, rollout and redis targets of
+   deploy/Dockerfile (FLAVOUR=cpu).
+4. `up -d --scale rollout=N` with deploy/compose-cpu.env, then waits until the learner, every
+   replica and the evaluator have exited, printing progress. A non-zero exit anywhere fails with
+   the tail of that container's log.
+5. Prints `GET /v1/runs/{run}` as one JSON line and checks that every replica reported outcomes,
+   then `stop`s the stack, keeping its volumes: a second run finds the run finished and says so.
+Standard library only: it runs on the host before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV_FILE = ROOT / "deploy" / "compose-cpu.env"
+BASE_IMAGE = "spopp-debian:bookworm"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# The services that end by themselves when the run is finished; the others (redis, tracker) serve.
+FINISHING = ("learner", "rollout", "evaluator")
+
+
+def say(text: str) -> None:
+    print(f"[compose-cpu {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def sh(cmd: list[str], *, check: bool = True, capture: bool = False, env: dict | None = None,
+       timeout: float | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    return subprocess.run(cmd, check=check, text=True, env=env, timeout=timeout,
+                          stdout=subprocess.PIPE if capture else None,
+                          stderr=subprocess.STDOUT if capture else None)  # fmt: skip
+
+
+def read_env(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip().strip("'\"")
+    return out
+
+
+# --- 1. Docker ---------------------------------------------------------------------------------
+def apt_install(packages: list[str]) -> None:
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise SystemExit(
+            f"compose-cpu: {' '.join(packages)} missing; install them (Debian: apt-get install ...)"
+        )
+    say(f"installing {' '.join(packages)} (apt)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    sh(["apt-get", "update", "-qq"], env=env)
+    sh(["apt-get", "install", "-y", "-qq", *packages], env=env)
+
+
+def docker_answers() -> bool:
+    return (
+        shutil.which("docker") is not None
+        and sh(["docker", "info"], check=False, capture=True).returncode == 0
+    )
+
+
+def ensure_docker() -> list[str]:
+    """The compose command (`docker compose` where the plugin exists, else `docker-compose`)."""
+    missing = []
+    if not shutil.which("docker") or not shutil.which("dockerd"):
+        missing.append("docker.io")
+    if not shutil.which("docker-compose") and not _compose_plugin():
+        missing.append("docker-compose")
+    if missing:
+        apt_install(sorted(set(missing)))
+    if not docker_answers():
+        if os.geteuid() != 0:
+            raise SystemExit("compose-cpu: no Docker daemon answers and we are not root to start one")
+        log = Path(tempfile.gettempdir()) / "spopp-dockerd.log"
+        say(f"starting dockerd (host networking only; log {log})")
+        with log.open("ab") as f:
+            subprocess.Popen(["dockerd", "--bridge=none", "--iptables=false"], stdout=f, stderr=f,
+                             start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not docker_answers():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"compose-cpu: dockerd did not answer within 60 s; see {log}")
+            time.sleep(1)
+    return ["docker", "compose"] if _compose_plugin() else ["docker-compose"]
+
+
+def _compose_plugin() -> bool:
+    return shutil.which("docker") is not None and sh(["docker", "compose", "version"], check=False,
+                                                     capture=True).returncode == 0  # fmt: skip
+
+
+# --- 2. the base image -------------------------------------------------------------------------
+def ensure_base() -> None:
+    if sh(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode == 0:
+        return
+    if not shutil.which("debootstrap"):
+        apt_install(["debootstrap"])
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="spopp-rootfs-") as rootfs:
+        say(f"making {BASE_IMAGE}: debootstrap --variant=minbase bookworm")
+        sh(["debootstrap", "--variant=minbase", "bookworm", rootfs, DEBIAN_MIRROR], capture=True)
+        tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
+        subprocess.run(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout, check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+        if tar.wait() != 0:
+            raise SystemExit("compose-cpu: packing the debootstrap root failed")
+    say(f"{BASE_IMAGE} made in {time.monotonic() - t0:.0f} s")
+
+
+# --- 3. the images -----------------------------------------------------------------------------
+def build(compose: list[str], env: dict) -> None:
+    sh([sys.executable, str(ROOT / "deploy" / "image" / "host.py"), "--flavour", "cpu"])
+    t0 = time.monotonic()
+    say("building the images (deploy/Dockerfile, FLAVOUR=cpu); cached layers make a second build seconds")
+    # Compose 1.29 builds through the Docker API (the legacy builder); the plugin may use BuildKit.
+    out = sh([*compose, "build"], env={**env, "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0"},
+             check=False, capture=True)  # fmt: skip
+    if out.returncode != 0:
+        print(out.stdout[-6000:], file=sys.stderr)
+        raise SystemExit(f"compose-cpu: building the images failed (exit code {out.returncode})")
+    say(f"images built in {time.monotonic() - t0:.0f} s: " + ", ".join(image_sizes()))
+
+
+def image_sizes() -> list[str]:
+    rows = sh(["docker", "images", "--format", "{{.Repository}}:{{.Tag}} {{.Size}}", "spopp/*"],
+              capture=True).stdout.split("\n")  # fmt: skip
+    return sorted(r for r in rows if r.strip())
+
+
+# --- 4. the run --------------------------------------------------------------------------------
+def containers(compose: list[str], env: dict) -> list[dict]:
+    """Every container of the project: service, name, state, exit code."""
+    ids = sh([*compose, "ps", "-a", "-q"], env=env, capture=True).stdout.split()
+    if not ids:
+        return []
+    raw = sh(["docker", "inspect", *ids], capture=True).stdout
+    out = []
+    for c in json.loads(raw):
+        labels = c["Config"]["Labels"] or {}
+        out.append({"service": labels.get("com.docker.compose.service", "?"), "name": c["Name"].lstrip("/"),
+                    "status": c["State"]["Status"], "exit": c["State"]["ExitCode"],
+                    "restarts": c.get("RestartCount", 0)})  # fmt: skip
+    return out
+
+
+def tracker_get(port: str, token: str | None, path: str) -> dict | None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def api_token(compose: list[str], env: dict, cfg: dict) -> str | None:
+    if cfg.get("SPOPP_API_TOKEN"):
+        return cfg["SPOPP_API_TOKEN"]
+    out = sh(
+        [*compose, "exec", "-T", "tracker", "cat", "/secrets/api-token"], env=env, check=False, capture=True
+    )
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def fail_with_logs(compose: list[str], env: dict, service: str, why: str) -> None:
+    say(f"{service}: {why}; the last lines of its log:")
+    sh([*compose, "logs", "--no-color", "--tail", "40", service], env=env, check=False)
+    raise SystemExit(f"compose-cpu: {service} {why}")
+
+
+def wait_for_end(compose: list[str], env: dict, cfg: dict, replicas: int, timeout: float) -> None:
+    """Until the learner, every replica and the evaluator have exited 0; a progress line every 30 s."""
+    t0, last, token = time.monotonic(), 0.0, None
+    while True:
+        rows = containers(compose, env)
+        for r in rows:
+            if r["exit"] != 0 and r["status"] == "exited":
+                fail_with_logs(compose, env, r["service"], f"exited with code {r['exit']}")
+        done = [r for r in rows if r["service"] in FINISHING and r["status"] == "exited"]
+        expected = replicas + 2
+        if len(done) >= expected:
+            return
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"compose-cpu: the run did not end within {timeout:.0f} s")
+        if time.monotonic() - last >= 30:
+            last = time.monotonic()
+            token = token or api_token(compose, env, cfg)
+            run = tracker_get(cfg["SPOPP_TRACKER_PORT"], token, f"/v1/runs/{cfg['SPOPP_RUN']}") or {}
+            states = ", ".join(
+                sorted(f"{r['service']}={r['status']}" for r in rows if r["service"] in FINISHING)
+            )
+            say(f"{time.monotonic() - t0:4.0f} s: policy version {run.get('policy_version', '-')}, "
+                f"status {run.get('status', '-')}; {states or 'starting'}")  # fmt: skip
+        time.sleep(3)
+
+
+def report(compose: list[str], env: dict, cfg: dict, replicas: int | None) -> dict:
+    token = api_token(compose, env, cfg)
+    run = tracker_get(cfg["SPOPP_TRACKER_PORT"], token, f"/v1/runs/{cfg['SPOPP_RUN']}")
+    if run is None:
+        raise SystemExit("compose-cpu: the tracker did not answer GET /v1/runs/{run}")
+    print(json.dumps(run, sort_keys=True), flush=True)
+    if replicas is not None:
+        workers = {w: c for w, c in (run.get("workers") or {}).items() if w.startswith("rollout-")}
+        reporting = sorted(w for w, c in workers.items() if c.get("outcomes", 0) > 0)
+        if len(reporting) < replicas:
+            raise SystemExit(f"compose-cpu: {replicas} replicas asked, {len(reporting)} reported outcomes "
+                             f"({', '.join(reporting) or 'none'})")  # fmt: skip
+        say(f"replicas reporting outcomes: {', '.join(reporting)}")
+    return run
+
+
+def finished_lines(compose: list[str], env: dict) -> list[str]:
+    """What the services said about a finished run (init, learner, replicas, evaluator)."""
+    out = sh([*compose, "logs", "--no-color", "init", "learner", "rollout", "evaluator"], env=env,
+             check=False, capture=True).stdout  # fmt: skip
+    return [line for line in out.splitlines() if "finished" in line][-8:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=2, help="rollout replicas (docker compose --scale)")
+    p.add_argument("--max-updates", type=int, default=6, help="learner updates of the run")
+    p.add_argument("--timeout", type=float, default=2400, help="seconds the run may take")
+    p.add_argument("--clean", action="store_true", help="remove the stack's containers and volumes")
+    a = p.parse_args(argv)
+    if a.replicas < 1 or a.max_updates < 1:
+        p.error("--replicas and --max-updates must be at least 1")
+    cfg = read_env(ENV_FILE)
+    t0 = time.monotonic()
+    compose = [*ensure_docker(), "--env-file", str(ENV_FILE), "--project-directory", str(ROOT),
+               "-f", str(ROOT / "docker-compose.yml"), "-p", cfg["COMPOSE_PROJECT_NAME"]]  # fmt: skip
+    env = {**os.environ, "SPOPP_LEARNER_MAX_UPDATES": str(a.max_updates)}
+    if a.clean:
+        sh([*compose, "down", "-v", "--remove-orphans"], env=env)
+        say("containers and volumes removed")
+        return 0
+    ensure_base()
+    build(compose, env)
+    say("starting redis, the tracker and the data step")
+    sh([*compose, "up", "-d", "--no-build", "redis", "tracker"], env=env)
+    token = api_token(compose, env, cfg)
+    before = tracker_get(cfg["SPOPP_TRACKER_PORT"], token, f"/v1/runs/{cfg['SPOPP_RUN']}")
+    if before and before.get("status") == "finished":
+        say(f"run {cfg['SPOPP_RUN']} is finished already (version {before.get('final_version')}): "
+            "every service says so and exits without training; `make compose-clean` starts over")  # fmt: skip
+    say(f"up: {a.replicas} replicas (--scale rollout={a.replicas}), max_updates {a.max_updates}")
+    sh([*compose, "up", "-d", "--no-build", "--scale", f"rollout={a.replicas}"], env=env)
+    wait_for_end(compose, env, cfg, a.replicas, a.timeout)
+    finished_before = bool(before and before.get("status") == "finished")
+    for line in finished_lines(compose, env):
+        print(line, flush=True)
+    run = report(compose, env, cfg, None if finished_before else a.replicas)
+    if run.get("status") != "finished":
+        raise SystemExit(f"compose-cpu: the run ended with status {run.get('status')!r}, not finished")
+    sh([*compose, "stop"], env=env, capture=True)
+    say(f"{'run was finished already' if finished_before else 'run finished'} in "
+        f"{time.monotonic() - t0:.0f} s; volumes kept (make compose-clean removes them)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""The deployment's data step: the shared API token and the default task files, each made once.
+
+    python3 deploy/data_step.py --data /data --secrets /secrets --env toy-calc \
+        --tasks tasks.jsonl --held-out held_out.jsonl
+
+- Token: when SPOPP_API_TOKEN is empty and `<secrets>/api-token` does not exist, a new random
+  token (64 hex digits) is written there, readable by its owner only; every service's entrypoint
+  reads it (deploy/image/entrypoint.sh). A token set in .env is never written to the volume.
+- Tasks: a training or held-out file that is missing is written with generated tasks of the
+  environment (toy-calc: the CPU demo's tasks; math-tir: arithmetic word problems with a boxed
+  answer), disjoint and fixed by --seed. A file that exists is left as it is, so your own data
+  placed in the data volume (or the SPOPP_DATA folder) always wins. ALFWorld's tasks come from
+  `spopp alfworld generate`, not from here.
+Compose runs it as the `data` service on every `up`; it is idempotent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from runtime.envs.toy_calc import generate_toy_calc_tasks
+from runtime.tasks import generate_arithmetic_tasks, write_jsonl
+
+SIZES = {"toy-calc": (128, 32), "math-tir": (2048, 256)}
+
+
+def ensure_token(folder: Path) -> str:
+    """'set in .env', 'kept' or 'generated': what happened to the token."""
+    if os.environ.get("SPOPP_API_TOKEN"):
+        return "set in .env"
+    path = folder / "api-token"
+    if path.is_file() and path.read_text().strip():
+        return "kept"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "api-token.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    os.replace(tmp, path)  # a step cut off never leaves half a token
+    return "generated"
+
+
+def tasks_for(env: str, n: int, seed: int, split: str) -> list:
+    if env == "toy-calc":
+        return generate_toy_calc_tasks(n, seed, split)
+    # math-tir: arithmetic tasks; the held-out ones from another seed (ids carry the seed: disjoint)
+    return generate_arithmetic_tasks(n, seed=seed if split == "train" else seed + 1_000_003)
+
+
+def ensure_tasks(folder: Path, env: str, name: str, split: str, n: int, seed: int) -> str:
+    path = folder / name
+    if path.exists():
+        return f"{path} exists, used as it is"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    write_jsonl(tasks_for(env, n, seed, split), tmp)
+    os.replace(tmp, path)
+    return f"{path}: {n} generated {env} {split} tasks"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, default=Path("/data"), help="the data volume")
+    p.add_argument("--secrets", type=Path, default=Path("/secrets"), help="the secrets volume")
+    p.add_argument("--env", default="math-tir", help="environment of the default tasks")
+    p.add_argument("--tasks", default="tasks.jsonl", help="training task file, under --data")
+    p.add_argument("--held-out", default="held_out.jsonl", help="held-out task file, under --data")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated tasks")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    print(f"data: token {ensure_token(a.secrets)}", flush=True)
+    if a.env not in SIZES:
+        missing = [n for n in (a.tasks, a.held_out) if not (a.data / n).exists()]
+        if missing:
+            print(f"data: env {a.env} has no default tasks; put {', '.join(missing)} into the data volume",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        return 0
+    n_train, n_heldout = SIZES[a.env]
+    print("data: " + ensure_tasks(a.data, a.env, a.tasks, "train", n_train, a.seed), flush=True)
+    print("data: " + ensure_tasks(a.data, a.env, a.held_out, "heldout", n_heldout, a.seed), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
