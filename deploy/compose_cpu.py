@@ -185,6 +185,16 @@ def api_token(compose: list[str], env: dict, cfg: dict) -> str | None:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
+def up(compose: list[str], env: dict, *args: str) -> None:
+    """`up -d`; when a step fails (a one-shot exits non-zero), its log says why."""
+    if sh([*compose, "up", "-d", "--no-build", *args], env=env, check=False).returncode == 0:
+        return
+    for r in containers(compose, env):
+        if r["status"] == "exited" and r["exit"] != 0:
+            fail_with_logs(compose, env, r["service"], f"exited with code {r['exit']}")
+    raise SystemExit("compose-cpu: `up` failed (see above)")
+
+
 def fail_with_logs(compose: list[str], env: dict, service: str, why: str) -> None:
     say(f"{service}: {why}; the last lines of its log:")
     sh([*compose, "logs", "--no-color", "--tail", "40", service], env=env, check=False)
@@ -261,14 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     ensure_base()
     build(compose, env)
     say("starting redis, the tracker and the data step")
-    sh([*compose, "up", "-d", "--no-build", "redis", "tracker"], env=env)
+    up(compose, env, "redis", "tracker")
     token = api_token(compose, env, cfg)
     before = tracker_get(cfg["SPOPP_TRACKER_PORT"], token, f"/v1/runs/{cfg['SPOPP_RUN']}")
     if before and before.get("status") == "finished":
         say(f"run {cfg['SPOPP_RUN']} is finished already (version {before.get('final_version')}): "
             "every service says so and exits without training; `make compose-clean` starts over")  # fmt: skip
     say(f"up: {a.replicas} replicas (--scale rollout={a.replicas}), max_updates {a.max_updates}")
-    sh([*compose, "up", "-d", "--no-build", "--scale", f"rollout={a.replicas}"], env=env)
+    up(compose, env, "--scale", f"rollout={a.replicas}")
     wait_for_end(compose, env, cfg, a.replicas, a.timeout)
     finished_before = bool(before and before.get("status") == "finished")
     for line in finished_lines(compose, env):

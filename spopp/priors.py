@@ -153,6 +153,9 @@ def write_prior(path: str | Path, prior: PriorFile, *, overwrite: bool = True) -
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp makes the file 0600; the prior is shared data (a compose deployment writes it as
+        # one user and its init step, another user, loads it), so it gets an ordinary file's mode.
+        os.chmod(tmp, 0o644)
         if overwrite:
             os.replace(tmp, path)
         else:

@@ -43,8 +43,17 @@ def test_init_creates_the_run_loads_the_prior_and_a_second_init_changes_nothing(
 
     second = _init(tracker.url, *args)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "tasks 0 created, 12 unchanged" in second.stdout
+    assert "tasks 0 created, 12 unchanged" in second.stdout and "is finished" not in second.stdout
     assert client.export(run_name) == before and client.get_run(run_name).policy_version == 0
+
+    # A finished run: init still succeeds (nothing to create) and says there is nothing to train.
+    client.finish(run_name, 0)
+    finished = _init(tracker.url, *args)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert (
+        f"run {run_name} is finished (version 0," in finished.stdout and "nothing to train" in finished.stdout
+    )
+    assert client.export(run_name) == before
 
     other_recipe = _init(tracker.url, *[("spo" if a == "spopp" else a) for a in args])
     assert other_recipe.returncode == 1 and "with another config" in other_recipe.stderr

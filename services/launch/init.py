@@ -67,6 +67,11 @@ def run_init(s: InitSettings, echo=print) -> None:
     _wait_ready(s.tracker, s.wait_seconds, echo)
     with TrackerClient(s.tracker, token=s.api_token, retry_seconds=min(60.0, s.wait_seconds)) as client:
         register(client, s.run, config.model_dump(mode="json"), bodies, echo)
+        run = client.get_run(s.run)
+    if run.status == "finished":
+        # Nothing to train: the learner, the replicas and the evaluator will each say so and exit 0.
+        echo(f"run {s.run} is finished (version {run.final_version}, {run.finished_at}): "
+             "nothing to train; a new run needs another run name or fresh volumes")  # fmt: skip
 
 
 def _wait_ready(url: str, seconds: float, echo) -> None:
