@@ -34,6 +34,7 @@ from .tracker_api import (
     TaskPrior,
     TaskState,
     TaskValue,
+    WorkerBeat,
 )
 
 log = logging.getLogger("spopp.client")
@@ -63,6 +64,17 @@ class StalePolicy(TrackerError):
         return self.detail.get("snapshot") or None
 
 
+class RunFinished(TrackerError):
+    """409 on dispatch or publish: the run is finished. `policy_version` is its final version."""
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.detail["policy_version"])
+
+
+_ERRORS = {"stale_policy": StalePolicy, "run_finished": RunFinished}
+
+
 def _raise_for(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
@@ -71,8 +83,8 @@ def _raise_for(response: httpx.Response) -> None:
     except ValueError:
         detail = response.text
     err = TrackerError(response.status_code, detail)
-    if err.code == "stale_policy":
-        err = StalePolicy(response.status_code, detail)
+    if err.code in _ERRORS:
+        err = _ERRORS[err.code](response.status_code, detail)
     raise err
 
 
@@ -170,6 +182,20 @@ class _Api:
     def publish(self, run: str, version: int, snapshot: str) -> Any:
         body = {"version": version, "snapshot": snapshot}
         return self._do(_Call("POST", f"/v1/runs/{run}/policy", body, Policy.model_validate))
+
+    def finish(self, run: str, version: int, reason: str | None = None) -> Any:
+        """Mark the run finished at `version` (its current one); a repeat is a no-op. Answers the Run."""
+        body = {"version": version, **({"reason": reason} if reason is not None else {})}
+        return self._do(_Call("POST", f"/v1/runs/{run}/finish", body, Run.model_validate))
+
+    def reopen(self, run: str, version: int) -> Any:
+        """Undo the finish at `version` (a budget that grew); a no-op on a running run."""
+        return self._do(_Call("POST", f"/v1/runs/{run}/reopen", {"version": version}, Run.model_validate))
+
+    def heartbeat(self, run: str, worker_id: str, trajectories: int, episodes: int) -> Any:
+        """The worker's cumulative counts; the tracker keeps the largest it has seen (WorkerBeat)."""
+        body = {"trajectories": trajectories, "episodes": episodes}
+        return self._do(_Call("POST", f"/v1/runs/{run}/workers/{worker_id}", body, WorkerBeat.model_validate))
 
     def policy(self, run: str) -> Any:
         return self._do(_Call("GET", f"/v1/runs/{run}/policy", None, Policy.model_validate))

@@ -18,9 +18,11 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 Id = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:@/+=-]+$")]
+# A worker (replica) id: also a path segment (POST /v1/runs/{run}/workers/{worker_id}), so no "/".
+WorkerId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@+=-]+$")]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Reward = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
@@ -37,6 +39,9 @@ MIN_D_HALF, MAX_D_HALF = 1e-6, 1e6
 MIN_RHO = 1e-6
 MAX_DRIFT = 1e6
 MAX_SNAPSHOT_CHARS = 4096
+MAX_WORKERS_PER_RUN = 4096  # workers a run keeps stats of (the tracker's default bound)
+MAX_COUNT = 2**53 - 1  # a worker's reported counts: exact in a double, as Lua keeps them
+MAX_REASON_CHARS = 200
 
 Prior = Annotated[float, Field(ge=MIN_PRIOR, le=MAX_PRIOR, allow_inf_nan=False)]
 
@@ -56,6 +61,8 @@ LIMITS = {
     "MIN_RHO": MIN_RHO,
     "MAX_DRIFT": MAX_DRIFT,
     "MAX_SNAPSHOT_CHARS": MAX_SNAPSHOT_CHARS,
+    "MAX_COUNT": MAX_COUNT,
+    "MAX_REASON_CHARS": MAX_REASON_CHARS,
 }
 
 
@@ -117,12 +124,54 @@ class RunCounts(BaseModel):
     consumed_updates: int
 
 
+class WorkerStats(BaseModel):
+    """What one worker did in a run. `trajectories` and `episodes` are the largest counts the
+    worker has reported (monotone: a retried, reordered or restarted worker's lower count never
+    lowers them); `leases` and `outcomes` are counted by the tracker itself."""
+
+    leases: int
+    outcomes: int
+    trajectories: int
+    episodes: int
+    last_seen: str | None
+
+
 class Run(BaseModel):
     run: str
     config: RunConfig
     policy_version: int
     snapshot: str | None
     counts: RunCounts
+    status: Literal["running", "finished"] = "running"
+    finished_at: str | None = None
+    final_version: int | None = None
+    finish_reason: str | None = None
+    workers: dict[str, WorkerStats] = Field(default_factory=dict)
+
+
+Reason = Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS, pattern=r"^[ -~]+$")]
+
+
+class FinishBody(_Body):
+    version: int = Field(ge=0, le=MAX_VERSION, description="the run's current policy version, < 2^31")
+    reason: Reason = Field("max_updates", description="why the run ends: printable ASCII, up to 200 chars")
+
+
+class ReopenBody(_Body):
+    version: int = Field(ge=0, le=MAX_VERSION, description="the version the run finished at, < 2^31")
+
+
+Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
+
+
+class HeartbeatBody(_Body):
+    trajectories: Count = Field(description="trajectories the learner accepted from this worker, cumulative")
+    episodes: Count = Field(description="episodes this worker finished, cumulative")
+
+
+class WorkerBeat(WorkerStats):
+    worker_id: str
+    run_status: Literal["running", "finished"]
 
 
 class TaskPrior(_Body):
@@ -167,7 +216,7 @@ class TaskState(BaseModel):
 
 
 class DispatchBody(_Body):
-    worker_id: Id
+    worker_id: WorkerId
     policy_version: int = Field(ge=0, le=MAX_VERSION, description="the caller's policy version, < 2^31")
     max_requests: int = Field(ge=1, le=MAX_REQUESTS, description="leases wanted, 1 to 1024")
     idempotency_key: Id | None = Field(

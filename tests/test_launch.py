@@ -358,12 +358,34 @@ def test_prior_file_reaches_the_tracker_and_may_not_change(toy, tmp_path):
     r = launch(str(path), "--set", "updates=4", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tasks 0 created, 24 unchanged" in r.stdout
+    # The learner marked the run finished at version 2; the grown budget reopens it.
+    assert "run spopp-s0 had finished at version 2; reopened for the budget's last version 4" in r.stdout
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["updates_done"] == 4
 
     ids = [t.task_id for t in read_prior(prior_path).tasks]
     write_prior(prior_path, build_prior({t: [1.0, 1.0] for t in ids}, 8.0, {}), overwrite=True)
     r = launch(str(path), "--set", "updates=6", timeout=300)
     assert r.returncode == 1
     assert "a task already there with another prior" in r.stdout
+
+
+def test_a_replica_that_exits_0_while_the_run_goes_on_fails_it(toy, tmp_path):
+    """A replica's exit 0 is normal only once the run is finished at the tracker (the learner
+    marks it so after its last update; the launches above end that way). Stopped by someone else
+    (SIGTERM: it exits 0) while the run goes on, it fails the run."""
+    path = config(toy, tmp_path, updates=1000, evaluator={"enabled": False})
+    log = tmp_path / "launch.log"
+    proc = _start(path, log)
+    try:
+        _wait_for(log, "every process is up", proc)
+        (replica,) = [c for c in _descendants(proc.pid) if "rollout" in c.cmdline()[3:5]]
+        replica.send_signal(signal.SIGTERM)  # its exit code reaches only the launcher, its parent
+        assert proc.wait(120) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "run spopp-s0 failed: rollout-0 exited with code 0" in log.read_text()
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
 
 
 def _wandb_history(run_file: Path) -> list[dict]:

@@ -213,7 +213,18 @@ def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client
     assert ckpts == [f"step{N - 1:08d}", f"step{N:08d}"]  # the newest two
     print("checkpoint_s:", [round(r["checkpoint_s"], 3) for r in rec_b])
 
+    # Both runs were marked finished at N after their last update. Reopened, a learner resumed
+    # from its checkpoint at max_updates marks it finished again and exits, training nothing.
+    assert client.get_run(run_a).final_version == N and client.get_run(run_b).final_version == N
+    client.reopen(run_a, N)
+    with running(learner(config_a, "--resume"), tmp_path / "a-end.log", env) as p:
+        assert p.wait(300) == 0
+    assert client.get_run(run_a).final_version == N
+    assert len(_records(tmp_path / "a")) == N
+    assert f"run {run_a} finished at version {N} after {N} updates" in (tmp_path / "a-end.log").read_text()
+
     # The tracker ahead of the checkpoint (a publish the checkpoint never saw): a clear refusal.
+    client.reopen(run_a, N)
     client.publish(run_a, N + 1, str((tmp_path / "a" / "snapshots" / f"v{N:06d}").resolve()))
     with running(learner(config_a, "--resume"), tmp_path / "a2.log", env) as p:
         assert p.wait(120) != 0

@@ -41,6 +41,13 @@ def _make_run(url: str, run: str, tiny_model) -> None:
         c.put_tasks(run, [{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in tasks])
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _reported(url: str, run: str) -> int:
     with TrackerClient(url) as c:
         return sum(row["outcomes"] for row in c.export(run))
@@ -85,25 +92,40 @@ def test_replica_rides_out_a_tracker_and_a_redis_restart(tiny_model, run_name, t
 
 
 @pytest.mark.slow
-def test_replica_waits_for_a_learner_that_starts_late(tiny_model, tracker, client, run_name, tmp_path):
-    """The learner's intake comes up 25 s after the replica: no trajectory is dropped."""
+def test_replica_waits_for_a_learner_that_starts_late_or_goes_away(
+    tiny_model, tracker, client, run_name, tmp_path
+):
+    """The learner's intake is not up when the replica starts: it leases nothing until the learner
+    answers. Then the learner goes away for 25 s: episodes go on, and no trajectory is dropped."""
     _make_run(tracker.url, run_name, tiny_model)
     learner_port, port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
     with _replica(
         tiny_model, tracker.url, f"http://127.0.0.1:{learner_port}", run_name, port, tmp_path / "r.log"
     ) as proc:
         try:
             deadline = time.monotonic() + 120
-            while _reported(tracker.url, run_name) < 4:  # episodes finish and report meanwhile
+            while not _answers(url + "/healthz"):  # up, its engine loaded
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.5)
+            time.sleep(5.0)
+            assert client.get_run(run_name).counts.dispatches == 0 and proc.poll() is None
+            assert "waiting for the learner" in (tmp_path / "r.log").read_text()
+            with LearnerSink(run_name, port=learner_port) as sink:
+                sink.wait_for(2, timeout=120)
+                before = len(sink.trajectories())
+            reported = _reported(tracker.url, run_name)
+            deadline = time.monotonic() + 120
+            while _reported(tracker.url, run_name) < reported + 4:  # episodes finish and report meanwhile
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.5)
             time.sleep(25.0)
             with LearnerSink(run_name, port=learner_port) as sink:
                 got = sink.wait_for(4, timeout=60)
                 assert len({t.request_id for t in got}) == len(got)
-                url = f"http://127.0.0.1:{port}"
                 assert _metric(url, 'spopp_rollout_lost_total{what="trajectory"}') == 0
                 assert proc.poll() is None
+            assert before >= 2
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
@@ -114,14 +136,20 @@ def test_sigterm_stops_a_replica_in_bounded_time_while_the_learner_is_gone(
     tiny_model, tracker, run_name, tmp_path
 ):
     _make_run(tracker.url, run_name, tiny_model)
-    port = free_port()
-    nowhere = f"http://127.0.0.1:{free_port()}"
+    port, learner_port = free_port(), free_port()
+    learner = LearnerSink(run_name, port=learner_port)
     log_path = tmp_path / "r.log"
     with _replica(
-        tiny_model, tracker.url, nowhere, run_name, port, log_path, "--shutdown-seconds", "2"
+        tiny_model, tracker.url, learner.url, run_name, port, log_path, "--shutdown-seconds", "2"
     ) as proc:
+        with learner:  # up for the replica's start only: it dispatches once the learner answers
+            deadline = time.monotonic() + 120
+            while _reported(tracker.url, run_name) < 1:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        reported = _reported(tracker.url, run_name)
         deadline = time.monotonic() + 120
-        while _reported(tracker.url, run_name) < 2:  # its posts are now retrying against nothing
+        while _reported(tracker.url, run_name) < reported + 2:  # its posts now retry against nothing
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.5)
         t0 = time.monotonic()

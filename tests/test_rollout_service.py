@@ -133,19 +133,23 @@ def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
     tasks = generate_arithmetic_tasks(N_TASKS, seed=0)
     client.put_run(run_name, {"recipe": "spopp", "lease_seconds": 60})
     client.put_tasks(run_name, [{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in tasks])
-    port = free_port()
-    sink = LearnerSink(run_name)
+    port, learner_port = free_port(), free_port()
+    first = LearnerSink(run_name, port=learner_port)
     with replica(
-        tiny_model, tracker, sink, run_name, port, tmp_path / "replica.log", "--drain", "abort"
+        tiny_model, tracker, first, run_name, port, tmp_path / "replica.log", "--drain", "abort"
     ) as proc:
-        # The learner is not up yet: finished episodes keep their trajectories and retry.
-        # (The POST leaves the episode once its outcome is in, so wait for a retry itself.)
+        # The replica dispatches once the learner answers; then the learner goes away: finished
+        # episodes keep their trajectories and retry. (The POST leaves the episode once its
+        # outcome is in, so wait for a retry itself.)
+        with first:
+            _wait(lambda: client.get_run(run_name).counts.dispatches > 0, 180, "a dispatch")
         _wait(lambda: client.get_run(run_name).counts.outcomes >= 2, 180, "outcomes")
         _wait(
             lambda: _metric(f"http://127.0.0.1:{port}", "spopp_rollout_learner_retries_total") > 0,
             60,
             "a trajectory POST retried",
         )
+        sink = LearnerSink(run_name, port=learner_port)  # the learner is back, on its port
         with sink:
             sink.wait_for(3, timeout=180, version=0)
             # Publish while episodes are in flight; abort releases their leases at once (long

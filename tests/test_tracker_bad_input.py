@@ -205,7 +205,36 @@ CASES = [
     ("run conflict", "PUT", "", {"recipe": "spo"}, 409, "run_conflict"),
     ("unknown recipe", "PUT", "", {"recipe": "grpo"}, 422, "invalid"),
     ("retention 1", "PUT", "", {"recipe": "spopp", "retention": 1.0}, 422, "invalid"),
-]
+    ("dispatch worker id of 129", "POST", "/dispatch", {"worker_id": "w" * 129, "policy_version": 0, "max_requests": 1}, 422, "invalid"),
+    # Finishing a run: only at its current version (0 here), with a short printable reason.
+    ("finish another version", "POST", "/finish", {"version": 3}, 409, "version_mismatch"),
+    ("finish no version", "POST", "/finish", {}, 422, "invalid"),
+    ("finish negative version", "POST", "/finish", {"version": -1}, 422, "invalid"),
+    ("finish fractional version", "POST", "/finish", {"version": 0.5}, 422, "invalid"),
+    ("finish version 2^31", "POST", "/finish", {"version": 2**31}, 422, "invalid"),
+    ("finish empty reason", "POST", "/finish", {"version": 0, "reason": ""}, 422, "invalid"),
+    ("finish reason of 201", "POST", "/finish", {"version": 0, "reason": "x" * 201}, 422, "invalid"),
+    ("finish reason with a newline", "POST", "/finish", {"version": 0, "reason": "a\nb"}, 422, "invalid"),
+    ("finish unknown field", "POST", "/finish", {"version": 0, "why": "x"}, 422, "invalid"),
+    ("finish malformed JSON", "POST", "/finish", b'{"version": ', 422, "invalid"),
+    ("finish a list", "POST", "/finish", [0], 422, "invalid"),
+    ("reopen another version", "POST", "/reopen", {"version": 2}, 409, "version_mismatch"),
+    # Heartbeats: whole counts >= 0 (no strings, floats, booleans or NaN), a worker id of at most
+    # 128 characters from the id alphabet; for a known worker ("w") and a new one ("w2") alike.
+    ("heartbeat negative", "POST", "/workers/w", {"trajectories": -1, "episodes": 0}, 422, "invalid"),
+    ("heartbeat NaN", "POST", "/workers/w", b'{"trajectories": NaN, "episodes": 0}', 422, "invalid"),
+    ("heartbeat Infinity", "POST", "/workers/w2", b'{"trajectories": 1, "episodes": Infinity}', 422, "invalid"),
+    ("heartbeat string", "POST", "/workers/w", {"trajectories": "5", "episodes": 0}, 422, "invalid"),
+    ("heartbeat float", "POST", "/workers/w2", {"trajectories": 5.0, "episodes": 0}, 422, "invalid"),
+    ("heartbeat boolean", "POST", "/workers/w", {"trajectories": True, "episodes": 0}, 422, "invalid"),
+    ("heartbeat 2^53", "POST", "/workers/w", {"trajectories": 2**53, "episodes": 0}, 422, "invalid"),
+    ("heartbeat missing count", "POST", "/workers/w2", {"trajectories": 1}, 422, "invalid"),
+    ("heartbeat unknown field", "POST", "/workers/w", {"trajectories": 1, "episodes": 1, "x": 1}, 422, "invalid"),
+    ("heartbeat no body", "POST", "/workers/w2", None, 422, "invalid"),
+    ("heartbeat worker id of 129", "POST", "/workers/" + "w" * 129, {"trajectories": 1, "episodes": 1}, 422, "invalid"),
+    ("heartbeat worker id with a space", "POST", "/workers/a%20b", {"trajectories": 1, "episodes": 1}, 422, "invalid"),
+    ("heartbeat worker id with a quote", "POST", "/workers/a%22b", {"trajectories": 1, "episodes": 1}, 422, "invalid"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("what,method,suffix,body,status,code", CASES, ids=[c[0] for c in CASES])

@@ -173,10 +173,14 @@ def _script_cases(store: Store, run: str, rids: list[str]):
             "put_tasks", run, 2, lambda _: [2, "fresh1", "1.0", "1.0", "fresh2", "0", "1.0"]
         ),
         "outcomes nan reward": lambda: store._call(
-            "outcomes", run, store.ttl_ms, rids[0], "1.0", rids[1], repr(nan)
+            "outcomes", run, store.ttl_ms, store.max_workers, rids[0], "1.0", rids[1], repr(nan)
         ),
-        "outcomes reward 2": lambda: store._call("outcomes", run, store.ttl_ms, rids[0], "1.0", rids[1], "2"),
-        "outcomes odd args": lambda: store._call("outcomes", run, store.ttl_ms, rids[0], "1.0", rids[1]),
+        "outcomes reward 2": lambda: store._call(
+            "outcomes", run, store.ttl_ms, store.max_workers, rids[0], "1.0", rids[1], "2"
+        ),
+        "outcomes odd args": lambda: store._call(
+            "outcomes", run, store.ttl_ms, store.max_workers, rids[0], "1.0", rids[1]
+        ),
         "consume inf drift": lambda: store._call(
             "consume", run, "u1", store.ttl_ms, "q0", "1", "0", "q1", "1", "inf"
         ),
@@ -187,7 +191,14 @@ def _script_cases(store: Store, run: str, rids: list[str]):
         "policy version 1.5": lambda: store._call("policy", run, "1.5", "s"),
         "dispatch nan draw": lambda: _dispatch_bad_draw(store, run),
         "dispatch version 2^53": lambda: store._call(
-            "dispatch", run, "0", "0", "8.0", "w", str(2**53), "1", "", "1000", "1.0"
+            "dispatch", run, "0", "0", "8.0", "w", str(2**53), "1", "", "1000", store.max_workers, "1.0"
+        ),
+        "finish version 1.5": lambda: store._call("finish", run, "1.5", "max_updates"),
+        "finish empty reason": lambda: store._call("finish", run, "0", ""),
+        "reopen version -1": lambda: store._call("reopen", run, "-1"),
+        "heartbeat nan episodes": lambda: store._call("heartbeat", run, "w", "1", "nan", store.max_workers),
+        "heartbeat 2^53 trajectories": lambda: store._call(
+            "heartbeat", run, "w", str(2**53), "1", store.max_workers
         ),
         "put_run inf lam": lambda: _put_run(store, run + "-new", lam="inf"),
         "put_run prior mass 1e308": lambda: _put_run(store, run + "-new", prior_mass="1e308"),
@@ -204,7 +215,8 @@ def _put_run(store: Store, run: str, **bad):
 
 async def _dispatch_bad_draw(store: Store, run: str):
     head = await store.redis.hmget(prefix(run) + "run", "draws", "seed", "prior_mass")
-    return await store._call("dispatch", run, *head, "w", "0", "2", "", store.ttl_ms, "1.0", "nan")
+    args = ("w", "0", "2", "", store.ttl_ms, store.max_workers, "1.0", "nan")
+    return await store._call("dispatch", run, *head, *args)
 
 
 def test_every_script_checks_its_whole_call_before_its_first_write(redis_server, rdb, run_name):
@@ -240,7 +252,7 @@ def test_every_script_checks_its_whole_call_before_its_first_write(redis_server,
         return results
 
     results = asyncio.run(main())
-    assert len(results) == 14
+    assert len(results) == 19
     bad = {k: v for k, v in results.items() if v != (422, "invalid", True)}
     assert not bad, bad
 
@@ -478,8 +490,9 @@ def test_finished_records_are_forgotten_after_the_ttl(redis_server, rdb, run_nam
             assert len(rdb.keys(prefix(run_name).replace("{", "[{]").replace("}", "[}]") + "*")) > 100
             time.sleep(1.5)
             keys = rdb.keys(prefix(run_name).replace("{", "[{]").replace("}", "[}]") + "*")
-            # run, idle, tasks and one hash per task: O(tasks), whatever the number of dispatches.
-            assert len(keys) <= n + 4, sorted(keys)
+            # run, idle, tasks, one hash per task and five per-worker hashes (whatever the number
+            # of workers): O(tasks), whatever the number of dispatches.
+            assert len(keys) <= n + 4 + 5, sorted(keys)
             assert c.get_run(run_name).counts.outcomes == 90
             with pytest.raises(Exception) as err:  # a report long after its TTL: forgotten
                 c.outcomes(run_name, [(first.request_id, 1.0)])

@@ -12,6 +12,11 @@ the process dies, the hold expires and the learner prunes as usual.
 
 A restart reads the records and goes on after the last recorded version: nothing is scored
 twice, and a version whose evaluation was cut off is scored again.
+
+When the tracker says the run is finished, every due version up to its final version is
+handled, the final version too even when it is not a multiple of `every` (the curve ends where
+the run ended), and the process exits 0; restarted on a finished run whose records reach the
+final version already, it exits at once.
 """
 
 from __future__ import annotations
@@ -119,6 +124,7 @@ class Follower:
             self.metrics.last_scored_version.set(last["policy_version"])
             self.metrics.show_last(last)
         self.policy_version: int | None = None
+        self.final_version: int | None = None  # set once the tracker says the run is finished
         self.scoring: int | None = None
         self.root: Path | None = s.snapshots
         self.model: Path | None = s.model
@@ -143,18 +149,21 @@ class Follower:
                 await asyncio.sleep(self.s.poll_seconds)
 
     async def _poll(self) -> int:
-        policy = await self._read("policy", lambda: self.tracker.policy(self.s.run))
-        self.policy_version = policy.version
-        self.metrics.policy_version.set(policy.version)
-        if self.root is None and policy.version >= 1 and policy.snapshot:
+        """The run's policy version now (and whether it is finished: `final_version`)."""
+        run = await self._read("run", lambda: self.tracker.get_run(self.s.run))
+        self.policy_version = version = run.policy_version
+        if run.status == "finished":
+            self.final_version = run.final_version
+        self.metrics.policy_version.set(version)
+        if self.root is None and version >= 1 and run.snapshot:
             # The snapshot of version >= 1 lies in the learner's snapshot folder; version 0's
             # (the run's base_snapshot) may lie anywhere.
-            self.root = snapshot_path(policy.snapshot).parent
+            self.root = snapshot_path(run.snapshot).parent
             log.info("snapshot folder: %s (the parent of the policy's snapshot)", self.root)
         if self.root is not None and self.hold is None:
             self.hold = HoldKeeper(self.root, self.s.holder_id(), self.s.every, self.s.hold_seconds)
             self.hold.start(self.next_version)
-        return policy.version
+        return version
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -176,6 +185,13 @@ class Follower:
                 clean = True
                 return
             await self._poll()  # the hold goes up before the (slow) engine start when it can
+            if self._finished():
+                log.info(
+                    "run %s is finished at version %d and every due version up to it is recorded in %s",
+                    s.run, self.final_version, self.records.path,
+                )  # fmt: skip
+                clean = True
+                return
             self.scorer = await Scorer.open(s, self.model)
             log.info(
                 "evaluator for run %s: %d held-out tasks, greedy=%s, %d samples each, engine %s; "
@@ -184,15 +200,19 @@ class Follower:
             )  # fmt: skip
             while not self._finished():
                 current = await self._poll()
-                while self.next_version <= current and not self._finished():
-                    await self._handle(self.next_version)
-                    self.next_version = first_version(s, self.next_version)
+                while (version := self._due(current)) is not None:
+                    await self._handle(version)
+                    self.next_version = first_version(s, version)
                     self.metrics.next_version.set(self.next_version)
                     if self.hold is not None:
                         self.hold.advance(self.next_version)
                 if not self._finished():
                     await asyncio.sleep(s.poll_seconds)
-            log.info("every version up to %s handled; exiting", s.until_version)
+            if self.final_version is not None and self._due(self.final_version) is None:
+                log.info("run %s is finished at version %d: every due version is scored; exiting",
+                         s.run, self.final_version)  # fmt: skip
+            else:
+                log.info("every version up to %s handled; exiting", s.until_version)
             clean = True
         except asyncio.CancelledError:  # SIGTERM, SIGINT: a clean stop
             clean = True
@@ -200,8 +220,27 @@ class Follower:
         finally:
             await self.close(remove_hold=clean)
 
+    def _due(self, current: int) -> int | None:
+        """The next version to handle now that the clock is at `current`: the next multiple of
+        `every` (up to until_version and the final version), else the final version of a
+        finished run when it is not recorded yet (and not past until_version); None: nothing."""
+        limit = min(x for x in (self.s.until_version, self.final_version, current) if x is not None)
+        if self.next_version <= limit:
+            return self.next_version
+        final, until = self.final_version, self.s.until_version
+        if final is None or final > current or (until is not None and final > until):
+            return None
+        last = self.records.last_version
+        if (last is None or last < final) and (final > 0 or self.s.at_start):
+            return final
+        return None
+
     def _finished(self) -> bool:
-        return self.s.until_version is not None and self.next_version > self.s.until_version
+        """Every version this process is to handle is handled: up to until_version, or up to the
+        final version of a finished run."""
+        if self.s.until_version is not None and self.next_version > self.s.until_version:
+            return True
+        return self.final_version is not None and self._due(self.final_version) is None
 
     async def _handle(self, version: int) -> None:
         if version == 0:

@@ -171,6 +171,7 @@ class Launcher:
         self.plan: Plan | None = None
         self.state: dict[str, Any] = {}
         self.bodies: list[dict] = []
+        self.tracker_finished = False  # the tracker said the run is finished (it stays so)
 
     # -- before anything starts ------------------------------------------------------------------
     def prepare(self) -> Plan:
@@ -324,20 +325,40 @@ class Launcher:
         tracker = self._spawn(p, "tracker", "tracker", "serve")
         tracker.wait_http(f"http://127.0.0.1:{p.tracker.port}/readyz", wait)
         self._register(p)
-        # The rest start together: a replica retries its trajectory POSTs until the learner's
-        # intake answers, so nothing waits on the learner's start-up (the longest).
+        # The rest start together: a replica waits for the learner's /healthz before its first
+        # dispatch, so nothing here waits on the learner's start-up (the longest).
         self._spawn(p, "learner", "learner", "run", ("--nproc", str(p.nproc), "--resume"))
         for r in p.rollouts:
             self._spawn(p, r.worker_id, "rollout", "serve")
         if p.evaluator is not None:
             self._spawn(p, "evaluator", "evaluator", "run")
         # /healthz answers (open, token or not) once rank 0 has the model and serves the intake.
-        self.children["learner"].wait_http(f"http://127.0.0.1:{p.learner.port}/healthz", wait)
+        self._wait_up(p, "learner", p.learner.port)
         for r in p.rollouts:
-            self.children[r.worker_id].wait_http(f"http://127.0.0.1:{r.port}/healthz", wait)
+            self._wait_up(p, r.worker_id, r.port)
         if p.evaluator is not None:
-            self.children["evaluator"].wait_http(f"http://127.0.0.1:{p.evaluator.port}/healthz", wait)
+            self._wait_up(p, "evaluator", p.evaluator.port)
         self.echo(f"every process is up: {', '.join(f'{n} (pid {c.pid})' for n, c in self.children.items())}")
+
+    def _wait_up(self, p: Plan, name: str, port: int) -> None:
+        """Wait for a child's /healthz. On a run the tracker holds finished already (a launch killed
+        after the learner's last update), the learner and the replicas exit 0 at once: not a failure."""
+        child = self.children[name]
+        try:
+            child.wait_http(f"http://127.0.0.1:{port}/healthz", self.s.start_seconds)
+        except ChildFailed:
+            if child.poll() != 0 or not self._run_finished(p):
+                raise
+
+    def _run_finished(self, p: Plan) -> bool:
+        """Whether the tracker says the run is finished (remembered once it does: it stays so)."""
+        if not self.tracker_finished:
+            with self._client(p) as c:
+                run = c.get_run(self.s.run)
+            if run.status == "finished":
+                self.echo(f"run {self.s.run} is finished at the tracker (version {run.final_version})")
+                self.tracker_finished = True
+        return self.tracker_finished
 
     def _client(self, p: Plan) -> TrackerClient:
         return TrackerClient(f"http://127.0.0.1:{p.tracker.port}", token=self.s.api_token, retry_seconds=30)
@@ -349,6 +370,14 @@ class Launcher:
                 register(c, self.s.run, p.run_config.model_dump(mode="json"), self.bodies, self.echo)
             except RegistrationError as exc:
                 raise LaunchError(str(exc)) from None
+            run = c.get_run(self.s.run)
+            if run.status == "finished" and run.final_version < p.final_version:
+                # The budget grew since the run finished: it trains on.
+                c.reopen(self.s.run, run.final_version)
+                self.echo(
+                    f"run {self.s.run} had finished at version {run.final_version}; reopened for the "
+                    f"budget's last version {p.final_version}"
+                )
 
     def _watch(self, p: Plan) -> None:
         progress = Progress(p, self._client(p), self.echo)  # opens the W&B run when wandb is on
@@ -362,7 +391,7 @@ class Launcher:
                     break
                 for name, child in self.children.items():
                     code = child.poll()
-                    if name != "learner" and code is not None and not (name == "evaluator" and code == 0):
+                    if name != "learner" and code is not None and not self._normal_exit(p, name, code):
                         raise ChildFailed(child, f"exited with code {code}")
                 progress.tick()
                 time.sleep(0.5)
@@ -379,6 +408,14 @@ class Launcher:
             progress.tick(force=True)
         finally:
             progress.close()
+
+    def _normal_exit(self, p: Plan, name: str, code: int) -> bool:
+        """An exit that is no failure: the evaluator's 0 (it scored up to the end), a replica's 0
+        once the run is finished at the tracker (the learner marks it so after its last update,
+        and replicas then stop). A replica's 0 on a running run is a failure all the same."""
+        if code != 0:
+            return False
+        return name == "evaluator" or (name.startswith("rollout") and self._run_finished(p))
 
     def _finish(self, p: Plan) -> None:
         """The tracker's per-task evidence, then the tracker stops (in _stop_all)."""

@@ -10,18 +10,37 @@ from spopp.settings import settings_command
 from .config import LearnerSettings
 
 
+def _finished_already(settings: LearnerSettings) -> bool:
+    """Whether the tracker says the run is finished: then there is nothing to train, and the
+    learner exits 0 before it loads anything (a restarted or relaunched learner, a resume)."""
+    import logging
+
+    from spopp.client import TrackerClient
+
+    with TrackerClient(settings.tracker, token=settings.api_token) as tracker:
+        run = tracker.get_run(settings.run)
+    if run.status != "finished":
+        return False
+    logging.getLogger("spopp.learner").info(
+        "run %s is finished at version %d: nothing to train", settings.run, run.final_version
+    )
+    return True
+
+
 def _run(settings: LearnerSettings, nproc: int, resume: bool) -> None:
     import logging
 
     from . import ranks
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if ranks.is_rank():
         ranks.die_with_launcher()
-    elif nproc > 1:
+    if _finished_already(settings):
+        return
+    if not ranks.is_rank() and nproc > 1:
         ranks.relaunch(settings, nproc, resume)  # does not return
     from .trainer import Learner
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     Learner(settings, resume=resume).run()
 
 

@@ -329,8 +329,18 @@ class Learner:
         try:
             while self.cfg.max_updates is None or self.step < self.cfg.max_updates:
                 self.update_once()
+            self.finish()
         finally:
             self.close()
+
+    def finish(self) -> None:
+        """The budget is spent (the last update's snapshot published): rank 0 marks the run
+        finished at its current version, so replicas stop dispatching and exit, and the evaluator
+        scores up to this version and exits. Idempotent: a learner resumed at the end repeats it."""
+        if self.rank != 0:
+            return
+        self.tracker.finish(self.cfg.run, self.version)
+        log.info("run %s finished at version %d after %d updates", self.cfg.run, self.version, self.step)
 
     def close(self) -> None:
         if self.server is not None:

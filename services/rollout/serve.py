@@ -36,7 +36,12 @@ def health_app(worker: Worker) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"status": "ok", "policy_version": worker.version, "in_flight": len(worker.inflight)}
+        return {
+            "status": "ok",
+            "worker_id": worker.s.worker_id,  # a claimed replica's id (rollout-gpu3, rollout-0)
+            "policy_version": worker.version,
+            "in_flight": len(worker.inflight),
+        }
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -12,6 +12,13 @@ report; `abort`: their leases are released), swaps in the new snapshot's weights
 Leases of long episodes are renewed. The replica keeps nothing the system needs: killed at any
 moment, its leases expire at the tracker.
 
+Before its first dispatch it waits for the learner's /healthz (bounded by `retry_seconds`), so
+that no lease waits on a learner that is still loading its model. Every few seconds, and at the
+end, a heartbeat tells the tracker its counts (trajectories the learner accepted, episodes
+finished). When the tracker says the run is finished (at start, or answering a dispatch), it
+stops: running episodes are cancelled, every lease it holds is released, and `run` returns, so
+the process exits 0.
+
 Outages: every call to the tracker and the learner is retried for up to `retry_seconds`
 (spopp.retry), so a replica rides out a restart of either, or of Redis, keeping its in-flight
 episodes, which report once the service is back. What still fails after that bound is logged and
@@ -23,6 +30,7 @@ gives in-flight work `shutdown_seconds` to finish, then cancels it and releases 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import zlib
@@ -35,10 +43,10 @@ from runtime.agent import Budget, Episode, prompts_over_budget, reserve_env_thre
 from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Environment, Task
-from spopp.client import AsyncTrackerClient, StalePolicy, TrackerError
+from spopp.client import AsyncTrackerClient, RunFinished, StalePolicy, TrackerError
 from spopp.retry import RETRYABLE_STATUS, RetryPolicy
 from spopp.snapshots import snapshot_path
-from spopp.tracker_api import Lease
+from spopp.tracker_api import Lease, Run
 from spopp.trajectory import Trajectory
 
 from .config import RolloutSettings
@@ -55,6 +63,13 @@ log = logging.getLogger("spopp.rollout")
 # whole batches, so a trajectory can wait longer.
 OUTCOME_LINGER_S = 0.02
 TRAJECTORY_LINGER_S = 0.05
+# Heartbeats (the replica's counts at the tracker) every few seconds, and one at the end.
+HEARTBEAT_S = 5.0
+# How often the learner's /healthz is tried before the first dispatch.
+LEARNER_WAIT_POLL_S = 1.0
+# At the run's finish, how long reports and deliveries under way may still take (at most
+# shutdown_seconds): the learner may be gone, and nothing waits for it.
+FINISH_GRACE_S = 5.0
 
 
 def default_prefetch(s: RolloutSettings) -> int:
@@ -121,6 +136,11 @@ class Worker:
         self.fatal: Exception | None = None
         self.lease_seconds = 900.0
         self._episodes = 0
+        # This replica's counts for its heartbeats: trajectories the learner accepted, episodes
+        # played to the end; `counted` is what the tracker had of this worker id at start.
+        self.accepted = 0
+        self.episodes_done = 0
+        self.counted = (0, 0)
         self.dispatches = 0  # dispatch calls made (the rollout bench reports calls per episode)
 
     # -- policy -------------------------------------------------------------------------------
@@ -209,39 +229,89 @@ class Worker:
             )
 
     async def run(self, max_episodes: int | None = None) -> None:
+        """Play until stopped, `max_episodes`, or the run's finish (then return normally: the
+        replica's work is done, and its process exits 0)."""
         reserve_env_threads(self.s.concurrency)
         self.check_prompts()
+        try:
+            await self._before_first_dispatch()
+        except RunFinished as done:
+            self._say_finished(done.policy_version)
+            return
+        beats = asyncio.create_task(self._heartbeats())
+        try:
+            finished = await self._loop(max_episodes)
+            if finished is not None:
+                await self._stop_for_finish(finished)
+            elif self.stopping.is_set():
+                await self._finish_for_shutdown()
+            else:  # max_episodes reached: finish the work, deliveries included (bounded by the retries)
+                await self._drain()
+                await asyncio.gather(*self.deliveries, return_exceptions=True)
+            await self._release_ready()
+        finally:
+            beats.cancel()
+            await asyncio.gather(beats, return_exceptions=True)
+            await self._beat()  # the last counts, also on the way out of an error
+        if self.fatal is not None:
+            raise self.fatal
+
+    async def _before_first_dispatch(self) -> None:
+        """Read the run (RunFinished if it is over), wait for the learner, load the policy."""
+        run = await self.tracker.get_run(self.s.run)
         # A run's configuration never changes: read its lease length once, not per episode.
-        self.lease_seconds = (await self.tracker.get_run(self.s.run)).config.lease_seconds
+        self.lease_seconds = run.config.lease_seconds
+        if run.status == "finished":
+            raise _finished(run)
+        # A restarted replica counts on from what the tracker has of it, so its counts add up.
+        mine = run.workers.get(self.s.worker_id)
+        if mine is not None:
+            self.counted = (mine.trajectories, mine.episodes)
+        await self._wait_for_learner()
         await self.sync_policy()
+
+    async def _wait_for_learner(self) -> None:
+        """Wait until the learner's /healthz answers before the first dispatch: leases taken while
+        the learner starts (its model load is the slowest start of all) would only wait on it,
+        their prompt values frozen early. Bounded by retry_seconds, then the replica goes on (its
+        POSTs retry by themselves); the run's status is read meanwhile, so that a run finished
+        during the wait ends it (RunFinished)."""
+        deadline = time.monotonic() + self.s.retry_seconds
+        said = False
+        while not self.stopping.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self.learner.get("/healthz", timeout=5.0)).status_code == 200:
+                    if said:
+                        log.info("the learner answers at %s: dispatching", self.s.learner)
+                    return
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "the learner at %s did not answer /healthz within %.0f s; dispatching anyway",
+                    self.s.learner, self.s.retry_seconds,
+                )  # fmt: skip
+                return
+            if not said:
+                log.info("waiting for the learner at %s before the first dispatch", self.s.learner)
+                said = True
+            run = await self.tracker.get_run(self.s.run)
+            if run.status == "finished":
+                raise _finished(run)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), timeout=LEARNER_WAIT_POLL_S)
+
+    async def _loop(self, max_episodes: int | None) -> RunFinished | None:
+        """Keep the slots full until stopped or `max_episodes`; answers RunFinished when the
+        tracker says the run is over."""
         while not self.stopping.is_set():
             if max_episodes is not None and self._episodes >= max_episodes:
                 break
             self._start_ready()
-            want = self.s.concurrency + self.prefetch - len(self.inflight) - len(self.ready)
-            got: list[Lease] = []
-            if want >= self.dispatch_step or (want > 0 and not self.ready):
-                self.dispatches += 1
-                try:
-                    d = await self._unless_stopping(
-                        self.tracker.dispatch(self.s.run, self.s.worker_id, self.version, want)
-                    )
-                    got = d.requests if d is not None else []
-                    if got and self.stopping.is_set():
-                        # Leased as the shutdown came: give them straight back rather than start them.
-                        await asyncio.gather(*(self._release(lease) for lease in got))
-                        got = []
-                except StalePolicy as stale:
-                    await self._drain()
-                    await self._follow(stale.policy_version, stale.snapshot)
-                    continue
-                except (TrackerError, httpx.HTTPError) as exc:
-                    if isinstance(exc, TrackerError) and exc.status not in RETRYABLE_STATUS:
-                        raise  # 401, 404 unknown run...: configuration, which no waiting fixes
-                    # The tracker stayed away longer than the retry bound: keep the episodes in
-                    # flight and try again, rather than exit and lose them.
-                    self.metrics.tracker_errors.inc()
-                    log.error("dispatch failed after %.0f s of retries: %s", self.s.retry_seconds, exc)
+            try:
+                got = await self._dispatch_more()
+            except RunFinished as done:
+                return done
+            if got is None:  # a new policy is loaded: dispatch for it at once
+                continue
             self.ready.extend(got)
             self._start_ready()
             if self.inflight:
@@ -251,14 +321,76 @@ class Worker:
                 )
             else:
                 await asyncio.sleep(self.s.poll_seconds)
-        if self.stopping.is_set():
-            await self._finish_for_shutdown()
-        else:  # max_episodes reached: finish the work, deliveries included (bounded by the retries)
+        return None
+
+    async def _dispatch_more(self) -> list[Lease] | None:
+        """New leases for the free slots and the ready queue ([] when none is needed or the
+        tracker is away); None after a new policy was drained and loaded."""
+        want = self.s.concurrency + self.prefetch - len(self.inflight) - len(self.ready)
+        if not (want >= self.dispatch_step or (want > 0 and not self.ready)):
+            return []
+        self.dispatches += 1
+        try:
+            d = await self._unless_stopping(
+                self.tracker.dispatch(self.s.run, self.s.worker_id, self.version, want)
+            )
+        except StalePolicy as stale:
             await self._drain()
-            await asyncio.gather(*self.deliveries, return_exceptions=True)
+            await self._follow(stale.policy_version, stale.snapshot)
+            return None
+        except RunFinished:
+            raise
+        except (TrackerError, httpx.HTTPError) as exc:
+            if isinstance(exc, TrackerError) and exc.status not in RETRYABLE_STATUS:
+                raise  # 401, 404 unknown run...: configuration, which no waiting fixes
+            # The tracker stayed away longer than the retry bound: keep the episodes in
+            # flight and try again, rather than exit and lose them.
+            self.metrics.tracker_errors.inc()
+            log.error("dispatch failed after %.0f s of retries: %s", self.s.retry_seconds, exc)
+            return []
+        got = d.requests if d is not None else []
+        if got and self.stopping.is_set():
+            # Leased as the shutdown came: give them straight back rather than start them.
+            await asyncio.gather(*(self._release(lease) for lease in got))
+            got = []
+        return got
+
+    async def _stop_for_finish(self, done: RunFinished) -> None:
+        """The run is over and the learner takes nothing more: running episodes are cancelled and
+        every lease held is released. Outcome reports under way may still land (late evidence
+        counts at the tracker), and deliveries get a short grace in case the learner still
+        answers, so that the last counts are right; what is left then is cancelled."""
+        self._say_finished(done.policy_version)
+        self.stopping.set()
         await self._release_ready()
-        if self.fatal is not None:
-            raise self.fatal
+        episodes = list(self.inflight)
+        for task in episodes:
+            task.cancel()  # each releases its lease as it ends
+        await asyncio.gather(*episodes, return_exceptions=True)
+        await self._settle(min(self.s.shutdown_seconds, FINISH_GRACE_S), include_episodes=False)
+
+    def _say_finished(self, version: int) -> None:
+        log.info("run %s is finished (version %d): replica %s exits", self.s.run, version, self.s.worker_id)
+
+    # -- heartbeats ---------------------------------------------------------------------------
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            await self._beat()
+
+    async def _beat(self) -> None:
+        """Tell the tracker this replica's cumulative counts: trajectories the learner accepted and
+        episodes finished. The tracker keeps the largest it has seen, so a late one is harmless."""
+        trajectories, episodes = self.counted[0] + self.accepted, self.counted[1] + self.episodes_done
+        try:
+            # Bounded: the next heartbeat carries the same counts or larger ones anyway.
+            await asyncio.wait_for(
+                self.tracker.heartbeat(self.s.run, self.s.worker_id, trajectories, episodes), timeout=10.0
+            )
+        except (TrackerError, httpx.HTTPError, TimeoutError) as exc:
+            log.warning("heartbeat (%d trajectories, %d episodes) failed: %s", trajectories, episodes, exc)
+        else:
+            log.debug("heartbeat: %d trajectories accepted, %d episodes", trajectories, episodes)
 
     async def _unless_stopping(self, call, grace: float = 2.0):
         """Await `call`, unless a shutdown comes first (then None): a dispatch retrying through an
@@ -283,18 +415,17 @@ class Worker:
         """Give in-flight episodes and deliveries `shutdown_seconds` to finish, then cancel the rest
         (leases released; what was not delivered is logged and counted as lost)."""
         await self._release_ready()
-        deadline = time.monotonic() + self.s.shutdown_seconds
+        await self._settle(self.s.shutdown_seconds)
+
+    async def _settle(self, seconds: float, include_episodes: bool = True) -> None:
+        """Wait up to `seconds` for episodes, then reports, then deliveries; cancel what is left."""
+        deadline = time.monotonic() + seconds
         # Episodes first: they add reports, which add deliveries.
-        for pending in (self.inflight, self.reporting, self.deliveries):
+        groups = [("episodes", self.inflight)] if include_episodes else []
+        for what, pending in [*groups, ("outcome reports", self.reporting), ("deliveries", self.deliveries)]:
             if not pending:
                 continue
-            log.info(
-                "shutting down: %d %s to finish",
-                len(pending),
-                {id(self.inflight): "episodes", id(self.reporting): "outcome reports"}.get(
-                    id(pending), "deliveries"
-                ),
-            )
+            log.info("shutting down: %d %s to finish", len(pending), what)
             _, late = await asyncio.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             for task in late:
                 task.cancel()
@@ -352,6 +483,7 @@ class Worker:
             await self._release(lease)
             return
         self.metrics.observe_episode(ep)
+        self.episodes_done += 1
         # The slot is free from here on: the report and the POST go on beside the next episode.
         report = asyncio.create_task(self._report(lease, ep))
         self.reporting.add(report)
@@ -432,9 +564,17 @@ class Worker:
             self.metrics.lost.labels("trajectory").inc()
             self.metrics.posted.labels("error").inc()
             return
+        if d.accepted:
+            self.accepted += 1
         if d.status == 409:
             # An old version's episode: SPO++ already has its outcome, the learner has moved on.
             self.metrics.drained.inc()
         elif d.status >= 400:
             log.error("learner refused %s: %s %s %s", lease.request_id, d.status, d.code, d.message)
         self.metrics.posted.labels(str(d.status)).inc()
+
+
+def _finished(run: Run) -> RunFinished:
+    """The refusal a dispatch would get, made from the run as the tracker reads it."""
+    message = f"run {run.run} finished at version {run.final_version}: no new leases"
+    return RunFinished(409, {"code": "run_finished", "message": message, "policy_version": run.final_version})

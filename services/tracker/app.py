@@ -28,11 +28,23 @@ from spopp.asgi import BearerAuth, BodyLimit
 from .config import TrackerSettings
 from .errors import ApiError, error_response, unavailable
 from .metrics import Metrics, MetricsMiddleware
-from .routes import consume, dispatch, export, health, outcomes, policy, requests, runs, tasks, values
+from .routes import (
+    consume,
+    dispatch,
+    export,
+    health,
+    outcomes,
+    policy,
+    requests,
+    runs,
+    tasks,
+    values,
+    workers,
+)
 from .store import Store
 
 log = logging.getLogger("spopp.tracker")
-V1_ROUTERS = (runs, tasks, dispatch, outcomes, requests, values, consume, policy, export)
+V1_ROUTERS = (runs, tasks, dispatch, outcomes, requests, values, consume, policy, export, workers)
 # Redis cannot serve now, but may soon: refused or reset (BusyLoadingError, a Redis loading its
 # AOF, is a ConnectionError too), too slow, or a replica that cannot take writes mid-failover.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, MasterDownError)
@@ -126,7 +138,7 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
             settings.redis_url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout
         )
         await wait_for_redis(client, settings.redis_wait_seconds)
-        app.state.store = Store(client, settings.idempotency_ttl_seconds)
+        app.state.store = Store(client, settings.idempotency_ttl_seconds, settings.max_workers_per_run)
         app.state.health = RedisHealth(client, settings.redis_down_seconds, redis_supervisor)
         watcher = asyncio.create_task(app.state.health.watch())
         try:

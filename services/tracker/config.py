@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from spopp.settings import Settings
+from spopp.tracker_api import MAX_WORKERS_PER_RUN
 
 
 class TrackerSettings(Settings):
@@ -59,6 +60,13 @@ class TrackerSettings(Settings):
         description="how long finished calls are remembered: dispatch idempotency keys, consume update "
         "ids, and finished requests (a repeated report answers the same, a late one 409; after it, 404). "
         "Keep it above the clients' retry bound (5 minutes by default)",
+    )
+    max_workers_per_run: int = Field(
+        MAX_WORKERS_PER_RUN,
+        ge=1,
+        le=1_000_000,
+        description="workers a run keeps stats of (GET /v1/runs/{run} `workers`, /metrics); a new "
+        "worker beyond it is refused with 409 too_many_workers, so no caller grows Redis without bound",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn log level"

@@ -1,13 +1,15 @@
-"""Prometheus metrics: request counts and latency per route, plus per-run gauges read at scrape time.
+"""Prometheus metrics: request counts and latency per route, plus per-run and per-worker series
+read at scrape time.
 
 The registry belongs to the app (not the process-global one) so several apps in one process,
-as in tests, do not collide. Run gauges come from Redis on each scrape, so every tracker process
-reports the same numbers.
+as in tests, do not collide. Run and worker series come from Redis on each scrape, so every
+tracker process reports the same numbers; the tracker's bound on workers per run bounds them.
 """
 
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -31,14 +33,16 @@ class Metrics:
         )
 
     async def render(self, store, health=None) -> bytes:
-        runs = {}
+        runs, workers = {}, {}
         for run in await store.runs():
             try:
-                runs[run] = (await store.get_run(run))["counts"]
+                got = await store.get_run(run)
             except Exception:  # a run deleted under us: skip it rather than fail the scrape
                 continue
+            runs[run], workers[run] = got["counts"], got["workers"]
         registry = CollectorRegistry()
         registry.register(_RunCollector(runs))
+        registry.register(_WorkerCollector(workers))
         if health is not None:
             registry.register(_RedisCollector(health.status()))
         return generate_latest(self.registry) + generate_latest(registry)
@@ -99,6 +103,37 @@ class _RunCollector:
             for run, counts in self.runs.items():
                 family.add_metric([run], counts[key])
             yield family
+
+
+class _WorkerCollector:
+    """Per worker and run: what it leased and reported (counted by the tracker), the trajectories
+    the learner accepted from it (its own report, monotone), and when the tracker last saw it."""
+
+    _COUNTERS = {
+        "leases": ("spopp_tracker_worker_leases", "requests leased to the worker"),
+        "outcomes": ("spopp_tracker_worker_outcomes", "outcomes accepted for the worker's requests"),
+        "trajectories": ("spopp_tracker_worker_trajectories", "trajectories the learner accepted (reported)"),
+        "episodes": ("spopp_tracker_worker_episodes", "episodes the worker finished (reported)"),
+    }
+
+    def __init__(self, runs: dict[str, dict[str, dict]]) -> None:
+        self.runs = runs
+
+    def collect(self):
+        rows = [(run, worker, stats) for run, ws in self.runs.items() for worker, stats in ws.items()]
+        for key, (name, doc) in self._COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["run", "worker"])
+            for run, worker, stats in rows:
+                family.add_metric([run, worker], stats[key])
+            yield family
+        seen = GaugeMetricFamily(
+            "spopp_tracker_worker_last_seen_timestamp_seconds",
+            "when the tracker last heard from the worker (Redis clock, Unix seconds)",
+            labels=["run", "worker"],
+        )
+        for run, worker, stats in rows:
+            seen.add_metric([run, worker], datetime.fromisoformat(stats["last_seen"]).timestamp())
+        yield seen
 
 
 class _RedisCollector:

@@ -18,13 +18,21 @@ import redis.asyncio as aioredis
 
 from spopp.evidence import jeffreys_init
 from spopp.sampler import SAMPLER_FLOOR, race_draws
-from spopp.tracker_api import LIMITS, RunConfig, TaskPrior
+from spopp.tracker_api import LIMITS, MAX_WORKERS_PER_RUN, RunConfig, TaskPrior
 
 from .errors import ApiError
 
 _SCRIPTS = (
-    "put_run put_tasks dispatch outcomes renew release consume policy read_tasks read_run read_requests"
+    "put_run put_tasks dispatch outcomes renew release consume policy read_tasks read_run read_requests "
+    "finish reopen heartbeat"
 ).split()
+# The per-worker hashes of a run (common.lua): worker id -> count, or last seen (ms).
+_WORKER_STATS = {
+    "leases": "wk:leases",
+    "outcomes": "wk:outcomes",
+    "trajectories": "wk:traj",
+    "episodes": "wk:eps",
+}
 
 
 def _limits_lua() -> str:
@@ -61,8 +69,15 @@ def _list(x: Any) -> list:
 
 
 class Store:
-    def __init__(self, client: aioredis.Redis, idempotency_ttl_seconds: float = 3600.0) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        idempotency_ttl_seconds: float = 3600.0,
+        max_workers: int = MAX_WORKERS_PER_RUN,
+    ) -> None:
         self.redis = client
+        # Workers a run keeps stats of: the bound on what callers can make it remember per run.
+        self.max_workers = str(max_workers)
         # How long finished calls are remembered (dispatch idempotency keys, consumed update ids,
         # finished requests): longer than any client retries one call.
         self.ttl_ms = str(max(1, round(idempotency_ttl_seconds * 1000)))
@@ -107,8 +122,14 @@ class Store:
     async def get_run(self, run: str) -> dict:
         raw = await self._call("read_run", run)
         version = int(raw["version"])
+        finished = raw.get("status") == "finished"
         return {
             "run": run,
+            "status": "finished" if finished else "running",
+            "finished_at": rfc3339(float(raw["finished_ms"])) if finished else None,
+            "final_version": int(raw["final_version"]) if finished else None,
+            "finish_reason": raw.get("finish_reason") if finished else None,
+            "workers": await self.workers(run),
             "config": json.loads(raw["config"]),
             "policy_version": version,
             "snapshot": raw.get("snapshot"),
@@ -123,6 +144,31 @@ class Store:
                 "consumed_updates": int(raw["consumed"]),
             },
         }
+
+    async def workers(self, run: str) -> dict[str, dict]:
+        """Every worker's stats, read in one transaction (so the counts agree with each other)."""
+        p = prefix(run)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for key in (*_WORKER_STATS.values(), "wk:seen"):
+                pipe.hgetall(p + key)
+            *stats, seen = await pipe.execute()
+        out = {}
+        for worker, ms in sorted(seen.items()):
+            row = {name: int(got.get(worker, 0)) for name, got in zip(_WORKER_STATS, stats, strict=True)}
+            out[worker] = {**row, "last_seen": rfc3339(float(ms))}
+        return out
+
+    async def finish(self, run: str, version: int, reason: str) -> bool:
+        return bool((await self._call("finish", run, version, reason))["changed"])
+
+    async def reopen(self, run: str, version: int) -> bool:
+        return bool((await self._call("reopen", run, version))["changed"])
+
+    async def heartbeat(self, run: str, worker: str, trajectories: int, episodes: int) -> dict:
+        got = await self._call("heartbeat", run, worker, trajectories, episodes, self.max_workers)
+        row = {name: int(got[name]) for name in _WORKER_STATS}
+        last_seen = rfc3339(float(got["seen_ms"]))
+        return {"worker_id": worker, **row, "last_seen": last_seen, "run_status": got["run_status"]}
 
     async def runs(self) -> list[str]:
         return sorted(
@@ -196,7 +242,7 @@ class Store:
 
     # -- requests -----------------------------------------------------------------------------
     async def dispatch(self, run: str, worker: str, version: int, k: int, idem: str | None) -> dict:
-        args = [worker, version, k, idem or "", self.ttl_ms]
+        args = [worker, version, k, idem or "", self.ttl_ms, self.max_workers]
         out = await self._with_draws("dispatch", run, k, lambda _: args)
         return {
             "policy_version": out["policy_version"],
@@ -215,7 +261,7 @@ class Store:
 
     async def outcomes(self, run: str, items: list[tuple[str, float]]) -> list[dict]:
         args = [x for rid, reward in items for x in (rid, num(reward))]
-        out = await self._call("outcomes", run, self.ttl_ms, *args)
+        out = await self._call("outcomes", run, self.ttl_ms, self.max_workers, *args)
         return [
             {
                 "request_id": r["request_id"],

@@ -134,3 +134,38 @@ local function need_run()
   end
   return nil
 end
+
+-- The run's name, from its key prefix "spopp:{run}:", for messages.
+local function run_name() return string.sub(P, 8, -3) end
+
+-- A finished run takes no new leases and no new policy versions; `what` says which was refused.
+local function refuse_if_finished(what)
+  if redis.call('HGET', RUN, 'status') ~= 'finished' then return nil end
+  local final = redis.call('HGET', RUN, 'final_version')
+  return fail(409, 'run_finished', 'run ' .. run_name() .. ' finished at version ' .. final .. ': ' .. what,
+    { policy_version = tonumber(final) })
+end
+
+-- Per-worker stats: one hash per statistic, keyed by worker id, so a run's workers cost five
+-- keys however many there are. W_SEEN (worker -> last seen, ms of Redis TIME) lists the known
+-- workers; their number is bounded by the caller's cap, so no caller can grow Redis without end.
+local W_LEASES = P .. 'wk:leases'
+local W_OUTCOMES = P .. 'wk:outcomes'
+local W_TRAJ = P .. 'wk:traj'
+local W_EPS = P .. 'wk:eps'
+local W_SEEN = P .. 'wk:seen'
+
+-- Nil when `worker` may keep stats (known already, or room for one more under `cap`).
+local function refuse_new_worker(worker, cap)
+  if redis.call('HEXISTS', W_SEEN, worker) == 1 then return nil end
+  local n = redis.call('HLEN', W_SEEN)
+  if n < cap then return nil end
+  return fail(409, 'too_many_workers', 'run ' .. run_name() .. ' keeps stats of at most ' .. cap ..
+    ' workers and has ' .. n .. ': reuse worker ids', { max_workers = cap })
+end
+
+-- The worker was seen now; every statistic gets a field, so a reader sees zeros, not holes.
+local function worker_seen(worker, now)
+  redis.call('HSET', W_SEEN, worker, now)
+  for _, key in ipairs({ W_LEASES, W_OUTCOMES, W_TRAJ, W_EPS }) do redis.call('HSETNX', key, worker, 0) end
+end

@@ -1,18 +1,20 @@
--- ARGV: prefix, ttl_ms, then (request_id, reward) pairs. Checked whole (422, then 404 before 409),
--- then applied. A reported request's record is kept for ttl_ms: a repeat of the same report
--- answers the same meanwhile.
+-- ARGV: prefix, ttl_ms, max_workers, then (request_id, reward) pairs. Checked whole (422, then 404
+-- before 409), then applied. A reported request's record is kept for ttl_ms: a repeat of the same
+-- report answers the same meanwhile. A finished run still takes outcomes: late evidence lands.
 local missing = need_run()
 if missing then return missing end
 local ttl_ms = whole(ARGV[2], 1, 1e12)
 if not ttl_ms then return invalid('ttl_ms', ARGV[2]) end
-local n = (#ARGV - 2) / 2
+local max_workers = whole(ARGV[3], 1, 1e9)
+if not max_workers then return invalid('max_workers', ARGV[3]) end
+local n = (#ARGV - 3) / 2
 if n < 1 or n ~= math.floor(n) or n > MAX_BATCH then return invalid('outcome count', n) end
 for i = 0, n - 1 do
-  if not within(ARGV[4 + 2 * i], 0, 1) then return invalid('reward of ' .. ARGV[3 + 2 * i], ARGV[4 + 2 * i]) end
+  if not within(ARGV[5 + 2 * i], 0, 1) then return invalid('reward of ' .. ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
 end
 local reqs, unknown = {}, {}
 for i = 0, n - 1 do
-  local rid = ARGV[3 + 2 * i]
+  local rid = ARGV[4 + 2 * i]
   local req = load_req(rid)
   if not req then table.insert(unknown, rid) end
   reqs[rid] = req
@@ -23,7 +25,7 @@ end
 local now = now_ms()
 local pending, bad_reward, not_live = {}, {}, {}
 for i = 0, n - 1 do
-  local rid, reward = ARGV[3 + 2 * i], tonumber(ARGV[4 + 2 * i])
+  local rid, reward = ARGV[4 + 2 * i], tonumber(ARGV[5 + 2 * i])
   local req = reqs[rid]
   local known = pending[rid] or (req.state == 'reported' and tonumber(req.reward))
   if known then
@@ -44,7 +46,7 @@ local spopp = redis.call('HGET', RUN, 'recipe') == 'spopp'
 local lam, clock, floor = hnum(RUN, 'lam'), hnum(RUN, 'clock'), hnum(RUN, 'floor')
 local applied, results = 0, {}
 for i = 0, n - 1 do
-  local rid, reward = ARGV[3 + 2 * i], tonumber(ARGV[4 + 2 * i])
+  local rid, reward = ARGV[4 + 2 * i], tonumber(ARGV[5 + 2 * i])
   local req = reqs[rid]
   if req.state == 'leased' then
     local tk = task_key(req.task)
@@ -62,8 +64,14 @@ for i = 0, n - 1 do
       a, b = a + w * reward, b + w * (1 - reward)
       redis.call('HSET', tk, 'a', fmt(a), 'b', fmt(b), 'zr', fmt(zr))
     end
-    redis.call('HSET', req_key(rid), 'reward', ARGV[4 + 2 * i])
+    redis.call('HSET', req_key(rid), 'reward', ARGV[5 + 2 * i])
     finish(rid, 'reported', ttl_ms)
+    -- Once per request (a repeat finds it reported), to the worker that leased it; a worker the
+    -- bound left without stats stays without (the outcome itself always counts).
+    if req.worker and not refuse_new_worker(req.worker, max_workers) then
+      worker_seen(req.worker, now)
+      redis.call('HINCRBY', W_OUTCOMES, req.worker, 1)
+    end
     redis.call('HINCRBY', tk, 'outcomes', 1)
     make_idle(req.task, tonumber(req.E), clock, floor)
     req.state = 'reported'

@@ -7,6 +7,9 @@ if snapshot == nil or snapshot == '' or #snapshot > MAX_SNAPSHOT_CHARS then retu
 local current = hnum(RUN, 'version')
 local cur_snap = redis.call('HGET', RUN, 'snapshot') or ''
 if version == current + 1 then
+  -- After the finish nothing trains on a new version: refuse it (a repeat of the final one is fine).
+  local over = refuse_if_finished('no new policy versions')
+  if over then return over end
   redis.call('HSET', RUN, 'version', version, 'snapshot', snapshot)
   return ok({ version = version, snapshot = snapshot, changed = 1 })
 end

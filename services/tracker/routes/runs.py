@@ -1,10 +1,12 @@
-"""PUT/GET /v1/runs/{run}: create a run (idempotent for the same body) and read it."""
+"""PUT/GET /v1/runs/{run}: create a run (idempotent for the same body) and read it; POST
+/v1/runs/{run}/finish marks it finished at its current version (no new leases, no new versions),
+and /reopen undoes that when its budget grew."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from spopp.tracker_api import Run, RunConfig
+from spopp.tracker_api import FinishBody, ReopenBody, Run, RunConfig
 
 from ..deps import RunName, StoreDep
 
@@ -20,4 +22,16 @@ async def put_run(run: RunName, body: RunConfig, store: StoreDep, response: Resp
 
 @router.get("/runs/{run}", response_model=Run)
 async def get_run(run: RunName, store: StoreDep) -> dict:
+    return await store.get_run(run)
+
+
+@router.post("/runs/{run}/finish", response_model=Run)
+async def finish(run: RunName, body: FinishBody, store: StoreDep) -> dict:
+    await store.finish(run, body.version, body.reason)
+    return await store.get_run(run)
+
+
+@router.post("/runs/{run}/reopen", response_model=Run)
+async def reopen(run: RunName, body: ReopenBody, store: StoreDep) -> dict:
+    await store.reopen(run, body.version)
     return await store.get_run(run)
