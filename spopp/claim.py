@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import socket
@@ -373,3 +374,23 @@ def claim_process(
         held.release()
         raise
     return held, listen
+
+
+def claim_at_start(s, role: str, log: logging.Logger, *, worker_id: str | None = None) -> tuple[str, int]:
+    """A service's start-up step, from its settings (`claim_dir`, `devices`, `port`, `claim_ports`,
+    `claim_record`, `claim_wait_seconds`, `worker_id`): without `claim_dir` nothing is claimed and
+    only the record is written; with it, `claim_process`. Answers (worker id, port to listen on).
+    `worker_id` overrides the claim's (the evaluator keeps its hold's name). Raises ClaimError."""
+    own = worker_id or getattr(s, "worker_id", None)
+    if s.claim_dir is None:
+        if s.claim_record is not None:
+            write_record(s.claim_record, {"worker_id": own, "port": s.port, "index": None, "device": None,
+                                          "pid": os.getpid()})  # fmt: skip
+        return own, s.port
+    held, port = claim_process(
+        s.claim_dir, role, s.devices, port=s.port, claim_ports=s.claim_ports, record=s.claim_record,
+        wait_seconds=s.claim_wait_seconds, worker_id=worker_id,
+    )  # fmt: skip
+    log.info("claimed %s (index %d, device %s): worker id %s, port %d",
+             held.path, held.index, held.device, held.worker_id, port)  # fmt: skip
+    return held.worker_id, port

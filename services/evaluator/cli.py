@@ -27,28 +27,17 @@ def _claimed(s: EvaluatorSettings) -> EvaluatorSettings:
     keep snapshots from pruning until it expired). Runs before .follow is imported: a claimed GPU
     must be in CUDA_VISIBLE_DEVICES before torch or vLLM start."""
     import logging
-    import os
 
-    from spopp.claim import ClaimError, claim_process, write_record
+    from spopp.claim import ClaimError, claim_at_start
 
-    if s.claim_dir is None:
-        if s.claim_record is not None:
-            write_record(s.claim_record, {"worker_id": s.holder_id(), "port": s.port, "index": None,
-                                          "device": None, "pid": os.getpid()})  # fmt: skip
-        return s
     try:
-        held, port = claim_process(
-            s.claim_dir, "evaluator", s.devices, port=s.port, claim_ports=s.claim_ports,
-            record=s.claim_record, wait_seconds=s.claim_wait_seconds, worker_id=s.holder_id(),
-        )  # fmt: skip
+        _, port = claim_at_start(
+            s, "evaluator", logging.getLogger("spopp.evaluator"), worker_id=s.holder_id()
+        )
     except ClaimError as exc:
         click.echo(f"Error: {exc}", err=True)  # a plain message and exit code 2, no traceback
         raise click.exceptions.Exit(2) from None
-    logging.getLogger("spopp.evaluator").info(
-        "claimed %s (index %d, device %s): worker id %s, port %d",
-        held.path, held.index, held.device, held.worker_id, port,
-    )  # fmt: skip
-    return s.model_copy(update={"port": port})
+    return s if port == s.port else s.model_copy(update={"port": port})
 
 
 def _run(settings: EvaluatorSettings) -> None:

@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from spopp.claim import devices_setting
+from spopp.claim_settings import ClaimSettings
 from spopp.settings import Settings
 from spopp.snapshots import HOLDER_PATTERN
 
@@ -43,7 +43,7 @@ class EpisodeSettings(Settings):
     concurrency: int = Field(32, ge=1, le=4096, description="episodes in flight on the engine")
 
 
-class EvaluatorSettings(EpisodeSettings):
+class EvaluatorSettings(EpisodeSettings, ClaimSettings):
     env_prefix: ClassVar[str] = "SPOPP_EVALUATOR_"
 
     # -- what to follow ------------------------------------------------------------------------
@@ -101,33 +101,6 @@ class EvaluatorSettings(EpisodeSettings):
     )
     port: int = Field(8300, ge=0, le=65535, description="port of /healthz and /metrics (0: any free port)")
 
-    # -- claim: a free GPU or slot of its own on a shared node -----------------------------------
-    claim_dir: Path | None = Field(
-        None,
-        description="folder shared with the replicas (a volume) where `evaluator run` claims a free "
-        "device, or without devices a numbered slot, at start-up and takes its port from it; unset: "
-        "no claim, port as configured",
-    )
-    devices: str | None = Field(
-        None,
-        description="GPUs to claim from (needs claim_dir; the replicas' device claims are shared): auto "
-        "(nvidia-smi), a list 0,1,2 or a range 2-5; the claimed one becomes CUDA_VISIBLE_DEVICES "
-        "(cuda:0); unset: claim a numbered slot",
-    )
-    claim_ports: bool = Field(
-        True,
-        description="with a claim, listen on port + the claim's index, so processes sharing one host "
-        "network never collide (off for pods with a network of their own)",
-    )
-    claim_record: Path | None = Field(
-        None,
-        description="write this evaluator's worker id (its holder), port and pid (and its claim, with "
-        "claim_dir) here as JSON at start-up, for a health check to find its port",
-    )
-    claim_wait_seconds: float = Field(
-        0.0, ge=0, le=86_400, description="wait this long for a free claim before giving up"
-    )
-
     # -- held-out tasks and episodes -----------------------------------------------------------
     tasks: Path = Field(..., description="held-out tasks (JSONL/parquet: prompt, answer, task_id)")
     max_tasks: int | None = Field(
@@ -145,17 +118,6 @@ class EvaluatorSettings(EpisodeSettings):
         if not self.greedy and self.samples == 0:
             raise ValueError("nothing to score: set greedy: true or samples >= 1")
         return self
-
-    @model_validator(mode="after")
-    def _devices_need_a_claim(self) -> EvaluatorSettings:
-        if self.devices and self.claim_dir is None:
-            raise ValueError("devices are claimed in claim_dir: set claim_dir too")
-        return self
-
-    @field_validator("devices", mode="before")
-    @classmethod
-    def _devices_parse(cls, value: object) -> object:
-        return devices_setting(value)  # a bad list stops the start here, naming the field
 
     def holder_id(self) -> str:
         """The hold file's id: `holder`, or evaluator-<run> with characters a file name cannot

@@ -14,28 +14,17 @@ def _claimed(s: RolloutSettings) -> RolloutSettings:
     worker id and port from it; write `claim_record`. Runs before .serve is imported: that pulls
     in the engines, and a claimed GPU must be in CUDA_VISIBLE_DEVICES before torch or vLLM start."""
     import logging
-    import os
 
-    from spopp.claim import ClaimError, claim_process, write_record
+    from spopp.claim import ClaimError, claim_at_start
 
-    if s.claim_dir is None:
-        if s.claim_record is not None:
-            write_record(s.claim_record, {"worker_id": s.worker_id, "port": s.port, "index": None,
-                                          "device": None, "pid": os.getpid()})  # fmt: skip
-        return s
     try:
-        held, port = claim_process(
-            s.claim_dir, "rollout", s.devices, port=s.port, claim_ports=s.claim_ports,
-            record=s.claim_record, wait_seconds=s.claim_wait_seconds,
-        )  # fmt: skip
+        worker_id, port = claim_at_start(s, "rollout", logging.getLogger("spopp.rollout"))
     except ClaimError as exc:
         click.echo(f"Error: {exc}", err=True)  # a plain message and exit code 2, no traceback
         raise click.exceptions.Exit(2) from None
-    logging.getLogger("spopp.rollout").info(
-        "claimed %s (index %d, device %s): worker id %s, port %d",
-        held.path, held.index, held.device, held.worker_id, port,
-    )  # fmt: skip
-    return s.model_copy(update={"worker_id": held.worker_id, "port": port})
+    if (worker_id, port) == (s.worker_id, s.port):
+        return s  # nothing claimed
+    return s.model_copy(update={"worker_id": worker_id, "port": port})
 
 
 def _serve(settings: RolloutSettings) -> None:

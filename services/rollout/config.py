@@ -8,13 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 
-from spopp.claim import devices_setting
-from spopp.settings import Settings
+from spopp.claim_settings import ClaimSettings
 
 
-class RolloutSettings(Settings):
+class RolloutSettings(ClaimSettings):
     env_prefix: ClassVar[str] = "SPOPP_ROLLOUT_"
 
     model: Path = Field(..., description="model folder of policy version 0 (Hugging Face layout)")
@@ -77,44 +76,9 @@ class RolloutSettings(Settings):
     )
     host: str = Field("127.0.0.1", description="address of this replica's /healthz and /metrics")
     port: int = Field(8200, ge=0, le=65535, description="port of /healthz and /metrics")
-    claim_dir: Path | None = Field(
-        None,
-        description="folder shared by the replicas of a node or cluster (a volume) where each claims a "
-        "free device, or without devices a numbered slot, at start-up and takes its worker id and port "
-        "from it; unset: no claim, worker_id and port as configured",
-    )
-    devices: str | None = Field(
-        None,
-        description="GPUs to claim from (needs claim_dir): auto (nvidia-smi), a list 0,1,2 or a range "
-        "2-5; the claimed one becomes CUDA_VISIBLE_DEVICES; unset: claim a numbered slot",
-    )
-    claim_ports: bool = Field(
-        True,
-        description="with a claim, listen on port + the claim's index, so replicas sharing one host "
-        "network never collide (off for pods with a network of their own)",
-    )
-    claim_record: Path | None = Field(
-        None,
-        description="write this replica's worker id, port and pid (and its claim, with claim_dir) here "
-        "as JSON at start-up, for a health check to find its port: /tmp/spopp-claim.json",
-    )
-    claim_wait_seconds: float = Field(
-        0.0, ge=0, le=86_400, description="wait this long for a free claim before giving up"
-    )
     max_episodes: int | None = Field(
         None, ge=1, description="stop after N episodes (smoke runs, tests); unset: run until stopped"
     )
-
-    @field_validator("devices", mode="before")
-    @classmethod
-    def _devices_parse(cls, value: object) -> object:
-        return devices_setting(value)  # a bad list stops the start here, naming the field
-
-    @model_validator(mode="after")
-    def _devices_need_a_claim(self) -> RolloutSettings:
-        if self.devices and self.claim_dir is None:
-            raise ValueError("devices are claimed in claim_dir: set claim_dir too")
-        return self
 
     def engine_kwargs(self) -> dict:
         """Arguments of `make_engine` for this replica. The transformers engine gets a process of its
