@@ -7,6 +7,7 @@ import importlib.metadata
 import re
 import subprocess
 import sys
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -73,7 +74,11 @@ def test_cpu_and_gpu_builds_are_the_same_releases():
 
 
 def test_make_setup_installed_exactly_the_lock():
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    # Only the venv's own site-packages: setuptools puts its vendored copies (an older
+    # more-itertools, ...) on sys.path too, and those are not what `make setup` installed.
+    site = sysconfig.get_paths()["purelib"]
+    dists = importlib.metadata.distributions(path=[site])
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in dists}
     checked = 0
     for name, version in PINS.items():
         if name in installed and name != "vllm":
