@@ -1,4 +1,7 @@
-"""ASGI middleware shared by the services: body-size limits (413) and bearer-token auth (401)."""
+"""ASGI middleware shared by the services: body-size limits (413) and bearer-token auth (401).
+
+Serving an app (uvicorn beside a service's loop, or in a thread) is the service shell's:
+runtime/service/server.py."""
 
 from __future__ import annotations
 
@@ -72,59 +75,3 @@ class BearerAuth:
             return await self.app(scope, receive, send)
         detail = {"code": "unauthorized", "message": "missing or wrong bearer token"}
         await send_error(send, 401, detail, [(b"www-authenticate", b"Bearer")])
-
-
-class ThreadedServer:
-    """An ASGI app under uvicorn in a background thread: the learner's intake beside its training
-    loop, and the stand-in learner of rollout tests. `port=0` picks a free port."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
-        import socket
-        import threading
-
-        import uvicorn
-
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"http-{port}")
-
-    def start(self, timeout: float = 10.0) -> ThreadedServer:
-        import time
-
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"HTTP server on {self.url} did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-    def __enter__(self) -> ThreadedServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def serve_in_loop(app, host: str, port: int):
-    """A uvicorn server for a service whose own loop owns SIGTERM and SIGINT (a replica drains its
-    episodes, the evaluator drops its hold): uvicorn's signal capture is left out, so a signal
-    stops the service, which then stops the server. Answers the server; `await server.serve()`."""
-    import contextlib
-
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            yield
-
-    return _Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))

@@ -20,6 +20,7 @@ pass and in the gradient.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -127,39 +128,73 @@ def policy_loss(
     old = _masked_finite("old_logp", old_logp.detach(), keep)
     adv = _masked_finite("advantages", advantages.detach(), keep)
 
+    surrogate = _surrogate(new, old, adv, clip_low, clip_high, dual_clip)
+    raw_w, weight = _rollout_weight(old, rollout_logp, keep, is_cap)
+    loss = (weight * surrogate.per_token * keep.to(surrogate.per_token.dtype)).sum() / denom
+    with torch.no_grad():
+        stats = _stats(surrogate, new, old, raw_w, weight, keep, is_cap, rollout_logp is not None)
+    return loss, stats
+
+
+@dataclass(frozen=True)
+class _Surrogate:
+    """The per-token clipped objective and what the statistics need of its parts."""
+
+    per_token: Tensor  # max(-A r, -A clip(r)), then Dual-Clip's cap where A < 0
+    unclipped: Tensor  # -A r
+    clipped: Tensor  # -A clip(r, 1 - clip_low, 1 + clip_high)
+    dual_active: Tensor  # bool: Dual-Clip's cap binds
+
+
+def _surrogate(
+    new: Tensor, old: Tensor, adv: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
+) -> _Surrogate:
     ratio = torch.exp(new - old)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    dual_active = torch.zeros_like(keep)
+    dual_active = torch.zeros_like(new, dtype=torch.bool)
     if dual_clip is not None:
         cap = -dual_clip * adv
         dual_active = (adv < 0) & (per_token > cap)
         per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
+    return _Surrogate(per_token, unclipped, clipped, dual_active)
 
+
+def _rollout_weight(
+    old: Tensor, rollout_logp: Tensor | None, keep: Tensor, is_cap: float
+) -> tuple[Tensor, Tensor]:
+    """(raw, applied) rollout-correction weights; ones without rollout_logp."""
     if rollout_logp is None:
         raw_w = torch.ones_like(old)
-        weight = raw_w
-    else:
-        rollout = _masked_finite("rollout_logp", rollout_logp.detach(), keep)
-        raw_w = torch.exp(old - rollout)
-        weight = torch.clamp(raw_w, max=is_cap)
+        return raw_w, raw_w
+    rollout = _masked_finite("rollout_logp", rollout_logp.detach(), keep)
+    raw_w = torch.exp(old - rollout)
+    return raw_w, torch.clamp(raw_w, max=is_cap)
 
-    loss = (weight * per_token * keep.to(per_token.dtype)).sum() / denom
 
-    with torch.no_grad():
-        tokens = int(keep.sum())
-        clip_active = (clipped > unclipped) | dual_active
-        log_back = old - new.detach()
-        k3 = torch.expm1(log_back) - log_back
-        capped = (raw_w >= is_cap) if rollout_logp is not None else torch.zeros_like(keep)
-        stats = {
-            "clip_fraction": _masked_mean(clip_active.double(), keep, tokens),
-            "dual_clip_fraction": _masked_mean(dual_active.double(), keep, tokens),
-            "approx_kl": _masked_mean(k3, keep, tokens),
-            "is_weight_mean": _masked_mean(weight, keep, tokens),
-            "is_weight_max": float(weight[keep].max()) if tokens else 0.0,
-            "is_capped_fraction": _masked_mean(capped.double(), keep, tokens),
-            "tokens": float(tokens),
-        }
-    return loss, stats
+def _stats(
+    s: _Surrogate,
+    new: Tensor,
+    old: Tensor,
+    raw_w: Tensor,
+    weight: Tensor,
+    keep: Tensor,
+    is_cap: float,
+    corrected: bool,
+) -> dict[str, float]:
+    """The loss's statistics over the counted tokens (see policy_loss); call under no_grad."""
+    tokens = int(keep.sum())
+    clip_active = (s.clipped > s.unclipped) | s.dual_active
+    log_back = old - new.detach()
+    k3 = torch.expm1(log_back) - log_back
+    capped = (raw_w >= is_cap) if corrected else torch.zeros_like(keep)
+    return {
+        "clip_fraction": _masked_mean(clip_active.double(), keep, tokens),
+        "dual_clip_fraction": _masked_mean(s.dual_active.double(), keep, tokens),
+        "approx_kl": _masked_mean(k3, keep, tokens),
+        "is_weight_mean": _masked_mean(weight, keep, tokens),
+        "is_weight_max": float(weight[keep].max()) if tokens else 0.0,
+        "is_capped_fraction": _masked_mean(capped.double(), keep, tokens),
+        "tokens": float(tokens),
+    }

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal, Self
 import annotated_types
 import click
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 API_TOKEN_ENV = "SPOPP_API_TOKEN"
 
@@ -45,6 +45,13 @@ class Settings(BaseModel):
     env_prefix: ClassVar[str] = "SPOPP_"
     # Fields printed as "***" by --print-config and never written to a resolved config file.
     secret_fields: ClassVar[frozenset[str]] = frozenset({"api_token"})
+
+    # Every command logs, so every command's settings say how (runtime.service.logs).
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="how the process logs: text lines for a terminal, or json: one JSON object a "
+        "line (time, level, service, run, worker, message and the event's fields) for a log collector",
+    )
 
     @classmethod
     def env_name(cls, field: str) -> str:
@@ -107,6 +114,14 @@ class Settings(BaseModel):
         except yaml.YAMLError:
             return raw  # let the field's validation say what it expected
 
+    @classmethod
+    def explain_nested(cls, err: Any) -> str:
+        """What is wrong with a field of a nested model (one pydantic error), without its source."""
+        path = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            return f"{path}: unknown setting"
+        return f"{path}: {err['msg']}"
+
     def redacted(self) -> dict[str, Any]:
         """The settings as plain data, secrets masked: what --print-config shows."""
         data = self.model_dump(mode="json")
@@ -146,7 +161,10 @@ def _explain(cls: type[Settings], exc: ValidationError, source: dict[str, str]) 
     for err in exc.errors():
         name = str(err["loc"][0]) if err["loc"] else "settings"
         where = source.get(name, "default")
-        if err["type"] == "extra_forbidden":
+        if len(err["loc"]) > 1:
+            # A field of a nested model (a launch section): named by its path, `learner.lr`.
+            lines.append(f"{cls.explain_nested(err)} ({where})")
+        elif err["type"] == "extra_forbidden":
             lines.append(f"unknown setting {name!r} ({where}); see --help for the settings")
         elif err["type"] == "missing":
             lines.append(

@@ -4,7 +4,7 @@ the evaluator (read), and the evaluator's holds on versions it has still to scor
 Layout under the snapshot root (the learner's `snapshots` setting, shared storage):
 
     v000007/                   one published policy version, complete once it has this name
-      manifest.json            {"version": 7, "step": 14, "files": {...}, ...}
+      manifest.json            {"version": 7, "step": 14, "files": {...}, ...} (`Manifest`)
     v000008.tmp/, v000003.del/ a publish or a deletion under way (never a published version)
     .holds/<holder>.json       {"holder", "from_version", "every", "expires_at"}: a hold
 
@@ -31,6 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .jsonfile import FileFormatError, read_json, read_model, to_text
 
 log = logging.getLogger("spopp.snapshots")
 
@@ -76,36 +80,61 @@ def snapshot_path(uri: str) -> Path:
     raise ValueError(f"unsupported snapshot URI {uri!r}: use a path on shared storage or file://")
 
 
-@dataclass(frozen=True)
-class Manifest:
-    version: int
-    step: int | None  # the learner's update count at the publish; None in manifests without it
+class ManifestFile(BaseModel):
+    """One weights file of a snapshot, as the learner wrote it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex SHA-256 of the file")
+    bytes: int = Field(ge=0, description="the file's size")
+
+
+class Manifest(BaseModel):
+    """A snapshot's manifest.json, written by the learner's publish and read by every consumer.
+
+    Readers need only `version` and `step`, so the rest is optional: folders made by hand (a test,
+    `spopp evaluator score` on a copy) carry no more, and keys a later learner adds are kept.
+    """
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+    version: int = Field(ge=0, description="the policy version the folder publishes")
+    step: int | None = Field(
+        None, ge=0, description="the learner's update count at the publish; null in manifests without it"
+    )
+    files: dict[str, ManifestFile] = Field(default_factory=dict, description="weights files by name")
+    base_model: str | None = Field(None, description="the base model folder (config, tokenizer)")
+    created_at: str | None = Field(None, description="ISO 8601 time of the publish (UTC)")
+
+    def same_weights(self, other: Manifest) -> bool:
+        """Whether `other` publishes this version with these very weights (a learner's re-publish)."""
+        return self.version == other.version and self.files == other.files
 
 
 def _json_object(path: Path) -> dict:
     """A file holding one JSON object; ValueError naming the file otherwise (OSError if unreadable)."""
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON: {exc}") from None
+    data = read_json(path)
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected an object, got {type(data).__name__}")
+        raise FileFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
 def read_manifest(folder: str | Path) -> Manifest:
-    """The version and step a snapshot's manifest.json names.
+    """A snapshot's manifest.json, checked.
 
-    Raises FileNotFoundError when there is none, ValueError when it is not a manifest.
+    Raises FileNotFoundError when there is none, ValueError (FileFormatError: `<file>: <field>:
+    <what>`) when it is not a manifest.
     """
+    return read_model(Path(folder) / MANIFEST, Manifest)
+
+
+def write_manifest(folder: str | Path, manifest: Manifest) -> Path:
+    """Write `folder/manifest.json` (into a folder that is published by renaming it, so the file
+    itself needs no temporary name); ValueError before anything is written when it cannot be JSON."""
     path = Path(folder) / MANIFEST
-    data = _json_object(path)
-    version, step = data.get("version"), data.get("step")
-    if not _is_int(version) or version < 0:
-        raise ValueError(f"{path}: version must be an integer >= 0, got {version!r}")
-    if step is not None and (not _is_int(step) or step < 0):
-        raise ValueError(f"{path}: step must be an integer >= 0 or null, got {step!r}")
-    return Manifest(version=version, step=step)
+    text = to_text(manifest.model_dump(mode="json", exclude_unset=True), str(path))
+    path.write_text(text)
+    return path
 
 
 def _is_int(x: Any) -> bool:

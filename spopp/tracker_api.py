@@ -16,11 +16,18 @@ LIMITS again before their first write.
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-Id = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:@/+=-]+$")]
+# The one definition of an id the tracker keys on (tasks, runs' updates): the prior file and
+# `spopp prior` check task ids against TASK_ID, so no file carries a task PUT /tasks would refuse.
+MAX_ID_CHARS = 256
+ID_CHARS = "A-Za-z0-9_.:@/+=-"
+ID_PATTERN = rf"^[{ID_CHARS}]+$"
+TASK_ID = re.compile(rf"^[{ID_CHARS}]{{1,{MAX_ID_CHARS}}}$")
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ID_PATTERN)]
 # A worker (replica) id: also a path segment (POST /v1/runs/{run}/workers/{worker_id}), so no "/".
 WorkerId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@+=-]+$")]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -81,12 +88,8 @@ class RunConfig(_Body):
     retention: float = Field(
         0.875, ge=MIN_RETENTION, lt=1.0, description="rho per policy event (spopp), in [1e-6, 1)"
     )
-    prior_mass: float = Field(
-        8.0,
-        ge=MIN_PRIOR,
-        le=MAX_PRIOR,
-        allow_inf_nan=False,
-        description="total Beta mass of the offline (outcomes-form) prior, in [1e-6, 1e6]",
+    prior_mass: Prior = Field(
+        8.0, description="total Beta mass of the offline (outcomes-form) prior, in [1e-6, 1e6]"
     )
     lease_seconds: float = Field(
         900.0,

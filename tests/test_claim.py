@@ -24,6 +24,7 @@ from services.rollout.config import RolloutSettings
 from spopp.claim import ClaimError, DeviceSpecError, claim, visible_devices
 from spopp.net import free_port
 from spopp.settings import SettingsError
+from spopp.wait import http_answer, wait_until
 from tools.sink import LearnerSink
 
 # A claimer: claims as told (JSON in argv[1]), prints its claim as one JSON line, then sleeps until
@@ -342,7 +343,7 @@ def test_two_replicas_started_alike_come_up_on_distinct_ports_and_ids(
         assert "worker id rollout-0" in logs and "worker id rollout-1" in logs
         # And both serve: each one's engine generates (on the port it claimed).
         for p in (port, port + 1):
-            _wait(lambda p=p: _tokens(p) > 0, 240, f"tokens from the replica on port {p}")
+            wait_until(lambda p=p: _tokens(p) > 0, 240, f"tokens from the replica on port {p}", interval=0.2)
         assert len(sink.trajectories()) >= 1
 
 
@@ -364,19 +365,10 @@ def _tokens(port: int) -> float:
     return 0.0
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def _healthz(port: int, procs, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+    def answer():
         for p in procs:
             assert p.poll() is None, f"a replica exited with {p.returncode}"
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()
-        assert time.monotonic() < deadline, f"nothing healthy on port {port}"
-        time.sleep(0.2)
+        return http_answer(f"http://127.0.0.1:{port}/healthz", ok=None, timeout=5)
+
+    return wait_until(answer, timeout, f"anything healthy on port {port}", interval=0.2).json()

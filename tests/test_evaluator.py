@@ -41,6 +41,7 @@ from spopp.snapshots import (
     version_dirname,
     write_hold,
 )
+from spopp.wait import wait_until
 from tools.tiny_model import perturb_weights
 
 N_TASKS, K = 6, 3
@@ -349,17 +350,6 @@ def evaluator_args(tracker, run: str, held_out: Path, out: Path, *extra: str) ->
     return args, port
 
 
-def wait_for(cond, timeout: float, what: str, proc=None):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert proc is None or proc.poll() is None, f"the evaluator exited ({proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def recorded(out: Path) -> list[dict]:
     path = out / "evals.jsonl"
     return _jsonl(path) if path.is_file() else []
@@ -387,7 +377,7 @@ def test_follows_the_clock_and_scores_every_kth_version_once_in_order(
         publish(client, run, root, tiny_model, v)
     args, port = evaluator_args(tracker, run, held_out, out, "--every", "2", "--until-version", "6")
     with running(args, tmp_path / "evaluator.log") as proc:
-        wait_for(lambda: any(x["policy_version"] == 2 for x in recorded(out)), 60, "version 2", proc)
+        wait_until(lambda: any(x["policy_version"] == 2 for x in recorded(out)), 60, "version 2", proc=proc)
         for v in (4, 5, 6):
             publish(client, run, root, tiny_model, v)
         assert proc.wait(60) == 0
@@ -436,8 +426,8 @@ def test_killed_mid_evaluation_then_restarted_catches_up_without_scoring_twice(
 
     with running(args, tmp_path / "first.log") as proc:
         # Caught up with the clock at version 2, it waits: its metrics say so.
-        wait_for(
-            lambda: (h := health()) and h["next_version"] == 3 and h["scoring"] is None, 60, "idle", proc
+        wait_until(
+            lambda: (h := health()) and h["next_version"] == 3 and h["scoring"] is None, 60, "idle", proc=proc
         )
         assert versions() == [0, 1, 2]
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
@@ -452,7 +442,9 @@ def test_killed_mid_evaluation_then_restarted_catches_up_without_scoring_twice(
         # is killed if v has no record yet (else, the rare race lost, it goes on to the next one).
         for v in (3, 4, 5):
             publish(client, run, root, tiny_model, v)
-            wait_for(lambda v=v: (health() or {}).get("scoring") == v or v in versions(), 60, f"v{v}", proc)
+            wait_until(
+                lambda v=v: (health() or {}).get("scoring") == v or v in versions(), 60, f"v{v}", proc=proc
+            )
             proc.send_signal(signal.SIGSTOP)
             if v not in versions():
                 cut = v
@@ -527,7 +519,7 @@ def test_its_hold_spares_what_it_still_needs_from_the_learners_pruning(
     path = hold_file(root, "eval-main")
     with running(args, tmp_path / "evaluator.log") as proc:
         # The hold goes up before the engine starts, so nothing is scored yet.
-        wait_for(path.exists, 60, "the hold file", proc)
+        wait_until(path.exists, 60, "the hold file", proc=proc)
         hold = json.loads(path.read_text())
         assert hold["holder"] == "eval-main" and hold["every"] == 2 and hold["from_version"] == 0
         assert time.time() < hold["expires_at"] <= time.time() + 600
@@ -535,7 +527,9 @@ def test_its_hold_spares_what_it_still_needs_from_the_learners_pruning(
         assert sorted(p.name for p in deleted) == ["v000001", "v000003", "v000005"]
         assert [v for v, _ in list_snapshots(root)] == [2, 4, 6]
         # It advances: once a version is scored, the hold no longer covers it.
-        wait_for(lambda: json.loads(path.read_text())["from_version"] >= 4, 60, "the hold to advance", proc)
+        wait_until(
+            lambda: json.loads(path.read_text())["from_version"] >= 4, 60, "the hold to advance", proc=proc
+        )
         assert 2 in [x["policy_version"] for x in recorded(out)]
         assert proc.wait(60) == 0
     lines = recorded(out)
@@ -570,11 +564,14 @@ def test_a_dead_evaluators_hold_expires(tracker, client, make_run, tiny_model, h
     )
     path = hold_file(root, f"evaluator-{run}")
     with running(args, tmp_path / "evaluator.log") as proc:
-        wait_for(path.exists, 60, "the hold file", proc)
+        wait_until(path.exists, 60, "the hold file", proc=proc)
         first = json.loads(path.read_text())
         # Renewed every second while it lives.
-        wait_for(
-            lambda: json.loads(path.read_text())["expires_at"] > first["expires_at"], 5, "a renewal", proc
+        wait_until(
+            lambda: json.loads(path.read_text())["expires_at"] > first["expires_at"],
+            5,
+            "a renewal",
+            proc=proc,
         )
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -603,8 +600,10 @@ def test_sigterm_stops_it_cleanly_and_drops_its_hold(
     )
     path = hold_file(root, f"evaluator-{run}")
     with running(args, tmp_path / "evaluator.log") as proc:
-        wait_for(lambda: len(recorded(out)) == 2, 60, "versions 0 and 1", proc)  # then it waits for 2
-        wait_for(lambda: json.loads(path.read_text())["from_version"] == 2, 10, "the hold to advance", proc)
+        wait_until(lambda: len(recorded(out)) == 2, 60, "versions 0 and 1", proc=proc)  # then it waits for 2
+        wait_until(
+            lambda: json.loads(path.read_text())["from_version"] == 2, 10, "the hold to advance", proc=proc
+        )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     assert not path.exists()

@@ -25,6 +25,7 @@ from services.launch.compare import arm_settings
 from services.launch.config import LaunchSettings
 from spopp.priors import build_prior, read_prior, write_prior
 from spopp.settings import SettingsError
+from spopp.wait import ProcessExited, WaitTimeout, wait_until
 
 BUDGET = {"max_turns": 3, "max_tokens_per_turn": 16, "max_total_tokens": 128}
 
@@ -97,7 +98,9 @@ def _refused(toy, tmp_path, expect: str, **over) -> None:
         ),
         ({"run_config": {"retention": 1.5}}, "run_config.retention"),
         ({"run_config": {"recipe": "spo"}}, "run_config.recipe is set by spopp launch"),
-        ({"evaluator": {"enabled": "maybe"}}, "evaluator.enabled must be true or false"),
+        ({"evaluator": {"enabled": "maybe"}}, "evaluator.enabled: Input should be a valid boolean"),
+        ({"rollout": {"replicas": 0}}, "rollout.replicas: Input should be greater than or equal to 1"),
+        ({"rollout": {"concurrency": "many"}}, "rollout.concurrency: Input should be a valid integer"),
         ({"env_options": {"max_tool_calls": 0, "colour": "red"}}, "environment toy-calc: bad env_options"),
         ({"rollout": {"env_options": {"max_tool_calls": 1}}}, "rollout: env_options is set by spopp launch"),
         ({"evaluator": {"env_options": {}}}, "evaluator: env_options is set by spopp launch"),
@@ -144,9 +147,9 @@ def test_check_prints_the_plan_and_starts_nothing(toy, tmp_path):
 def test_set_reaches_into_sections_and_wins_over_the_file(toy, tmp_path):
     path = config(toy, tmp_path)
     s = resolve(path, ("learner.lr=3e-4", "seed=7", "rollout.engine_options.dtype=float32"))
-    assert s.learner["lr"] == 3e-4 and s.learner["batch_size"] == 4  # the rest of the section stays
+    assert s.learner.lr == 3e-4 and s.learner.batch_size == 4  # the rest of the section stays
     assert s.seed == 7 and s.run == "spopp-s7"
-    assert s.rollout["engine_options"] == {"dtype": "float32"}
+    assert s.rollout.engine_options == {"dtype": "float32"}
     with pytest.raises(SettingsError, match="expected KEY=VALUE"):
         resolve(path, ("learner.lr",))
 
@@ -170,10 +173,10 @@ def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
     base = resolve(config(toy, tmp_path))
     arms = {a: arm_settings(base, a, 3, tmp_path) for a in ("spo", "spopp", "spopp-trajnorm")}
     assert arms["spo"].recipe == "spo" and arms["spopp"].recipe == "spopp"
-    assert arms["spopp-trajnorm"].learner["normalization"] == "trajectory"
+    assert arms["spopp-trajnorm"].learner.normalization == "trajectory"
     for s in arms.values():
         assert s.seed == 3 and s.model == base.model and s.prior == base.prior and s.updates == base.updates
-        assert {k: v for k, v in s.learner.items() if k != "normalization"} == base.learner
+        assert {k: v for k, v in s.learner.given().items() if k != "normalization"} == base.learner.given()
     with pytest.raises(ValueError, match="each arm sets it"):
         arm_settings(LaunchSettings.model_validate({**base.model_dump(), "learner": {"dual_clip": 3.0}}),
                      "spo", 0, tmp_path)  # fmt: skip
@@ -185,7 +188,9 @@ def test_the_example_config_is_valid_on_a_five_gpu_node():
     s = resolve(Path(__file__).parent.parent / "deploy" / "launch.example.yaml")
     p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
     assert p.arm() == "spopp" and p.nproc == 2 and len(p.rollouts) == 2 and p.evaluator is not None
-    del s.learner["nproc"]  # one rank per learner GPU by default
+    s.learner = s.learner.model_validate(
+        s.learner.model_dump(exclude={"nproc"})
+    )  # one rank per learner GPU by default
     assert plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))}).nproc == 2
     assert p.learner.dual_clip == 2.0 and p.learner.normalization == "token"
     assert gpus.check(s.gpus, len(p.rollouts), 5) == []
@@ -233,13 +238,10 @@ def _start(path: Path, log: Path) -> subprocess.Popen:
 
 
 def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in log.read_text():
-            return
-        assert proc.poll() is None, log.read_text()
-        time.sleep(0.3)
-    raise AssertionError(f"no {text!r} within {timeout} s:\n{log.read_text()[-3000:]}")
+    try:
+        wait_until(lambda: text in log.read_text(), timeout, f"{text!r} in {log}", interval=0.3, proc=proc)
+    except (WaitTimeout, ProcessExited) as exc:
+        raise AssertionError(f"{exc}:\n{log.read_text()[-3000:]}") from None
 
 
 def _all_gone(procs: list[psutil.Process], timeout: float = 20) -> list[psutil.Process]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -19,11 +18,12 @@ from procs import cli, learner_config, running
 from prometheus_client.parser import text_string_to_metric_families
 from test_learner_ingest import traj
 
+from runtime.service.server import ThreadedServer
 from services.learner.batch import collate, trainable_tokens
 from services.learner.ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
-from spopp.asgi import ThreadedServer
 from spopp.trajectory import Trajectory, count_action_tokens
+from spopp.wait import WaitTimeout, wait_http, wait_until
 
 TOKEN = "intake-token-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -261,23 +261,17 @@ def test_action_tokens_are_one_count_for_normalisation_and_loss():
 
 
 # -- a real learner through the CLI ----------------------------------------------------------
-def _wait_for_intake(url: str, deadline_s: float = 180) -> None:
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            httpx.get(url + "/healthz", timeout=5)
-            return
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, "learner intake never came up"
-            time.sleep(0.2)
-
-
 def _wait_for_metrics(url: str, ready, deadline_s: float = 120) -> dict:
-    deadline = time.monotonic() + deadline_s
-    while not ready(m := scrape(url)):
-        assert time.monotonic() < deadline, f"learner metrics never got there: {m}"
-        time.sleep(0.2)
-    return m
+    seen = {}
+
+    def got():
+        seen["last"] = m = scrape(url)
+        return m if ready(m) else None
+
+    try:
+        return wait_until(got, deadline_s, "the learner's metrics", interval=0.2)
+    except WaitTimeout:
+        raise AssertionError(f"learner metrics never got there: {seen.get('last')}") from None
 
 
 @pytest.mark.slow
@@ -329,7 +323,15 @@ def test_real_learner_keeps_training_through_hostile_trajectories(
         "SPOPP_API_TOKEN": TOKEN,
     }
     with running(cli("learner", "run", "--config", str(config)), tmp_path / "learner.log", env) as learner:
-        _wait_for_intake(url)
+        wait_http(
+            url + "/healthz",
+            180,
+            "the learner intake",
+            ok=None,
+            interval=0.2,
+            request_timeout=5,
+            proc=learner,
+        )
         send(0)
         # After the first update is published and checkpointed, the learner waits for version 1.
         m = _wait_for_metrics(

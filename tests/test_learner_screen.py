@@ -12,7 +12,8 @@ import httpx
 import pytest
 from learner_worker import make_batch
 from procs import cli, learner_config, running
-from test_learner_intake_security import _wait_for_intake
+
+from spopp.wait import wait_http
 
 B = 4
 
@@ -54,7 +55,10 @@ def test_unissued_requests_are_dropped_and_the_learner_trains_on(
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))}
     log_path = tmp_path / "learner.log"
     with running(cli("learner", "run", "--config", str(config)), log_path, env) as learner:
-        _wait_for_intake(url.removesuffix("/v1/trajectories"))
+        wait_http(
+            url.removesuffix("/v1/trajectories") + "/healthz", 180, "the learner intake", ok=None,
+            interval=0.2, request_timeout=5, proc=learner,
+        )  # fmt: skip
         for b in hostile + good[:1]:  # the batch fills with three of these: all but one to drop
             assert httpx.post(url, json=b).status_code == 200
         for b in good[1:]:  # later arrivals take the dropped ones' places
@@ -86,7 +90,10 @@ def test_spo_drops_an_unknown_task_without_request_checks(tiny_model, tracker, c
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))}
     log_path = tmp_path / "learner.log"
     with running(cli("learner", "run", "--config", str(config)), log_path, env) as learner:
-        _wait_for_intake(url.removesuffix("/v1/trajectories"))
+        wait_http(
+            url.removesuffix("/v1/trajectories") + "/healthz", 180, "the learner intake", ok=None,
+            interval=0.2, request_timeout=5, proc=learner,
+        )  # fmt: skip
         assert httpx.post(url, json=body(0, "no-such-task")).status_code == 200
         for i in range(B):
             assert httpx.post(url, json=body(i, f"task-{i}")).status_code == 200

@@ -44,7 +44,12 @@ def test_build_prior_is_the_jeffreys_prior_of_the_counts():
         a, b = _closed_form(t.successes, 8, 8.0)
         assert (t.alpha0, t.beta0) == pytest.approx((a, b), rel=1e-12)
         assert t.alpha0 + t.beta0 == pytest.approx(8.0)
-    assert prior.tasks[0] == PriorTask("q-b", 3, 8, *jeffreys_init(3, 8, 8.0))
+    assert prior.tasks[0] == PriorTask(
+        task_id="q-b",
+        successes=3,
+        rollouts=8,
+        **dict(zip(("alpha0", "beta0"), jeffreys_init(3, 8, 8.0), strict=True)),
+    )
     assert prior.prior_mass == 8.0
     assert prior.meta["format"] == FORMAT and prior.meta["rollouts"] == 8
     assert prior.meta["success_rate"] == pytest.approx(12 / 32)
@@ -104,14 +109,15 @@ def test_write_is_atomic_and_refuses_what_it_could_not_read_back(tmp_path):
     good = _prior()
     write_prior(path, good)
     before = path.read_bytes()
-    bad_meta = PriorFile(meta={**good.meta, "seconds": math.nan}, tasks=good.tasks)
+    bad_meta = good.model_copy(update={"seconds": math.nan})
     with pytest.raises(ValueError, match="cannot be written as JSON"):
         write_prior(path, bad_meta)
     assert path.read_bytes() == before  # the old file, whole
     fresh = tmp_path / "fresh.json"
     with pytest.raises(ValueError, match="cannot be written as JSON"):
-        write_prior(fresh, PriorFile(meta={**good.meta, "x": object()}, tasks=good.tasks))
-    inconsistent = PriorFile(meta=good.meta, tasks=[PriorTask("t", 1, 8, 1.0, 7.0)])
+        write_prior(fresh, good.model_copy(update={"x": object()}))
+    task = PriorTask(task_id="t", successes=1, rollouts=8, alpha0=1.0, beta0=7.0)
+    inconsistent = good.model_copy(update={"tasks": [task]})  # model_copy skips the checks
     with pytest.raises(ValueError, match="not the Jeffreys prior"):
         write_prior(fresh, inconsistent)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prior.json"]  # no partial, no temp file
@@ -151,33 +157,48 @@ MALFORMED = {
     "not JSON": ("{not json", "not JSON"),
     "NaN literal": ('{"format": "spopp-prior/1", "prior_mass": NaN}', "not JSON"),
     "not an object": ("[1, 2]", "expected a JSON object, got list"),
-    "no format": (lambda: _drop(_good(), "format"), 'missing "format"'),
+    "no format": (lambda: _drop(_good(), "format"), ": format: missing"),
     "wrong format": (
         lambda: {**_good(), "format": "spopp-prior/2"},
-        "'spopp-prior/2' is not 'spopp-prior/1'",
+        "format: Input should be 'spopp-prior/1'",
     ),
-    "no prior_mass": (lambda: _drop(_good(), "prior_mass"), "missing key.*prior_mass"),
-    "no tasks": (lambda: _drop(_good(), "tasks"), "missing key.*tasks"),
-    "no rollouts": (lambda: _drop(_good(), "rollouts"), "missing key.*rollouts"),
-    "bad mass": (lambda: {**_good(), "prior_mass": -1}, "prior_mass must be"),
-    "empty tasks": (lambda: {**_good(), "tasks": []}, "no tasks"),
+    "no prior_mass": (lambda: _drop(_good(), "prior_mass"), ": prior_mass: missing"),
+    "no tasks": (lambda: _drop(_good(), "tasks"), ": tasks: missing"),
+    "no rollouts": (lambda: _drop(_good(), "rollouts"), ": rollouts: missing"),
+    "bad mass": (
+        lambda: {**_good(), "prior_mass": -1},
+        "prior_mass: Input should be greater than or equal to 0.000001",
+    ),
+    "empty tasks": (lambda: {**_good(), "tasks": []}, "tasks: List should have at least 1 item"),
     "task missing key": (
         lambda: {**_good(), "tasks": [_drop(_good()["tasks"][0], "beta0")]},
-        "missing key.*beta0",
+        r"tasks\[0\]\.beta0: missing",
     ),
-    "task extra key": (lambda: _task(_good(), value=0.5), "unknown key.*value"),
+    "task extra key": (lambda: _task(_good(), value=0.5), r"tasks\[0\]\.value: unknown field"),
     # 1e999 is valid JSON that parses to inf (json.dumps would write the non-JSON `Infinity`).
     "alpha0 infinite": (
         lambda: json.dumps(_task(_good(), alpha0=12345.5)).replace("12345.5", "1e999"),
-        "alpha0 must be a finite number > 0",
+        r"tasks\[0\]\.alpha0: Input should be a finite number",
     ),
-    "alpha0 zero": (lambda: _task(_good(), alpha0=0), "alpha0 must be a finite number > 0"),
-    "beta0 negative": (lambda: _task(_good(), beta0=-2.0), "beta0 must be a finite number > 0"),
-    "beta0 text": (lambda: _task(_good(), beta0="4.8"), "beta0 must be a finite number > 0"),
+    "alpha0 zero": (
+        lambda: _task(_good(), alpha0=0),
+        r"tasks\[0\]\.alpha0: Input should be greater than or equal to 0.000001",
+    ),
+    "beta0 negative": (
+        lambda: _task(_good(), beta0=-2.0),
+        r"tasks\[0\]\.beta0: Input should be greater than or equal",
+    ),
+    "beta0 text": (lambda: _task(_good(), beta0="4.8"), r"tasks\[0\]\.beta0: Input should be a valid number"),
     "duplicate id": (lambda: _task(_good(), task_id="q-a"), "duplicate task_id 'q-a'"),
-    "bad id": (lambda: _task(_good(), task_id="a b"), "task_id must be an id the tracker accepts"),
-    "successes > rollouts": (lambda: _task(_good(), successes=9, rollouts=8), "successes 9 > rollouts 8"),
-    "float successes": (lambda: _task(_good(), successes=3.0), "successes and rollouts must be integers"),
+    "bad id": (lambda: _task(_good(), task_id="a b"), r"tasks\[0\]\.task_id: String should match pattern"),
+    "successes > rollouts": (
+        lambda: _task(_good(), successes=9, rollouts=8),
+        r"tasks\[0\]: successes 9 > rollouts 8",
+    ),
+    "float successes": (
+        lambda: _task(_good(), successes=3.0),
+        r"tasks\[0\]\.successes: Input should be a valid integer",
+    ),
     "rollouts differ": (lambda: _task(_good(), rollouts=9), "rollouts 9 differs from the file's rollouts 8"),
     "hand-edited alpha0": (lambda: _task(_good(), alpha0=3.2), "not the Jeffreys prior of 3/8"),
     "hand-edited successes": (lambda: _task(_good(), successes=4), "not the Jeffreys prior of 4/8"),

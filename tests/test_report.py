@@ -18,8 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from services.report.cli import command
-from services.report.metrics import area, c10, end_reward, summarize, trailing_mean, wins
 from services.report.plot import mean_band
+from services.report.summaries import area, c10, end_reward, summarize, trailing_mean, wins
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC = "eval/sampled/reward_mean"
@@ -395,9 +395,11 @@ def test_missing_folder_and_folder_without_runs(tmp_path):
 def test_malformed_run_json(tmp_path):
     folder = write_run(tmp_path, "spo", 0, [0.1])
     (folder / "run.json").write_text("{not json")
-    assert f"{folder / 'run.json'}: not valid JSON" in error_of(folder)
+    assert f"{folder / 'run.json'}: not JSON" in error_of(folder)
     (folder / "run.json").write_text(json.dumps({"arm": "spo", "seed": "zero"}))
-    assert "'seed' must be an integer" in error_of(folder)
+    assert f"{folder / 'run.json'}: seed: Input should be a valid integer" in error_of(folder)
+    (folder / "run.json").write_text(json.dumps({"seed": 0}))
+    assert f"{folder / 'run.json'}: arm: missing" in error_of(folder)
 
 
 def test_malformed_evals_line_names_file_and_line(tmp_path):

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from runtime.tasks import generate_arithmetic_tasks
 from spopp.net import free_port
+from spopp.wait import wait_until
 from tools.sink import LearnerSink
 from tools.tiny_model import perturb_weights
 
@@ -119,13 +120,6 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
             assert client.get_run(run_name).counts.expirations > 0
 
 
-def _wait(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
     tiny_model, tracker, client, run_name, tmp_path
@@ -142,9 +136,9 @@ def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
         # episodes keep their trajectories and retry. (The POST leaves the episode once its
         # outcome is in, so wait for a retry itself.)
         with first:
-            _wait(lambda: client.get_run(run_name).counts.dispatches > 0, 180, "a dispatch")
-        _wait(lambda: client.get_run(run_name).counts.outcomes >= 2, 180, "outcomes")
-        _wait(
+            wait_until(lambda: client.get_run(run_name).counts.dispatches > 0, 180, "a dispatch")
+        wait_until(lambda: client.get_run(run_name).counts.outcomes >= 2, 180, "outcomes")
+        wait_until(
             lambda: _metric(f"http://127.0.0.1:{port}", "spopp_rollout_learner_retries_total") > 0,
             60,
             "a trajectory POST retried",
@@ -155,11 +149,11 @@ def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
             # Publish while episodes are in flight; abort releases their leases at once (long
             # leases here, so nothing comes back by expiry). Episodes are short: try a few times.
             for version in range(1, 6):
-                _wait(lambda: client.get_run(run_name).counts.in_flight > 0, 60, "a lease in flight")
+                wait_until(lambda: client.get_run(run_name).counts.in_flight > 0, 60, "a lease in flight")
                 snap = perturb_weights(tiny_model, tmp_path / f"v{version:06d}", scale=0.1, seed=version)
                 sink.version = version
                 client.publish(run_name, version, str(snap))
-                _wait(
+                wait_until(
                     lambda v=version: (
                         httpx.get(f"http://127.0.0.1:{port}/healthz").json()["policy_version"] == v
                     ),
@@ -171,7 +165,7 @@ def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
             assert client.get_run(run_name).counts.releases > 0
             assert client.get_run(run_name).counts.expirations == 0
             # SIGTERM: the replica stops dispatching, releases what it holds (abort) and exits 0.
-            _wait(lambda: client.get_run(run_name).counts.in_flight > 0, 60, "a lease in flight")
+            wait_until(lambda: client.get_run(run_name).counts.in_flight > 0, 60, "a lease in flight")
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
             assert client.get_run(run_name).counts.in_flight == 0

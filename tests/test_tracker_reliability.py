@@ -23,6 +23,7 @@ from services.tracker.store import Store, prefix
 from spopp.client import TrackerClient
 from spopp.net import free_port
 from spopp.tracker_api import RunConfig, TaskPrior
+from spopp.wait import wait_http
 
 
 def _send(url, method, path, body=None, raw=None, timeout=30):
@@ -329,15 +330,10 @@ def _redis_child(tracker: TrackerProcess, data) -> psutil.Process:
 
 
 def _wait_status(url: str, path: str, status: int, seconds: float) -> float:
+    """Seconds until `path` answers `status`."""
     t0 = time.monotonic()
-    while True:
-        try:
-            if httpx.get(url + path, timeout=2).status_code == status:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() - t0 < seconds, f"{path} did not answer {status} within {seconds} s"
-        time.sleep(0.05)
+    wait_http(url + path, seconds, f"{path} to answer {status}", ok=(status,), interval=0.05)
+    return time.monotonic() - t0
 
 
 def _workload(c: TrackerClient, run: str) -> tuple[list, list]:

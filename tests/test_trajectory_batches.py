@@ -28,10 +28,10 @@ from test_learner_intake_security import (
     start,
 )
 
+from runtime.service.server import ThreadedServer
 from services.learner.ingest import TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
 from services.rollout.deliveries import TrajectoryBatcher, Undelivered
-from spopp.asgi import ThreadedServer
 from spopp.retry import RetryPolicy
 from spopp.trajectory import INTAKE_BATCH, MAX_TRAJECTORIES_PER_CALL
 

@@ -7,11 +7,10 @@ another run or a malformed record) and keeps what it accepts.
 
 from __future__ import annotations
 
-import time
-
+from runtime.service.server import ThreadedServer
 from services.learner.ingest import TrajectoryBuffer, ingest_app
-from spopp.asgi import ThreadedServer
 from spopp.trajectory import Trajectory
+from spopp.wait import wait_until
 
 
 class LearnerSink:
@@ -52,12 +51,11 @@ class LearnerSink:
         self._server.stop()
 
     def wait_for(self, n: int, timeout: float, version: int | None = None) -> list[Trajectory]:
-        deadline = time.monotonic() + timeout
-        while True:
+        """The first `n` or more trajectories (of `version`, when given) once they are here."""
+
+        def got() -> list[Trajectory] | None:
             self._drain()
-            got = [t for t in self.accepted if version is None or t.policy_version == version]
-            if len(got) >= n:
-                return got
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(got)} of {n} trajectories (version {version}) within {timeout} s")
-            time.sleep(0.1)
+            found = [t for t in self.accepted if version is None or t.policy_version == version]
+            return found if len(found) >= n else None
+
+        return wait_until(got, timeout, f"{n} trajectories (version {version})")

@@ -94,29 +94,91 @@ def run_probe(
     weight_decay: float = 0.1,
     log=print,
 ) -> dict:
-    import torch
+    probe = _Probe(model_dir, recipe, batch_size, lr, eval_tasks, n_train, seed, prior_mass, weight_decay)
+    evals = [probe.score(0)]
+    log(
+        f"[{recipe} B={batch_size} lr={lr:g} seed={seed}] update 0: sampled {evals[0]['sampled']:.3f} greedy {evals[0]['greedy']:.3f}"
+    )
+    for k in range(1, updates + 1):
+        probe.update(k, retention, mini_batches)
+        if k % eval_every == 0 or k == updates:
+            ev = probe.score(k)
+            evals.append(ev)
+            log(
+                f"  update {k}: sampled {ev['sampled']:.3f} greedy {ev['greedy']:.3f} tool {ev['tool_rate']:.2f} "
+                f"train reward {statistics.fmean(probe.rewards[-eval_every:]):.3f} kl {probe.stats_log[-1]['kl']:.4f} "
+                f"gen {statistics.fmean(probe.gen_s[-eval_every:]):.3f}s train {statistics.fmean(probe.train_s[-eval_every:]):.3f}s"
+            )
+    asyncio.run(probe.engine.close())
+    run = {"recipe": recipe, "batch_size": batch_size, "lr": lr, "mini_batches": mini_batches, "seed": seed,
+           "updates": updates}  # fmt: skip
+    return {**run, **_summary(evals, rise), **probe.timings(), "evals": evals, "train_reward": probe.rewards,
+            "stats": probe.stats_log}  # fmt: skip
 
-    from runtime.engines.hf import TransformersEngine
 
-    cfg = RECIPES[recipe]
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    engine = TransformersEngine(model_dir, max_batch=max(64, batch_size))
-    engine._shared_gen.manual_seed(seed)  # reproducible sampling stream for the probe
-    model = engine.model  # shared: the engine always samples with the newest weights
-    pad = engine.tokenizer.pad_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
-    train = generate_toy_calc_tasks(n_train, seed=seed, split="train")
-    heldout = generate_toy_calc_tasks(eval_tasks, seed=12345, split="heldout")  # the same for every run
-    a0, b0 = jeffreys_init(0, 0, prior_mass)
-    evidence = {t.task_id: EventTimeEvidence(a0, b0, 0.0) for t in train}  # spopp
-    spo_state = {t.task_id: (a0, b0) for t in train}  # spo
-    drift_cache = SpoDriftCache()
+def _summary(evals: list[dict], rise: float) -> dict:
+    """When either score first rose by `rise` over update 0, and the scores at the start and end."""
+    base = evals[0]
 
-    def score(update: int) -> dict:
-        s = evaluate(engine, heldout, temperature=1.0, seed=10_000 + update)
-        g = evaluate(engine, heldout, temperature=0.0)
+    def first(key: str) -> int | None:
+        return next((e["update"] for e in evals[1:] if e[key] >= base[key] + rise), None)
+
+    final = evals[-5:] if len(evals) > 5 else evals[1:]
+    return {
+        "first_rise_sampled": first("sampled"),
+        "first_rise_greedy": first("greedy"),
+        "base_sampled": base["sampled"],
+        "base_greedy": base["greedy"],
+        "final5_sampled": statistics.fmean(e["sampled"] for e in final),
+        "final5_greedy": statistics.fmean(e["greedy"] for e in final),
+    }
+
+
+class _Probe:
+    """One recipe's run: the engine and the trained model (one object), the task values, the log."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        recipe: str,
+        batch_size: int,
+        lr: float,
+        eval_tasks: int,
+        n_train: int,
+        seed: int,
+        prior_mass: float,
+        weight_decay: float,
+    ) -> None:
+        import torch
+
+        from runtime.engines.hf import TransformersEngine
+
+        self.recipe, self.cfg, self.batch_size = recipe, RECIPES[recipe], batch_size
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.engine = TransformersEngine(model_dir, max_batch=max(64, batch_size))
+        self.engine._shared_gen.manual_seed(seed)  # reproducible sampling stream for the probe
+        self.model = self.engine.model  # shared: the engine always samples with the newest weights
+        self.pad = self.engine.tokenizer.pad_token_id
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay
+        )
+        self.train = generate_toy_calc_tasks(n_train, seed=seed, split="train")
+        # The same held-out tasks for every run.
+        self.heldout = generate_toy_calc_tasks(eval_tasks, seed=12345, split="heldout")
+        a0, b0 = jeffreys_init(0, 0, prior_mass)
+        self.evidence = {t.task_id: EventTimeEvidence(a0, b0, 0.0) for t in self.train}  # spopp
+        self.spo_state = {t.task_id: (a0, b0) for t in self.train}  # spo
+        self.drift_cache = SpoDriftCache()
+        self.gen_s: list[float] = []
+        self.train_s: list[float] = []
+        self.rewards: list[float] = []
+        self.stats_log: list[dict] = []
+
+    def score(self, update: int) -> dict:
+        s = evaluate(self.engine, self.heldout, temperature=1.0, seed=10_000 + update)
+        g = evaluate(self.engine, self.heldout, temperature=0.0)
         return {
             "update": update,
             "sampled": s["success"],
@@ -126,31 +188,47 @@ def run_probe(
             "len_failure": s["gen_tokens_failure"],
         }
 
-    evals = [score(0)]
-    log(
-        f"[{recipe} B={batch_size} lr={lr:g} seed={seed}] update 0: sampled {evals[0]['sampled']:.3f} greedy {evals[0]['greedy']:.3f}"
-    )
-    gen_s, train_s, rewards, stats_log = [], [], [], []
-    for k in range(1, updates + 1):
+    def update(self, k: int, retention: float, mini_batches: int) -> None:
+        """Update k: sample a batch, value it as the recipe does, take the optimizer steps."""
         t0 = time.perf_counter()
-        batch = rng.sample(train, batch_size)
-        if recipe == "spopp":
+        batch = self.rng.sample(self.train, self.batch_size)
+        if self.recipe == "spopp":
             zq = event_coordinate(k - 1, retention)
-            values = [evidence[t.task_id].value for t in batch]  # frozen at dispatch
-        episodes = asyncio.run(run_episodes(engine, batch, temperature=1.0))
+            values = [self.evidence[t.task_id].value for t in batch]  # frozen at dispatch
+        episodes = asyncio.run(run_episodes(self.engine, batch, temperature=1.0))
         t1 = time.perf_counter()
         rew = [e.reward for e in episodes]
-        rewards.append(statistics.fmean(rew))
-        if recipe == "spo":
-            values = [spo_state[t.task_id][0] / sum(spo_state[t.task_id]) for t in batch]  # read before
+        self.rewards.append(statistics.fmean(rew))
+        if self.recipe == "spo":
+            values = [
+                self.spo_state[t.task_id][0] / sum(self.spo_state[t.task_id]) for t in batch
+            ]  # read before
         else:
             for t, r in zip(batch, rew, strict=True):
-                evidence[t.task_id].add(zq, r)  # placed at the policy version that produced it
+                self.evidence[t.task_id].add(zq, r)  # placed at the policy version that produced it
         lengths = [e.generated_tokens for e in episodes]
         adv = normalize_advantages(
-            [r - v for r, v in zip(rew, values, strict=True)], lengths, measure=cfg["normalization"]
+            [r - v for r, v in zip(rew, values, strict=True)], lengths, measure=self.cfg["normalization"]
         )
-        ids, att = _pad([e.token_ids for e in episodes], pad)
+        step_stats = self._steps(episodes, adv, mini_batches)
+        if self.recipe == "spo":
+            self._spo_after(batch, episodes, rew)
+        t2 = time.perf_counter()
+        self.gen_s.append(t1 - t0)
+        self.train_s.append(t2 - t1)
+        self.stats_log.append(
+            {
+                "kl": statistics.fmean(s["approx_kl"] for s in step_stats),
+                "clip": statistics.fmean(s["clip_fraction"] for s in step_stats),
+            }
+        )
+        self.model.eval()
+
+    def _steps(self, episodes: list, adv, mini_batches: int) -> list[dict]:
+        """One epoch of `mini_batches` policy_loss steps, old log-probs taken before the first."""
+        import torch
+
+        ids, att = _pad([e.token_ids for e in episodes], self.pad)
         mask = torch.zeros_like(ids[:, 1:], dtype=torch.bool)
         roll = torch.zeros(ids[:, 1:].shape)
         for i, e in enumerate(episodes):
@@ -158,75 +236,42 @@ def run_probe(
             mask[i, :n] = torch.tensor(e.action_mask[1:], dtype=torch.bool)
             roll[i, :n] = torch.tensor(e.rollout_logprobs[1:])
         with torch.no_grad():
-            old = token_logprobs(model, ids, att)
+            old = token_logprobs(self.model, ids, att)
         adv_tok = adv.float().unsqueeze(1).expand_as(old)
         step_stats = []
-        for part in torch.arange(batch_size).chunk(mini_batches):
-            logp = token_logprobs(model, ids[part], att[part])
+        for part in torch.arange(self.batch_size).chunk(mini_batches):
+            logp = token_logprobs(self.model, ids[part], att[part])
             loss, st = policy_loss(
                 logp, old[part], adv_tok[part], mask[part], rollout_logp=roll[part],
-                dual_clip=cfg["dual_clip"], token_count=mask[part].sum(),
+                dual_clip=self.cfg["dual_clip"], token_count=mask[part].sum(),
             )  # fmt: skip
-            opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=True)
             loss.backward()
-            opt.step()
+            self.opt.step()
             step_stats.append(st)
-        if recipe == "spo":
-            trajs = [_Traj(t.task_id, e) for t, e in zip(batch, episodes, strict=True)]
+        return step_stats
 
-            def lp_fn(seqs: list[list[int]]) -> list[list[float]]:
-                i2, a2 = _pad(seqs, pad)
-                with torch.no_grad():
-                    lp = token_logprobs(model, i2, a2)
-                return [lp[j, : len(s) - 1].tolist() for j, s in enumerate(seqs)]
+    def _spo_after(self, batch: list, episodes: list, rew: list[float]) -> None:
+        """SPO's values after the update: retention from each trajectory's drift, then the outcome."""
+        import torch
 
-            drifts = drift_cache.after_update(trajs, lp_fn)
-            for t, r, d in zip(batch, rew, drifts, strict=True):
-                spo_state[t.task_id] = spo_update(*spo_state[t.task_id], r, spo_retention(d))
-        t2 = time.perf_counter()
-        gen_s.append(t1 - t0)
-        train_s.append(t2 - t1)
-        stats_log.append(
-            {
-                "kl": statistics.fmean(s["approx_kl"] for s in step_stats),
-                "clip": statistics.fmean(s["clip_fraction"] for s in step_stats),
-            }
-        )
-        model.eval()
-        if k % eval_every == 0 or k == updates:
-            ev = score(k)
-            evals.append(ev)
-            log(
-                f"  update {k}: sampled {ev['sampled']:.3f} greedy {ev['greedy']:.3f} tool {ev['tool_rate']:.2f} "
-                f"train reward {statistics.fmean(rewards[-eval_every:]):.3f} kl {stats_log[-1]['kl']:.4f} "
-                f"gen {statistics.fmean(gen_s[-eval_every:]):.3f}s train {statistics.fmean(train_s[-eval_every:]):.3f}s"
-            )
-    asyncio.run(engine.close())
-    base = evals[0]
+        trajs = [_Traj(t.task_id, e) for t, e in zip(batch, episodes, strict=True)]
 
-    def first(key: str) -> int | None:
-        return next((e["update"] for e in evals[1:] if e[key] >= base[key] + rise), None)
+        def lp_fn(seqs: list[list[int]]) -> list[list[float]]:
+            i2, a2 = _pad(seqs, self.pad)
+            with torch.no_grad():
+                lp = token_logprobs(self.model, i2, a2)
+            return [lp[j, : len(s) - 1].tolist() for j, s in enumerate(seqs)]
 
-    final = evals[-5:] if len(evals) > 5 else evals[1:]
-    return {
-        "recipe": recipe,
-        "batch_size": batch_size,
-        "lr": lr,
-        "mini_batches": mini_batches,
-        "seed": seed,
-        "updates": updates,
-        "first_rise_sampled": first("sampled"),
-        "first_rise_greedy": first("greedy"),
-        "base_sampled": base["sampled"],
-        "base_greedy": base["greedy"],
-        "final5_sampled": statistics.fmean(e["sampled"] for e in final),
-        "final5_greedy": statistics.fmean(e["greedy"] for e in final),
-        "gen_s_per_update": statistics.fmean(gen_s),
-        "train_s_per_update": statistics.fmean(train_s),
-        "evals": evals,
-        "train_reward": rewards,
-        "stats": stats_log,
-    }
+        drifts = self.drift_cache.after_update(trajs, lp_fn)
+        for t, r, d in zip(batch, rew, drifts, strict=True):
+            self.spo_state[t.task_id] = spo_update(*self.spo_state[t.task_id], r, spo_retention(d))
+
+    def timings(self) -> dict:
+        return {
+            "gen_s_per_update": statistics.fmean(self.gen_s),
+            "train_s_per_update": statistics.fmean(self.train_s),
+        }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -13,11 +13,10 @@ from .config import EvaluatorSettings
 from .prior_config import PriorSettings
 
 
-def _logging() -> None:
-    import logging
+def _logging(service: str, settings, **context) -> None:
+    from runtime.service.logs import setup_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per poll of the tracker
+    setup_logging(service, settings.log_format, **context)
 
 
 def _claimed(s: EvaluatorSettings) -> EvaluatorSettings:
@@ -47,7 +46,7 @@ def _run(settings: EvaluatorSettings) -> None:
         raise click.UsageError(
             "run is required: give --run, SPOPP_EVALUATOR_RUN or `run:` in the config file"
         )
-    _logging()
+    _logging("evaluator", settings, run=settings.run, worker=settings.holder_id())
     settings = _claimed(settings)
 
     from .follow import follow
@@ -61,7 +60,7 @@ def _score(settings: EvaluatorSettings, snapshot: tuple[Path, ...]) -> None:
 
     from .scorer import score_folders
 
-    _logging()
+    _logging("evaluator", settings)
     try:
         results = asyncio.run(score_folders(settings, list(snapshot)))
     except FileNotFoundError as exc:
@@ -103,7 +102,7 @@ group.add_command(
 def _prior(settings: PriorSettings) -> None:
     from .prior import PriorError, run_prior, summary
 
-    _logging()
+    _logging("prior", settings)
     try:
         prior = run_prior(settings)
     except (PriorError, FileExistsError) as exc:

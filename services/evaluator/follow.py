@@ -24,16 +24,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import threading
 import time
 from pathlib import Path
 
 import httpx
-from fastapi import FastAPI, Response
-from prometheus_client import generate_latest
+from fastapi import FastAPI
 
-from spopp.asgi import serve_in_loop
+from runtime.service import server as http
+from runtime.service.routes import add_service_routes
 from spopp.client import AsyncTrackerClient, TrackerError
 from spopp.snapshots import (
     Hold,
@@ -327,31 +326,14 @@ class Follower:
 
 def health_app(follower: Follower) -> FastAPI:
     app = FastAPI(title="spopp evaluator")
-
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return follower.health()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(follower.metrics.registry), media_type="text/plain; version=0.0.4")
-
+    add_service_routes(app, health=follower.health, metrics=follower.metrics.registry)
     return app
 
 
 async def follow(s: EvaluatorSettings) -> None:
     """The process: the follower loop beside /healthz and /metrics, until done or signalled."""
     follower = Follower(s)
-    server = serve_in_loop(health_app(follower), s.host, s.port)
-    http = asyncio.create_task(server.serve())
-    main = asyncio.create_task(follower.run())
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, main.cancel)
     try:
-        await main
+        await http.serve(health_app(follower), s.host, s.port, follower.run())  # a signal cancels run()
     except asyncio.CancelledError:
         log.info("stopped by a signal")
-    finally:
-        server.should_exit = True
-        await http

@@ -55,10 +55,16 @@ def preflight(s: PriorSettings, tokenizer: object | None = None) -> list[Task]:
     `tokenizer`: the one the episodes will use (default: the model folder's), for the check that
     every prompt leaves room under max_total_tokens. Raises PriorError with what is wrong.
     """
-    from runtime.envs import env_factory
-    from runtime.tasks import load_tasks
-    from spopp.priors import TASK_ID
+    _check_out(s)
+    if not (Path(s.model) / "config.json").is_file():
+        raise PriorError(f"model {s.model} is not a model folder (no config.json)")
+    tasks = _training_tasks(s)
+    _check_prompts(s, tasks, tokenizer)
+    return tasks
 
+
+def _check_out(s: PriorSettings) -> None:
+    """The prior file can be written: a file path, not there yet (or --overwrite), a writable folder."""
     out = Path(s.out)
     if out.is_dir():
         raise PriorError(f"out {out} is a directory; give the path of the prior file to write")
@@ -73,8 +79,13 @@ def preflight(s: PriorSettings, tokenizer: object | None = None) -> list[Task]:
         raise PriorError(f"cannot create the folder of {out}: {exc}") from None
     if not os.access(out.parent, os.W_OK):
         raise PriorError(f"cannot write in {out.parent}")
-    if not (Path(s.model) / "config.json").is_file():
-        raise PriorError(f"model {s.model} is not a model folder (no config.json)")
+
+
+def _training_tasks(s: PriorSettings) -> list[Task]:
+    """The first max_tasks tasks of the file, each with an id the tracker accepts."""
+    from runtime.tasks import load_tasks
+    from spopp.tracker_api import TASK_ID
+
     if not Path(s.tasks).is_file():
         raise PriorError(f"tasks file {s.tasks} does not exist")
     try:
@@ -91,6 +102,14 @@ def preflight(s: PriorSettings, tokenizer: object | None = None) -> list[Task]:
             f"{len(bad)} task ids in {s.tasks} are not ids the tracker accepts ({TASK_ID.pattern}): "
             + ", ".join(repr(x) for x in bad[:5])
         )
+    return tasks
+
+
+def _check_prompts(s: PriorSettings, tasks: list[Task], tokenizer: object | None) -> None:
+    """The environment builds, and every prompt leaves room under max_total_tokens."""
+    from runtime.chat import ChatRenderer
+    from runtime.envs import env_factory
+
     try:
         make_env = env_factory(s.env, s.env_options)
     except Exception as exc:  # a missing sandbox dependency (math-tir) says what it lacks
@@ -102,8 +121,6 @@ def preflight(s: PriorSettings, tokenizer: object | None = None) -> list[Task]:
             tokenizer = AutoTokenizer.from_pretrained(s.model)
         except Exception as exc:
             raise PriorError(f"model {s.model}: cannot load its tokenizer: {exc}") from None
-    from runtime.chat import ChatRenderer
-
     budget = Budget(s.max_turns, s.max_tokens_per_turn, s.max_total_tokens)
     too_long = prompts_over_budget(tasks, make_env, ChatRenderer(tokenizer), budget)
     if too_long:
@@ -111,7 +128,6 @@ def preflight(s: PriorSettings, tokenizer: object | None = None) -> list[Task]:
             f"{len(too_long)} training task prompts leave no room under max_total_tokens="
             f"{s.max_total_tokens}: {', '.join(too_long[:5])}"
         )
-    return tasks
 
 
 class Progress:

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from spopp.tracker_api import MAX_PRIOR, MIN_PRIOR
+from spopp.tracker_api import MIN_PRIOR, Prior
 
 from .config import EpisodeSettings
 
@@ -36,13 +36,7 @@ class PriorSettings(EpisodeSettings):
         "share one prior)",
     )
     rollouts: int = Field(8, ge=1, le=1024, description="sampled episodes per task")
-    prior_mass: float = Field(
-        8.0,
-        ge=MIN_PRIOR,
-        le=MAX_PRIOR,
-        allow_inf_nan=False,
-        description="total Beta mass alpha0 + beta0 of each task",
-    )
+    prior_mass: Prior = Field(8.0, description="total Beta mass alpha0 + beta0 of each task")
     max_tasks: int | None = Field(None, ge=1, le=10_000_000, description="only the first N tasks of the file")
 
     # -- episodes --------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ A version's episodes file is written first (temporary name, fsync, rename), then
 appended, flushed and fsynced: a version has been handled exactly when its line is whole. A
 restart continues after the last line; a version killed mid-evaluation has no line and is scored
 again (its episodes file is replaced). A partial last line, from a kill during the write, is cut.
+Each line is read and written through `spopp.records.EvalRecord`, so a bad line is refused with its
+file, line number and field.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spopp.jsonfile import FileFormatError, validate
+from spopp.records import EvalRecord
 from spopp.snapshots import version_dirname
 
 log = logging.getLogger("spopp.evaluator")
@@ -50,20 +54,26 @@ class Records:
                 os.fsync(f.fileno())
         lines = []
         for n, raw in enumerate(whole.decode("utf-8").splitlines(), 1):
-            try:
-                line = json.loads(raw)
-                version = line["policy_version"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(
-                    f"{self.path}:{n} is not an evaluation record; fix or move the file to go on"
-                ) from None
+            record = self._check_line(raw, n)
+            version = record.policy_version
             if lines and version <= lines[-1]["policy_version"]:
                 raise ValueError(
                     f"{self.path}:{n}: policy version {version} after {lines[-1]['policy_version']}; "
                     "records must increase"
                 )
-            lines.append(line)
+            lines.append(record.model_dump(exclude_unset=True))
         return lines
+
+    def _check_line(self, raw: str, n: int) -> EvalRecord:
+        where = f"{self.path}:{n}"
+        try:
+            # json.loads, not jsonfile.parse_json: the evaluator has always written a NaN score as NaN.
+            return validate(EvalRecord, json.loads(raw), where)
+        except json.JSONDecodeError as exc:
+            message = f"{where}: not JSON: {exc}"
+        except FileFormatError as exc:
+            message = str(exc)
+        raise ValueError(f"{message}\nnot an evaluation record; fix or move the file to go on")
 
     @property
     def last_version(self) -> int | None:
@@ -111,8 +121,9 @@ class Records:
                 f"policy version {line['policy_version']} is already handled "
                 f"(last record: {self.lines[-1]['policy_version']})"
             )
+        text = EvalRecord.model_validate(line).to_line()
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         self.lines.append(line)

@@ -20,10 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from spopp.lifetime import die_with_parent
 from spopp.settings import API_TOKEN_ENV
+from spopp.wait import ProcessExited, WaitTimeout, wait_http
 
 
 def _die_with_launcher(launcher: int) -> None:  # runs in the child, between fork and exec
@@ -79,16 +78,13 @@ class Child:
         return text[-chars:]
 
     def wait_http(self, url: str, timeout: float, ok=(200,)) -> None:
-        """Wait until `url` answers one of `ok`; RuntimeError if the child exits or time runs out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.poll() is not None:
-                raise ChildFailed(self, f"exited with code {self.poll()} while starting")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=2).status_code in ok:
-                    return
-            time.sleep(0.2)
-        raise ChildFailed(self, f"did not answer {url} within {timeout:.0f} s")
+        """Wait until `url` answers one of `ok`; ChildFailed if the child exits or time runs out."""
+        try:
+            wait_http(url, timeout, f"{self.name} at {url}", ok=ok, interval=0.2, proc=self.proc)
+        except ProcessExited as exc:
+            raise ChildFailed(self, f"exited with code {exc.code} while starting") from None
+        except WaitTimeout:
+            raise ChildFailed(self, f"did not answer {url} within {timeout:.0f} s") from None
 
     def stop(self, timeout: float) -> int | None:
         """SIGTERM, then SIGKILL after `timeout` seconds; answers the exit code."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -21,8 +22,11 @@ _SET_HELP = (
 )
 
 
-def resolve(config: Path, sets: tuple[str, ...] = (), run_dir: Path | None = None) -> LaunchSettings:
-    """The file, then SPOPP_LAUNCH_<FIELD>, then --set and --run-dir; SettingsError on bad input."""
+def resolve(
+    config: Path, sets: tuple[str, ...] = (), run_dir: Path | None = None, log_format: str | None = None
+) -> LaunchSettings:
+    """The file, then SPOPP_LAUNCH_<FIELD>, then --set, --run-dir and --log-format; SettingsError
+    on bad input."""
     file_values = read_config_file(config)
     flags: dict[str, Any] = {}
     for item in sets:
@@ -50,6 +54,8 @@ def resolve(config: Path, sets: tuple[str, ...] = (), run_dir: Path | None = Non
         flags[section] = tree
     if run_dir is not None:
         flags["run_dir"] = str(run_dir)
+    if log_format is not None:
+        flags["log_format"] = log_format
     return LaunchSettings.resolve(config, os.environ, flags)
 
 
@@ -57,19 +63,30 @@ def _fail(message: str) -> None:
     raise click.ClickException(message)
 
 
+def _echo(settings, service: str, **context):
+    """Set up the command's logging; answer how it prints its progress: plain lines on stdout, or
+    with json logs, log lines (so that everything it writes parses)."""
+    from runtime.service.logs import setup_logging
+
+    setup_logging(service, settings.log_format, **context)
+    if settings.log_format == "json":
+        return logging.getLogger(f"spopp.{service}").info
+    return click.echo
+
+
 def _launch(
-    config: Path, sets: tuple[str, ...], run_dir: Path | None, print_config: bool, check: bool
+    config: Path, sets: tuple[str, ...], run_dir: Path | None, print_config: bool, check: bool, log_format
 ) -> None:
     from .run import Launcher, LaunchError
 
     try:
-        settings = resolve(config, sets, run_dir)
+        settings = resolve(config, sets, run_dir, log_format)
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from None
     if print_config:
         click.echo(yaml.safe_dump(settings.redacted(), sort_keys=False), nl=False)
         return
-    launcher = Launcher(settings, echo=lambda line: click.echo(line, err=False))
+    launcher = Launcher(settings, echo=_echo(settings, "launch", run=settings.run))
     try:
         plan = launcher.prepare()
     except LaunchError as exc:
@@ -92,6 +109,12 @@ def _launch(
 _CONFIG = click.Argument(["config"], type=click.Path(dir_okay=False, path_type=Path))
 _SET = click.Option(["--set", "sets"], multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
 _PRINT = click.Option(["--print-config"], is_flag=True, help="print the resolved launch config and exit")
+_LOG_FORMAT = click.Option(
+    ["--log-format"],
+    type=click.Choice(["text", "json"]),
+    help="how the launcher and every process it starts log: text, or json lines (wins over "
+    "log_format in the file and SPOPP_LAUNCH_LOG_FORMAT)",
+)
 
 launch_command = click.Command(
     "launch",
@@ -104,6 +127,7 @@ launch_command = click.Command(
         ),
         _PRINT,
         click.Option(["--check"], is_flag=True, help="check everything and print the plan; start nothing"),
+        _LOG_FORMAT,
     ],
     help="Run one whole training run on this machine from one config file: an embedded Redis and "
     "the tracker, N rollout replicas, the learner, the evaluator. Progress every few seconds; "
@@ -163,7 +187,7 @@ def _init(settings) -> None:
     from .init import run_init
 
     try:
-        run_init(settings, echo=click.echo)
+        run_init(settings, echo=_echo(settings, "init", run=settings.run))
     except (RuntimeError, ValueError, OSError) as exc:
         _fail(str(exc))
 

@@ -44,7 +44,7 @@ def arm_settings(base: LaunchSettings, arm: str, seed: int, out: Path) -> Launch
     name = f"{arm}-s{seed}"
     values = base.model_dump(exclude={"run", "run_dir"})
     values.update(recipe=spec["recipe"], seed=seed, run=name, run_dir=out / "runs" / name)
-    values["learner"] = {**base.learner, **spec["learner"]}
+    values["learner"] = {**base.learner.model_dump(), **spec["learner"]}  # the section as given
     return LaunchSettings.model_validate(values)
 
 

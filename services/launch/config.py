@@ -19,7 +19,9 @@
 
 A section takes its service's settings, less those the launcher owns (URLs, ports it picks, the
 run folder's paths, the run, model, tasks, seed): those are refused by name, so that a section
-can never point a service at something other than this run. The recipe sets its own defaults
+can never point a service at something other than this run. Each section is a model
+(`RolloutSection`, ...) built from its service's settings, so a wrong type or an unknown key is
+refused with `rollout.concurrency: ...` when the file is read. The recipe sets its own defaults
 (normalization token and Dual-Clip 2 for spopp, trajectory and 10 for spo); a section may still
 override them, which is how `spopp ablate` builds SPO++ with trajectory normalization.
 `plan()` turns the file into the exact settings each child process will be started with, so
@@ -28,11 +30,22 @@ every error of every service's settings is found before anything starts.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    create_model,
+    model_serializer,
+    model_validator,
+)
 
 from services.evaluator.config import EvaluatorSettings
 from services.learner.config import LearnerSettings
@@ -49,13 +62,16 @@ RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "spo": {"normalization": "trajectory", "dual_clip": 10.0},
 }
 
+_LOGS = "use the top-level log_format: every process of a run logs alike"
 # Fields the launcher sets itself in each section, and why the user may not.
 OWNED: dict[str, dict[str, str]] = {
     "tracker": {
         "data_dir": "the embedded Redis lives in <run_dir>/tracker",
+        "log_format": _LOGS,
         "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
     },
     "rollout": {
+        "log_format": _LOGS,
         "model": "use the top-level model",
         "tracker": "the launcher's tracker",
         "learner": "the launcher's learner",
@@ -70,6 +86,7 @@ OWNED: dict[str, dict[str, str]] = {
         "max_episodes": "the budget is `updates`",
     },
     "learner": {
+        "log_format": _LOGS,
         "run": "use the top-level run",
         "tracker": "the launcher's tracker",
         "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
@@ -82,6 +99,7 @@ OWNED: dict[str, dict[str, str]] = {
         "seed": "use the top-level seed",
     },
     "evaluator": {
+        "log_format": _LOGS,
         "tracker": "the launcher's tracker",
         "run": "use the top-level run",
         "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
@@ -95,9 +113,110 @@ OWNED: dict[str, dict[str, str]] = {
         "holder": "the launcher names its hold",
     },
 }
-# Keys of a section that belong to the launcher, not to the service's settings.
-LAUNCH_KEYS = {"rollout": {"replicas"}, "learner": {"nproc"}, "evaluator": {"enabled"}}
 SECTIONS = ("tracker", "rollout", "learner", "evaluator")
+SERVICES: dict[str, type[Settings]] = {
+    "tracker": TrackerSettings,
+    "rollout": RolloutSettings,
+    "learner": LearnerSettings,
+    "evaluator": EvaluatorSettings,
+}
+_HELP = {
+    "tracker": "tracker serve",
+    "rollout": "rollout serve",
+    "learner": "learner run",
+    "evaluator": "evaluator run",
+}
+
+
+class Section(BaseModel):
+    """A service's section of the launch file: the launcher's own keys (declared by each subclass)
+    and the service's settings, each optional and typed as the service types it.
+
+    Only what the file gives is kept (`given()`, and what a dump writes back), so that the recipe's
+    defaults and the launcher's values fill the rest in `plan()`, where the service's own model
+    checks the whole (its cross-field rules included). A key the launcher owns is refused by name.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: ClassVar[str]
+    launch_keys: ClassVar[frozenset[str]] = frozenset()
+
+    def given(self) -> dict[str, Any]:
+        """The service's settings the file gives (the launcher's own keys left out)."""
+        return {k: getattr(self, k) for k in self.model_fields_set if k not in self.launch_keys}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.model_fields_set
+
+    def __repr_args__(self) -> Any:
+        # The service's defaults are not this section's values: the repr shows what the file gives.
+        return [(k, v) for k, v in super().__repr_args__() if k in self.model_fields_set]
+
+    @model_serializer(mode="wrap")
+    def _only_given(self, handler: Any) -> dict[str, Any]:
+        # A dump is the section as written (launch.yaml, a base config copied per arm): a default
+        # written out would override the recipe's defaults when the dump is read back.
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
+def _service_fields(name: str) -> dict[str, Any]:
+    """The section's fields for the service's settings: all but the launcher's, each optional.
+
+    A field with a validator of its own (devices given as text, parsed by the service) is typed
+    Any here and checked by the service's model in plan(), since validators are not copied.
+    """
+    service = SERVICES[name]
+    parsed = {f for d in service.__pydantic_decorators__.field_validators.values() for f in d.info.fields}
+    fields: dict[str, Any] = {}
+    for field, info in service.model_fields.items():
+        if field in OWNED[name]:
+            continue
+        if field in parsed:
+            fields[field] = (Any, Field(None, description=info.description))
+        elif info.is_required():
+            fields[field] = (info.annotation | None, Field(None, description=info.description))
+        else:
+            fields[field] = (info.annotation, copy.copy(info))
+    return fields
+
+
+class _TrackerKeys(Section):
+    name = "tracker"
+
+
+class _RolloutKeys(Section):
+    name = "rollout"
+    launch_keys = frozenset({"replicas"})
+
+    replicas: StrictInt = Field(1, ge=1, description="replicas to start (rollout-0, rollout-1, ...)")
+
+
+class _LearnerKeys(Section):
+    name = "learner"
+    launch_keys = frozenset({"nproc"})
+
+    nproc: StrictInt | None = Field(
+        None, ge=1, description="learner ranks; unset: one per gpus.learner device, else one"
+    )
+
+
+class _EvaluatorKeys(Section):
+    name = "evaluator"
+    launch_keys = frozenset({"enabled"})
+
+    enabled: StrictBool = Field(True, description="false: no evaluator even when heldout is given")
+
+
+def _typed(keys: type[Section], name: str) -> type[Section]:
+    """The section model: the launcher's `keys` and its service's fields (built once, at import)."""
+    return create_model(name, __base__=keys, __module__=__name__, **_service_fields(keys.name))
+
+
+TrackerSection = _typed(_TrackerKeys, "TrackerSection")
+RolloutSection = _typed(_RolloutKeys, "RolloutSection")
+LearnerSection = _typed(_LearnerKeys, "LearnerSection")
+EvaluatorSection = _typed(_EvaluatorKeys, "EvaluatorSection")
 
 
 class LaunchSettings(Settings):
@@ -130,11 +249,16 @@ class LaunchSettings(Settings):
         description="the tracker run's fields besides recipe, seed and base_snapshot: retention, "
         "prior_mass, lease_seconds, d_half, rho_min, rho_max",
     )
-    tracker: dict = Field(default_factory=dict, description="TrackerSettings fields")
-    rollout: dict = Field(default_factory=dict, description="RolloutSettings fields, and replicas: N")
-    learner: dict = Field(default_factory=dict, description="LearnerSettings fields, and nproc: N")
-    evaluator: dict = Field(
-        default_factory=dict, description="EvaluatorSettings fields, and enabled: false to skip it"
+    tracker: TrackerSection = Field(default_factory=TrackerSection, description="TrackerSettings fields")
+    rollout: RolloutSection = Field(
+        default_factory=RolloutSection, description="RolloutSettings fields, and replicas: N"
+    )
+    learner: LearnerSection = Field(
+        default_factory=LearnerSection, description="LearnerSettings fields, and nproc: N"
+    )
+    evaluator: EvaluatorSection = Field(
+        default_factory=EvaluatorSection,
+        description="EvaluatorSettings fields, and enabled: false to skip it",
     )
     gpus: GpuPlan = Field(default_factory=GpuPlan, description="device indices per process")
     progress_seconds: float = Field(10.0, gt=0, le=3600, description="seconds between progress lines")
@@ -146,6 +270,16 @@ class LaunchSettings(Settings):
     )
     wandb: bool = Field(False, description="also log to Weights & Biases (offline unless WANDB_MODE says)")
     wandb_project: str = Field("spopp", min_length=1, description="W&B project name")
+
+    @classmethod
+    def explain_nested(cls, err: Any) -> str:
+        """A section's unknown or launcher-owned key, by name and with where to look."""
+        section, key = str(err["loc"][0]), str(err["loc"][1])
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 2 and section in OWNED:
+            if key in OWNED[section]:
+                return f"{section}: {key} is set by spopp launch ({OWNED[section][key]})"
+            return f"{section}.{key}: unknown setting (see `spopp {_HELP[section]} --help`)"
+        return super().explain_nested(err)
 
     @model_validator(mode="after")
     def _defaults(self) -> LaunchSettings:
@@ -197,18 +331,8 @@ class Plan:
         return "spopp" if self.learner.normalization == "token" else "spopp-trajnorm"
 
 
-def _section(name: str, given: dict) -> dict:
-    if not isinstance(given, dict):
-        raise SettingsError(f"{name}: expected a mapping of settings, got {type(given).__name__}")
-    owned = sorted(k for k in given if k in OWNED[name])
-    if owned:
-        raise SettingsError(
-            f"{name}: " + "; ".join(f"{k} is set by spopp launch ({OWNED[name][k]})" for k in owned)
-        )
-    return {k: v for k, v in given.items() if k not in LAUNCH_KEYS.get(name, ())}
-
-
 def _build(cls: type[Settings], section: str, values: dict) -> Settings:
+    """The service's settings from `values`; SettingsError naming `section.field` of each problem."""
     try:
         return cls.model_validate(values)
     except ValidationError as exc:
@@ -222,57 +346,41 @@ def _build(cls: type[Settings], section: str, values: dict) -> Settings:
         raise SettingsError("invalid launch config:\n  " + "\n  ".join(lines)) from None
 
 
-_HELP = {
-    "tracker": "tracker serve",
-    "rollout": "rollout serve",
-    "learner": "learner run",
-    "evaluator": "evaluator run",
-}
-
-
-def _count(section: str, key: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise SettingsError(f"{section}.{key} must be an integer >= {low}, got {value!r}")
-    return value
-
-
-def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
-    """Every child's settings for a run of `s`, with the ports in `ports` (tracker, learner,
-    evaluator, rollout-<i>). Raises SettingsError naming the section and field of every problem."""
-    run_dir = Path(s.run_dir).resolve()
-    token = s.api_token
+def _run_config(s: LaunchSettings) -> RunConfig:
+    """The tracker run's config: the file's run_config and the top-level recipe, seed and model."""
+    for key in ("recipe", "seed", "base_snapshot"):
+        if key in s.run_config:
+            raise SettingsError(f"run_config.{key} is set by spopp launch (from the top-level settings)")
+    base = str(Path(s.model).resolve())
     try:
-        run_config = RunConfig.model_validate(
-            {
-                **s.run_config,
-                "recipe": s.recipe,
-                "seed": s.seed,
-                "base_snapshot": str(Path(s.model).resolve()),
-            }
+        return RunConfig.model_validate(
+            {**s.run_config, "recipe": s.recipe, "seed": s.seed, "base_snapshot": base}
         )
     except ValidationError as exc:
         raise SettingsError(
             "invalid launch config:\n  "
             + "\n  ".join(f"run_config.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         ) from None
-    for key in ("recipe", "seed", "base_snapshot"):
-        if key in s.run_config:
-            raise SettingsError(f"run_config.{key} is set by spopp launch (from the top-level settings)")
 
-    tracker_values = {"port": 0, "log_level": "warning", **_section("tracker", s.tracker)}
-    tracker_values.update(data_dir=run_dir / "tracker", api_token=token, port=ports["tracker"])
-    tracker = _build(TrackerSettings, "tracker", tracker_values)
-    tracker_url = f"http://127.0.0.1:{tracker.port}"
 
-    learner_values = {**RECIPE_DEFAULTS[s.recipe], **_section("learner", s.learner)}
-    learner_values.update(
-        run=s.run, tracker=tracker_url, api_token=token, model=Path(s.model).resolve(),
+def _tracker(s: LaunchSettings, run_dir: Path, port: int) -> TrackerSettings:
+    values = {"port": 0, "log_level": "warning", **s.tracker.given()}
+    values.update(data_dir=run_dir / "tracker", api_token=s.api_token, port=port, log_format=s.log_format)
+    return _build(TrackerSettings, "tracker", values)
+
+
+def _learner(s: LaunchSettings, run_dir: Path, tracker_url: str, port: int) -> tuple[LearnerSettings, int]:
+    """The learner's settings (the recipe's defaults under the section's) and its rank count."""
+    values = {**RECIPE_DEFAULTS[s.recipe], **s.learner.given()}
+    values.update(
+        run=s.run, tracker=tracker_url, api_token=s.api_token, model=Path(s.model).resolve(),
         snapshots=run_dir / "snapshots", checkpoints=run_dir / "checkpoints", log_dir=run_dir / "learner",
-        recipe=s.recipe, max_updates=s.updates, seed=s.seed, port=ports["learner"], host="127.0.0.1",
+        recipe=s.recipe, max_updates=s.updates, seed=s.seed, port=port, host="127.0.0.1",
+        log_format=s.log_format,
     )  # fmt: skip
-    learner = _build(LearnerSettings, "learner", learner_values)
+    learner = _build(LearnerSettings, "learner", values)
     # One rank per learner GPU unless said otherwise; on a CPU machine, one rank.
-    nproc = _count("learner", "nproc", s.learner.get("nproc", len(s.gpus.learner) or 1), 1)
+    nproc = s.learner.nproc or len(s.gpus.learner) or 1
     if s.gpus.learner and nproc > len(s.gpus.learner):
         raise SettingsError(
             f"learner.nproc {nproc} needs {nproc} devices but gpus.learner gives {len(s.gpus.learner)}"
@@ -282,59 +390,77 @@ def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
             f"updates {s.updates} must be a multiple of learner.updates_per_publish "
             f"{learner.updates_per_publish}: the run ends on a published version"
         )
-    final_version = s.updates // learner.updates_per_publish
+    return learner, nproc
 
-    replicas = _count("rollout", "replicas", s.rollout.get("replicas", 1), 1)
-    base = _section("rollout", s.rollout)
+
+def _rollouts(
+    s: LaunchSettings, tracker_url: str, learner_url: str, ports: dict[str, int]
+) -> list[RolloutSettings]:
     rollouts = []
-    for i in range(replicas):
+    for i in range(s.rollout.replicas):
         # Short: a replica stops when training is over, and its in-flight work has nowhere to go.
-        values = {"shutdown_seconds": 2.0, **base}
+        values = {"shutdown_seconds": 2.0, **s.rollout.given()}
         values.update(
-            model=Path(s.model).resolve(), tracker=tracker_url, learner=f"http://127.0.0.1:{learner.port}",
-            run=s.run, api_token=token, env=s.env, env_options=s.env_options, tasks=Path(s.tasks).resolve(), worker_id=f"rollout-{i}",
+            model=Path(s.model).resolve(), tracker=tracker_url, learner=learner_url,
+            run=s.run, api_token=s.api_token, env=s.env, env_options=s.env_options,
+            tasks=Path(s.tasks).resolve(), worker_id=f"rollout-{i}",
             # Distinct sampling streams per replica, all fixed by the run's seed.
-            seed=s.seed * 1000 + i, port=ports[f"rollout-{i}"], host="127.0.0.1",
+            seed=s.seed * 1000 + i, port=ports[f"rollout-{i}"], host="127.0.0.1", log_format=s.log_format,
         )  # fmt: skip
         rollouts.append(_build(RolloutSettings, "rollout", values))
+    return rollouts
 
-    evaluator = None
-    enabled = s.evaluator.get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise SettingsError(f"evaluator.enabled must be true or false, got {enabled!r}")
-    if s.heldout is not None and enabled:
-        values = {"poll_seconds": 1.0, **_section("evaluator", s.evaluator)}
-        values.update(
-            tracker=tracker_url, run=s.run, api_token=token, model=Path(s.model).resolve(),
-            snapshots=run_dir / "snapshots", out_dir=run_dir / "eval", tasks=Path(s.heldout).resolve(),
-            env=s.env, env_options=s.env_options, until_version=final_version, holder=f"evaluator-{s.run}",
-            port=ports["evaluator"], host="127.0.0.1",
-        )  # fmt: skip
-        evaluator = _build(EvaluatorSettings, "evaluator", values)
-        if final_version % evaluator.every:
+
+def _evaluator(
+    s: LaunchSettings, run_dir: Path, tracker_url: str, final_version: int, port: int
+) -> EvaluatorSettings | None:
+    """The evaluator's settings, None when there is no held-out set or the section disables it."""
+    if s.heldout is None or not s.evaluator.enabled:
+        if s.heldout is None and s.evaluator.enabled and s.evaluator.model_fields_set:
             raise SettingsError(
-                f"the last version {final_version} (updates / updates_per_publish) must be a multiple of "
-                f"evaluator.every {evaluator.every}, so that the curve ends at the end of the run"
+                "evaluator settings are given but heldout is not: the evaluator needs held-out tasks"
             )
-    elif s.evaluator and enabled and s.heldout is None:
+        return None
+    values = {"poll_seconds": 1.0, **s.evaluator.given()}
+    values.update(
+        tracker=tracker_url, run=s.run, api_token=s.api_token, model=Path(s.model).resolve(),
+        snapshots=run_dir / "snapshots", out_dir=run_dir / "eval", tasks=Path(s.heldout).resolve(),
+        env=s.env, env_options=s.env_options, until_version=final_version, holder=f"evaluator-{s.run}",
+        port=port, host="127.0.0.1", log_format=s.log_format,
+    )  # fmt: skip
+    evaluator = _build(EvaluatorSettings, "evaluator", values)
+    if final_version % evaluator.every:
         raise SettingsError(
-            "evaluator settings are given but heldout is not: the evaluator needs held-out tasks"
+            f"the last version {final_version} (updates / updates_per_publish) must be a multiple of "
+            f"evaluator.every {evaluator.every}, so that the curve ends at the end of the run"
         )
+    return evaluator
+
+
+def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
+    """Every child's settings for a run of `s`, with the ports in `ports` (tracker, learner,
+    evaluator, rollout-<i>). Raises SettingsError naming the section and field of every problem."""
+    run_dir = Path(s.run_dir).resolve()
+    run_config = _run_config(s)
+    tracker = _tracker(s, run_dir, ports["tracker"])
+    tracker_url = f"http://127.0.0.1:{tracker.port}"
+    learner, nproc = _learner(s, run_dir, tracker_url, ports["learner"])
+    final_version = s.updates // learner.updates_per_publish
+    rollouts = _rollouts(s, tracker_url, f"http://127.0.0.1:{learner.port}", ports)
+    evaluator = _evaluator(s, run_dir, tracker_url, final_version, ports["evaluator"])
     return Plan(s, run_config, tracker, rollouts, learner, nproc, evaluator, final_version)
 
 
 def port_requests(s: LaunchSettings) -> dict[str, int]:
-    """The ports the config asks for (0: any free port), per process name."""
-    replicas = s.rollout.get("replicas", 1) if isinstance(s.rollout, dict) else 1
-    replicas = (
-        replicas if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas > 0 else 1
-    )
-    base = s.rollout.get("port", 0) if isinstance(s.rollout, dict) else 0
-    out = {
-        "tracker": s.tracker.get("port", 0),
-        "learner": s.learner.get("port", 0),
-        "evaluator": s.evaluator.get("port", 0),
-    }
-    for i in range(replicas):
-        out[f"rollout-{i}"] = base + i if isinstance(base, int) and base else 0
+    """The ports the config asks for (0: any free port), per process name; replicas take
+    consecutive ports from rollout.port when it is set. Only ports the file gives count: a
+    service's own default port is no request (the launcher picks a free one)."""
+
+    def given(section: Section) -> int:
+        return section.given().get("port") or 0
+
+    base = given(s.rollout)
+    out = {"tracker": given(s.tracker), "learner": given(s.learner), "evaluator": given(s.evaluator)}
+    for i in range(s.rollout.replicas):
+        out[f"rollout-{i}"] = base + i if base else 0
     return out

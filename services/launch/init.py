@@ -8,15 +8,14 @@ may run it; a run that exists with another recipe or prior is refused before any
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import ClassVar, Literal
 
-import httpx
 from pydantic import Field, ValidationError
 
 from spopp.settings import Settings
 from spopp.tracker_api import RunConfig
+from spopp.wait import WaitTimeout, wait_http
 
 
 class InitSettings(Settings):
@@ -75,17 +74,10 @@ def run_init(s: InitSettings, echo=print) -> None:
 
 
 def _wait_ready(url: str, seconds: float, echo) -> None:
-    deadline = time.monotonic() + seconds
-    said = False
-    while True:
-        try:
-            if httpx.get(url.rstrip("/") + "/readyz", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the tracker at {url} was not ready within {seconds:.0f} s")
-        if not said:
-            echo(f"waiting for the tracker at {url} ...")
-            said = True
-        time.sleep(1.0)
+    try:
+        wait_http(
+            url.rstrip("/") + "/readyz", seconds, f"the tracker at {url}", interval=1.0, request_timeout=5,
+            on_wait=lambda: echo(f"waiting for the tracker at {url} ..."),
+        )  # fmt: skip
+    except WaitTimeout:
+        raise RuntimeError(f"the tracker at {url} was not ready within {seconds:.0f} s") from None

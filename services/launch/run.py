@@ -33,7 +33,9 @@ from typing import Any
 import yaml
 
 from spopp.client import TrackerClient
+from spopp.jsonfile import read_model, write_text
 from spopp.net import free_port
+from spopp.records import RunRecord
 from spopp.registration import RegistrationError, register, task_bodies
 from spopp.settings import SettingsError
 
@@ -146,19 +148,19 @@ def _task_ids(path: Path, what: str) -> list[str]:
     return [t.task_id for t in tasks]
 
 
-def _read_json(path: Path) -> dict | None:
+def _read_record(path: Path) -> RunRecord | None:
     try:
-        return json.loads(path.read_text())
+        return read_model(path, RunRecord)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise LaunchError(f"{path} is unreadable ({exc}); move the run folder aside to start over") from None
+        raise LaunchError(
+            f"{exc}\n(the run folder's record is unreadable: move the folder aside to start over)"
+        ) from None
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+def _write_record(path: Path, record: RunRecord) -> None:
+    write_text(path, record.to_text(str(path)))
 
 
 class Launcher:
@@ -169,7 +171,7 @@ class Launcher:
         self.echo = echo
         self.children: dict[str, Child] = {}
         self.plan: Plan | None = None
-        self.state: dict[str, Any] = {}
+        self.record: RunRecord | None = None  # run.json, once read or written
         self.bodies: list[dict] = []
         self.tracker_finished = False  # the tracker said the run is finished (it stays so)
 
@@ -203,16 +205,16 @@ class Launcher:
         problems = gpu.check(s.gpus, len(p.rollouts), gpu.count_gpus() if s.gpus.used() else 0)
         if problems:
             raise LaunchError("gpus: " + "; ".join(problems))
-        self.state = self._resume_state(p)
+        self.record = self._resume_record(p)
         self.plan = p
         return p
 
-    def _resume_state(self, p: Plan) -> dict[str, Any]:
-        state = _read_json(p.run_dir / "run.json")
-        if state is None:
-            return {}
+    def _resume_record(self, p: Plan) -> RunRecord | None:
+        record = _read_record(p.run_dir / "run.json")
+        if record is None:
+            return None
         mine = p.identity()
-        theirs = state.get("identity", {})
+        theirs = record.identity
         changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         if changed:
             diff = "; ".join(f"{k}: {theirs.get(k)!r} in the folder, {mine.get(k)!r} now" for k in changed)
@@ -220,20 +222,20 @@ class Launcher:
                 f"{p.run_dir} holds another run ({diff}). A launch on an existing folder resumes its "
                 "run and cannot change what defines it: use another run_dir"
             )
-        return state
+        return record
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> int:
         """Answers the exit code: 0 finished (or had finished), 1 failed, 130 interrupted."""
         p = self.plan or self.prepare()
         done = self._finished_updates(p)
-        if self.state.get("status") == "finished" and done >= self.s.updates:
+        if self.record is not None and self.record.status == "finished" and done >= self.s.updates:
             self.echo(
                 f"run {self.s.run} in {p.run_dir} finished already ({done} updates of {self.s.updates}); "
                 "nothing to do. Raise `updates` to train further, or use another run_dir."
             )
             return 0
-        resuming = bool(self.state)
+        resuming = self.record is not None
         self._write_folder(p, resuming)
         old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         status, code = "failed", 1
@@ -276,21 +278,24 @@ class Launcher:
         for name, settings in self._child_settings(p).items():
             settings.to_file(p.run_dir / "config" / f"{name}.yaml")
         now = time.time()
-        self.state = {
-            **self.state,
+        old = self.record
+        self.record = RunRecord.model_validate({
+            **(old.model_dump(exclude_unset=True) if old else {}),
             "run": self.s.run, "arm": p.arm(), "recipe": self.s.recipe,
             "normalization": p.learner.normalization, "seed": self.s.seed, "updates": self.s.updates,
             "final_version": p.final_version, "identity": p.identity(), "status": "running",
-            "started": self.state.get("started", now), "launches": self.state.get("launches", 0) + 1,
-        }  # fmt: skip
-        _write_json(p.run_dir / "run.json", self.state)
+            "started": old.started if old and old.started is not None else now,
+            "launches": (old.launches if old else 0) + 1,
+        })  # fmt: skip
+        _write_record(p.run_dir / "run.json", self.record)
 
     def _set_status(self, p: Plan, status: str) -> None:
-        self.state["status"] = status
-        self.state["updates_done"] = self._finished_updates(p)
+        update: dict[str, Any] = {"status": status, "updates_done": self._finished_updates(p)}
         if status == "finished":
-            self.state["finished"] = time.time()
-        _write_json(p.run_dir / "run.json", self.state)
+            update["finished"] = time.time()
+        # Validated again (model_copy would not): the record on disk is always one that reads back.
+        self.record = RunRecord.model_validate({**self.record.model_dump(exclude_unset=True), **update})
+        _write_record(p.run_dir / "run.json", self.record)
 
     def _child_settings(self, p: Plan) -> dict[str, Any]:
         out: dict[str, Any] = {"tracker": p.tracker, "learner": p.learner}

@@ -28,11 +28,14 @@ def _finished_already(settings: LearnerSettings) -> bool:
 
 
 def _run(settings: LearnerSettings, nproc: int, resume: bool) -> None:
-    import logging
+    import os
+
+    from runtime.service.logs import setup_logging
 
     from . import ranks
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    rank = os.environ.get("RANK") if ranks.is_rank() else None  # torchrun's rank of this process
+    setup_logging("learner", settings.log_format, run=settings.run, rank=rank)
     if ranks.is_rank():
         ranks.die_with_launcher()
     if _finished_already(settings):

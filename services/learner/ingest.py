@@ -23,11 +23,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST
 
+from runtime.service.routes import add_service_routes
 from spopp.asgi import BearerAuth, BodyLimit
 from spopp.trajectory import INTAKE, INTAKE_BATCH, Delivered, Trajectory, TrajectoryBatch
 
@@ -282,13 +282,11 @@ def ingest_app(
             "results": [r.model_dump(exclude_none=True) for r in results],
         }
 
-    @app.get("/healthz")
-    def healthz() -> dict:
-        return {"status": "ok", "policy_version": buffer.version, "buffered": len(buffer)}
-
-    @app.get("/metrics")
-    def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    add_service_routes(
+        app,
+        health=lambda: {"status": "ok", "policy_version": buffer.version, "buffered": len(buffer)},
+        metrics=metrics.registry,
+    )
 
     @app.exception_handler(Refused)
     async def refused(request: Request, exc: Refused) -> JSONResponse:

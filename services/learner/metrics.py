@@ -17,7 +17,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    generate_latest,
 )
 
 if TYPE_CHECKING:
@@ -87,6 +86,3 @@ class LearnerMetrics:
         self.updates.inc()
         self.trained_tokens.inc(stats["tokens"])
         self.tokens_per_s.set(stats["tokens_per_s"])
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

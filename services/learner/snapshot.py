@@ -7,7 +7,7 @@ contract in `spopp.snapshots`):
       model.safetensors        full weights in the training dtype, tied aliases left out
       config.json, generation_config.json, tokenizer files   copied from the base model folder
       manifest.json            version, step (updates so far), sha256 and size of each weights
-                               file, base model, time
+                               file, base model, time (`spopp.snapshots.Manifest`)
     v000008.tmp/               being written (or left by a crash; removed by the next publish)
     v000003.del/               being deleted (renamed first, so no half-deleted vNNNNNN exists)
     .holds/<holder>.json       an evaluator's hold: versions it has still to score
@@ -30,7 +30,6 @@ directly avoids building a second model object on rank 0 just to call save_pretr
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -38,7 +37,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from spopp.snapshots import MANIFEST, held, list_snapshots, read_holds, version_dirname
+from spopp.snapshots import (
+    Manifest,
+    ManifestFile,
+    held,
+    list_snapshots,
+    read_holds,
+    read_manifest,
+    version_dirname,
+    write_manifest,
+)
 
 log = logging.getLogger("spopp.learner")
 
@@ -160,7 +168,7 @@ def discard_unannounced(root: str | Path, announced: int) -> list[Path]:
 
 def _write_folder(
     state: dict[str, Any], aliases: set[str], model_dir: Path, tmp: Path, version: int, step: int | None
-) -> dict:
+) -> Manifest:
     from safetensors.torch import save_file
 
     tmp.mkdir()
@@ -174,22 +182,27 @@ def _write_folder(
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, tmp / name)
     weights = tmp / WEIGHTS_FILE
-    manifest = {
-        "version": version,
-        "step": step,
-        "files": {WEIGHTS_FILE: {"sha256": _sha256(weights), "bytes": weights.stat().st_size}},
-        "base_model": str(model_dir.resolve()),
-        "created_at": datetime.now(UTC).isoformat(),
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    manifest = Manifest(
+        version=version,
+        step=step,
+        files={WEIGHTS_FILE: ManifestFile(sha256=_sha256(weights), bytes=weights.stat().st_size)},
+        base_model=str(model_dir.resolve()),
+        created_at=datetime.now(UTC).isoformat(),
+    )
+    write_manifest(tmp, manifest)
     for f in tmp.iterdir():
         _fsync_file(f)
     _fsync_dir(tmp)
     return manifest
 
 
-def _same_weights(a: dict, b: dict) -> bool:
-    return a.get("version") == b.get("version") and a.get("files") == b.get("files")
+def _existing_manifest(folder: Path) -> Manifest | None:
+    """The manifest of a published folder; None when it has none or an unreadable one (either way
+    not the same weights, so the publish refuses to touch the folder)."""
+    try:
+        return read_manifest(folder)
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def publish_snapshot(
@@ -224,8 +237,8 @@ def publish_snapshot(
     try:
         manifest = _write_folder(state, tied_aliases(engine.module), model_dir, tmp, version, step)
         if final.exists():
-            existing = json.loads((final / MANIFEST).read_text()) if (final / MANIFEST).is_file() else {}
-            if not _same_weights(existing, manifest):
+            existing = _existing_manifest(final)
+            if existing is None or not existing.same_weights(manifest):
                 raise FileExistsError(f"{final} already exists with other weights")
             shutil.rmtree(tmp)
         else:

@@ -168,7 +168,7 @@ class Learner:
         """Rank 0 starts POST /v1/trajectories; answers its URL."""
         if self.rank != 0:
             return None
-        from spopp.asgi import ThreadedServer
+        from runtime.service.server import ThreadedServer
 
         app = ingest_app(
             self.buffer,

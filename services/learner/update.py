@@ -95,79 +95,114 @@ def run_update(
     rank, world = dist.get_rank(), dist.get_world_size()
     gas = int(engine.gradient_accumulation_steps())
     plan = _plan(len(trajs), cfg, rank, world, gas)
-    device = engine.device
     engine.train()
-
-    # (a) Collate once and take old_logp with the weights as they are before any step.
-    batches: list[list[tuple[Batch, torch.Tensor]]] = []
-    with torch.no_grad():
-        for _, micro in plan:
-            row = []
-            for s in micro:
-                b = collate(trajs[s], adv[s]).to(device)
-                row.append((b, token_logprobs(engine, b.input_ids, b.attention_mask)))
-            batches.append(row)
-
-    # (b) One optimizer step per mini-batch.
-    sums = torch.zeros(2 + len(_MEAN_STATS), dtype=torch.float64)  # loss, tokens, stat * tokens
-    w_max = torch.zeros(1, dtype=torch.float64)
+    batches = _collate_with_old_logp(engine, trajs, adv, plan)
+    tally = _Tally()
     grad_norms: list[float] = []
     # Undo DeepSpeed's mean over accumulation steps (engine.backward) and over ranks (reduction).
     scale = float(world * gas)
     for m, ((part, _), row) in enumerate(zip(plan, batches, strict=True)):
         # Every rank holds the whole mini-batch, so each computes the same global N locally.
-        n_tokens = action_tokens(trajs[part])
         # A mini-batch without action tokens contributes zero loss; 1 avoids dividing by zero.
-        denom = max(n_tokens, 1)
-        steps_before = engine.global_steps
-        own_norm: float | None = None
-        for i, (b, old) in enumerate(row):
-            logp = token_logprobs(engine, b.input_ids, b.attention_mask)
-            loss, st = policy_loss(
-                logp,
-                old,
-                b.advantages,
-                b.loss_mask,
-                rollout_logp=b.rollout_logp,
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                dual_clip=cfg.dual_clip,
-                is_cap=cfg.is_cap,
-                token_count=denom,
-            )
-            engine.backward(loss * scale)
-            sums[0] += float(loss.detach())
-            sums[1] += st["tokens"]
-            for k, name in enumerate(_MEAN_STATS):
-                sums[2 + k] += st[name] * st["tokens"]
-            w_max[0] = max(float(w_max[0]), st["is_weight_max"])
-            if i == len(row) - 1:
-                if not engine.is_gradient_accumulation_boundary():
-                    raise RuntimeError(
-                        "DeepSpeed's accumulation boundary is out of step with the mini-batches"
-                    )
-                if before_step is not None:
-                    before_step(engine, m)
-                own_norm = _own_grad_norm(engine)
-            # DeepSpeed's step() is called after every backward: it counts micro-steps and only
-            # reduces, clips and steps the optimizer at the accumulation boundary.
-            engine.step()
-        if engine.global_steps != steps_before + 1:
-            raise RuntimeError(
-                f"mini-batch {m} made {engine.global_steps - steps_before} optimizer steps, not 1"
-            )
-        norm = engine.get_global_grad_norm() if own_norm is None else own_norm
+        denom = max(action_tokens(trajs[part]), 1)
+        norm = _mini_batch_step(engine, row, cfg, denom, scale, tally, before_step, m)
         if norm is not None:
             grad_norms.append(float(norm))
+    return _update_stats(engine, tally, len(plan), grad_norms, started)
 
-    # (c) Statistics over all ranks: sums add up, the maximum is a maximum.
-    sums_dev, max_dev = sums.to(device), w_max.to(device)
-    dist.all_reduce(sums_dev, op=dist.ReduceOp.SUM)
-    dist.all_reduce(max_dev, op=dist.ReduceOp.MAX)
-    sums, w_max = sums_dev.cpu(), max_dev.cpu()
-    tokens = float(sums[1])
+
+def _collate_with_old_logp(
+    engine: Any, trajs: Sequence[TrajectoryLike], adv: torch.Tensor, plan: list[tuple[slice, list[slice]]]
+) -> list[list[tuple[Batch, torch.Tensor]]]:
+    """This rank's micro-batches, collated once, each with old_logp: the weights as they are
+    before any step, on the very padding the training pass will see."""
+    batches = []
+    with torch.no_grad():
+        for _, micro in plan:
+            row = []
+            for s in micro:
+                b = collate(trajs[s], adv[s]).to(engine.device)
+                row.append((b, token_logprobs(engine, b.input_ids, b.attention_mask)))
+            batches.append(row)
+    return batches
+
+
+class _Tally:
+    """This rank's sums over the update: loss, tokens, each mean statistic times its tokens, and
+    the largest rollout weight; summed (and maximized) over the ranks at the end."""
+
+    def __init__(self) -> None:
+        self.sums = torch.zeros(2 + len(_MEAN_STATS), dtype=torch.float64)
+        self.w_max = torch.zeros(1, dtype=torch.float64)
+
+    def add(self, loss: torch.Tensor, st: dict[str, float]) -> None:
+        self.sums[0] += float(loss.detach())
+        self.sums[1] += st["tokens"]
+        for k, name in enumerate(_MEAN_STATS):
+            self.sums[2 + k] += st[name] * st["tokens"]
+        self.w_max[0] = max(float(self.w_max[0]), st["is_weight_max"])
+
+    def reduce(self, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch.distributed as dist
+
+        sums, w_max = self.sums.to(device), self.w_max.to(device)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        dist.all_reduce(w_max, op=dist.ReduceOp.MAX)
+        return sums.cpu(), w_max.cpu()
+
+
+def _mini_batch_step(
+    engine: Any,
+    row: list[tuple[Batch, torch.Tensor]],
+    cfg: LearnerSettings,
+    denom: int,
+    scale: float,
+    tally: _Tally,
+    before_step: BeforeStep | None,
+    m: int,
+) -> float | None:
+    """One optimizer step over mini-batch `m` (this rank's micro-batches `row`); answers its
+    pre-clip gradient norm, None where neither DeepSpeed nor we can read one."""
+    steps_before = engine.global_steps
+    own_norm: float | None = None
+    for i, (b, old) in enumerate(row):
+        logp = token_logprobs(engine, b.input_ids, b.attention_mask)
+        loss, st = policy_loss(
+            logp,
+            old,
+            b.advantages,
+            b.loss_mask,
+            rollout_logp=b.rollout_logp,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip=cfg.dual_clip,
+            is_cap=cfg.is_cap,
+            token_count=denom,
+        )
+        engine.backward(loss * scale)
+        tally.add(loss, st)
+        if i == len(row) - 1:
+            if not engine.is_gradient_accumulation_boundary():
+                raise RuntimeError("DeepSpeed's accumulation boundary is out of step with the mini-batches")
+            if before_step is not None:
+                before_step(engine, m)
+            own_norm = _own_grad_norm(engine)
+        # DeepSpeed's step() is called after every backward: it counts micro-steps and only
+        # reduces, clips and steps the optimizer at the accumulation boundary.
+        engine.step()
+    if engine.global_steps != steps_before + 1:
+        raise RuntimeError(f"mini-batch {m} made {engine.global_steps - steps_before} optimizer steps, not 1")
+    return engine.get_global_grad_norm() if own_norm is None else own_norm
+
+
+def _update_stats(
+    engine: Any, tally: _Tally, n_mini: int, grad_norms: list[float], started: float
+) -> dict[str, float]:
+    """Statistics over all ranks: sums add up, the maximum is a maximum."""
+    sums, w_max = tally.reduce(engine.device)
     elapsed = time.perf_counter() - started
-    stats = {"loss": float(sums[0]) / len(plan)}
+    tokens = float(sums[1])
+    stats = {"loss": float(sums[0]) / n_mini}
     for k, name in enumerate(_MEAN_STATS):
         stats[name] = float(sums[2 + k]) / tokens if tokens else 0.0
     stats["is_weight_max"] = float(w_max[0])

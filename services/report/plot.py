@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .metrics import interpolate, trailing_mean
 from .runs import Run
+from .summaries import interpolate, trailing_mean
 from .tables import SPO, SPOPP, TRAJNORM, arm_name
 
 SMOOTHING = 5

@@ -1,4 +1,5 @@
-"""Reading run folders: `run.json` (arm, seed, status) and the evaluator's `eval/evals.jsonl`.
+"""Reading run folders: `run.json` (arm, seed, status) and the evaluator's `eval/evals.jsonl`,
+through their models (`spopp.records`).
 
 A run's curve is its scored evaluation lines in policy-version order, at the chosen metric; the
 skipped lines (pruned or unreadable snapshots) are left out and named in a warning. Anything that
@@ -13,6 +14,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from spopp.jsonfile import FileFormatError, read_model, validate
+from spopp.records import EvalRecord, RunRecord
 
 RUN_FILE = "run.json"
 EVALS_FILE = Path("eval") / "evals.jsonl"
@@ -77,35 +81,24 @@ def expand(paths: list[Path]) -> list[Path]:
     return list(unique.values())
 
 
-def _read_run_json(path: Path) -> dict[str, Any]:
+def _one_line(message: str) -> str:
+    # The report's errors are one line each (a model's several problems are joined).
+    return message.replace("\n", "; ")
+
+
+def _read_run_json(path: Path) -> RunRecord:
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        return read_model(path, RunRecord)
     except OSError as exc:
         raise RunError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RunError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(meta, dict):
-        raise RunError(f"{path}: expected a JSON object, got {type(meta).__name__}")
-    arm = meta.get("arm")
-    if not isinstance(arm, str) or not arm:
-        raise RunError(f"{path}: 'arm' must be a non-empty string, got {arm!r}")
-    seed = meta.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise RunError(f"{path}: 'seed' must be an integer, got {seed!r}")
-    return meta
+    except FileFormatError as exc:
+        raise RunError(_one_line(str(exc))) from None
 
 
 def read_run(folder: Path, metric: str, warnings: list[str]) -> Run:
     """One run folder, its curve at `metric`; warnings (skipped versions, a cut last line) are appended."""
     meta = _read_run_json(folder / RUN_FILE)
-    status = meta.get("status")
-    run = Run(
-        dir=folder,
-        arm=meta["arm"],
-        seed=meta["seed"],
-        name=str(meta.get("run") or folder.name),
-        status=status if isinstance(status, str) else None,
-    )
+    run = Run(dir=folder, arm=meta.arm, seed=meta.seed, name=meta.run or folder.name, status=meta.status)
     path = folder / EVALS_FILE
     try:
         data = path.read_bytes()
@@ -140,17 +133,17 @@ def read_run(folder: Path, metric: str, warnings: list[str]) -> Run:
     return run
 
 
-def _add_line(run: Run, path: Path, n: int, line: Any, metric: str) -> None:
+def _add_line(run: Run, path: Path, n: int, data: Any, metric: str) -> None:
     where = f"{path}:{n}"
-    if not isinstance(line, dict):
-        raise RunError(f"{where}: expected a JSON object, got {type(line).__name__}")
-    version = line.get("policy_version")
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise RunError(f"{where}: 'policy_version' must be an integer, got {version!r}")
+    try:
+        record = validate(EvalRecord, data, where)
+    except FileFormatError as exc:
+        raise RunError(_one_line(str(exc))) from None
+    line, version = record.model_dump(exclude_unset=True), record.policy_version
     previous = max(run.versions[-1:] + run.skipped[-1:], default=None)
     if previous is not None and version <= previous:
         raise RunError(f"{where}: policy version {version} after {previous}; versions must increase")
-    if "skipped" in line:
+    if record.skipped is not None:
         run.skipped.append(version)
         return
     if metric not in line:
@@ -159,11 +152,8 @@ def _add_line(run: Run, path: Path, n: int, line: Any, metric: str) -> None:
     value = line[metric]
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise RunError(f"{where}: {metric!r} must be a finite number, got {value!r}")
-    step = line.get("step")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise RunError(f"{where}: 'step' must be an integer or null, got {step!r}")
     run.versions.append(version)
-    run.steps.append(step)
+    run.steps.append(record.step)
     run.rewards.append(float(value))
 
 

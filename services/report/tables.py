@@ -13,10 +13,10 @@ import json
 import math
 from typing import Any
 
-from spopp.metrics import C10_POINTS
+from spopp.curves import C10_POINTS
 
-from .metrics import POINTS, area, c10, end_reward, summarize, wins
 from .runs import Run
+from .summaries import POINTS, area, c10, end_reward, summarize, wins
 
 SPO, SPOPP, TRAJNORM = "spo", "spopp", "spopp-trajnorm"
 ARM_NAMES = {SPO: "SPO", SPOPP: "SPO++", TRAJNORM: "SPO++ (trajectory norm.)"}

@@ -29,10 +29,12 @@ def _claimed(s: RolloutSettings) -> RolloutSettings:
 
 def _serve(settings: RolloutSettings) -> None:
     import asyncio
-    import logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from runtime.service.logs import bind, setup_logging
+
+    setup_logging("rollout", settings.log_format, run=settings.run, worker=settings.worker_id)
     settings = _claimed(settings)
+    bind(worker=settings.worker_id)  # the claim's (rollout-gpu3, rollout-0)
 
     from .serve import serve
 

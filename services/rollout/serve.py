@@ -1,17 +1,16 @@
-"""`spopp rollout serve`: one replica = engine + worker loop + a small /healthz and /metrics app."""
+"""`spopp rollout serve`: one replica = engine + worker loop + the service shell's /healthz and /metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
-from fastapi import FastAPI, Response
-from prometheus_client import generate_latest
+from fastapi import FastAPI
 
 from runtime.envs import env_factory
 from runtime.envs.base import Task
-from spopp.asgi import serve_in_loop
+from runtime.service import server as http
+from runtime.service.routes import add_service_routes
 
 from .config import RolloutSettings
 from .worker import Worker
@@ -33,20 +32,16 @@ def load_task_table(s: RolloutSettings) -> dict[str, Task]:
 
 def health_app(worker: Worker) -> FastAPI:
     app = FastAPI(title="spopp rollout")
-
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {
+    add_service_routes(
+        app,
+        health=lambda: {
             "status": "ok",
             "worker_id": worker.s.worker_id,  # a claimed replica's id (rollout-gpu3, rollout-0)
             "policy_version": worker.version,
             "in_flight": len(worker.inflight),
-        }
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(worker.metrics.registry), media_type="text/plain; version=0.0.4")
-
+        },
+        metrics=worker.metrics.registry,
+    )
     return app
 
 
@@ -57,16 +52,13 @@ async def serve(s: RolloutSettings) -> None:
     make_env = env_factory(s.env, s.env_options)
     engine = make_engine(s.engine, s.model, **s.engine_kwargs())
     worker = Worker(s, engine, make_env, tasks)
-    server = serve_in_loop(health_app(worker), s.host, s.port)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(worker.shutdown()))
-    http = asyncio.create_task(server.serve())
     log.info("rollout %s: run %s, %d tasks, engine %s", s.worker_id, s.run, len(tasks), s.engine)
     try:
-        await worker.run(max_episodes=s.max_episodes)
+        # A signal stops dispatching and drains (worker.shutdown); run() then returns by itself.
+        await http.serve(
+            health_app(worker), s.host, s.port, worker.run(max_episodes=s.max_episodes),
+            on_signal=lambda: asyncio.ensure_future(worker.shutdown()),
+        )  # fmt: skip
     finally:
-        server.should_exit = True
-        await http
         await worker.close()
         await engine.close()

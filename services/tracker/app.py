@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from spopp import __version__
 from spopp.asgi import BearerAuth, BodyLimit
+from spopp.retry import RetryPolicy
 
 from .config import TrackerSettings
 from .errors import ApiError, error_response, unavailable
@@ -100,19 +101,17 @@ class RedisHealth:
 
 async def wait_for_redis(client: aioredis.Redis, seconds: float) -> None:
     """Retry PING until Redis answers: in compose the tracker may start before Redis does."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    delay = 0.05
+    attempts = RetryPolicy(seconds, initial=0.05, cap=1.0).start()
     while True:
         try:
             await client.ping()
             return
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            if loop.time() > deadline:
+            delay = attempts.next_delay()
+            if delay is None:
                 raise RuntimeError(f"redis did not answer within {seconds:.0f} s: {exc}") from exc
             log.info("waiting for redis: %s", exc)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
 
 
 def _field(loc) -> str:
@@ -154,7 +153,7 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
     app.state.metrics = Metrics()
     for module in V1_ROUTERS:
         app.include_router(module.router, prefix="/v1")
-    app.include_router(health.router)
+    health.add_health_routes(app)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, token=settings.api_token)

@@ -10,6 +10,9 @@ from .config import TrackerSettings
 
 
 def _serve(settings: TrackerSettings) -> None:
+    from runtime.service.logs import setup_logging
+
+    setup_logging("tracker", settings.log_format)
     try:
         from .serve import serve
     except ImportError as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import shutil
 import socket
@@ -26,6 +27,8 @@ from pathlib import Path
 
 from spopp.lifetime import die_with_parent
 from spopp.net import free_port
+from spopp.retry import RetryPolicy
+from spopp.wait import ProcessExited, WaitTimeout, wait_until
 
 log = logging.getLogger("spopp.tracker")
 
@@ -97,21 +100,27 @@ class EmbeddedRedis:
             # thread: start the server from a thread that outlives it.
             preexec_fn=die_with_parent,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{log}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout} s")
+        try:
+            wait_until(
+                self._answers, timeout, f"redis-server on port {self.port}", interval=0.05, proc=self.proc
+            )
+        except ProcessExited:
+            tail = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{tail}") from None
+        except WaitTimeout:
+            self.stop()
+            raise RuntimeError(
+                f"redis-server did not answer on port {self.port} within {timeout} s"
+            ) from None
+        return self
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -231,7 +240,8 @@ class SupervisedRedis:
         code = self.redis.proc.returncode
         log.warning("embedded redis-server (pid %d) died with %s; restarting it", self.redis.proc.pid, code)
         self.state = "restarting"
-        delay = 0.1
+        # Backoff between failed starts; the bound is the restart count, not time.
+        backoff = RetryPolicy(math.inf, initial=0.1, cap=5.0).start()
         while not self._stop.is_set():
             now = time.monotonic()
             while self._attempts and now - self._attempts[0] > self.window_seconds:
@@ -252,8 +262,7 @@ class SupervisedRedis:
                 self.last_error = str(exc)
                 log.error("restarting the embedded redis-server failed: %s", exc)
                 code = self.redis.proc.returncode if self.redis.proc is not None else None
-                self._stop.wait(delay)
-                delay = min(delay * 2, 5.0)
+                self._stop.wait(backoff.next_delay())
                 continue
             log.warning("embedded redis-server restarted (pid %d) on %s", self.redis.proc.pid, self.url)
             self.state = "running"

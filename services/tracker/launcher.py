@@ -11,12 +11,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 from spopp.net import free_port
+from spopp.wait import ProcessExited, WaitTimeout, wait_http
 
 
 class TrackerProcess:
@@ -27,10 +25,12 @@ class TrackerProcess:
         env: dict | None = None,
         port: int | None = None,
         timeout: float = 30.0,
+        args: tuple[str, ...] = ("--log-level", "warning"),
     ) -> None:
+        """`args`: more flags of `spopp tracker serve`."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [
+        argv = [
             sys.executable,
             "-m",
             "services.cli",
@@ -38,18 +38,17 @@ class TrackerProcess:
             "serve",
             "--port",
             str(self.port),
-            "--log-level",
-            "warning",
+            *args,
         ]
         if redis_url:
-            args += ["--redis-url", redis_url]
+            argv += ["--redis-url", redis_url]
         if data_dir:
-            args += ["--data-dir", str(data_dir)]
+            argv += ["--data-dir", str(data_dir)]
         # Only what the caller passes configures the child, not SPOPP_* left in our environment.
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
         full_env.update(env or {})
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready(timeout)
 
     def output(self) -> str:
@@ -57,18 +56,19 @@ class TrackerProcess:
         return self.log.read()
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tracker exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.kill()
-        raise RuntimeError(f"tracker did not become ready within {timeout} s:\n{self.output()[-3000:]}")
+        try:
+            wait_http(
+                self.url + "/readyz", timeout, "the tracker to be ready", request_timeout=1, proc=self.proc
+            )
+        except ProcessExited:
+            raise RuntimeError(
+                f"tracker exited with {self.proc.returncode}:\n{self.output()[-3000:]}"
+            ) from None
+        except WaitTimeout:
+            self.kill()
+            raise RuntimeError(
+                f"tracker did not become ready within {timeout} s:\n{self.output()[-3000:]}"
+            ) from None
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc.poll() is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from datetime import datetime
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # *_created series double the scrape for no use here.
@@ -32,7 +32,9 @@ class Metrics:
             registry=self.registry,
         )
 
-    async def render(self, store, health=None) -> bytes:
+    async def registries(self, store, health=None) -> list[CollectorRegistry]:
+        """This process's request metrics, and a registry of the run, worker and Redis series
+        read now (rendered by the service shell, runtime.service.prometheus)."""
         runs, workers = {}, {}
         for run in await store.runs():
             try:
@@ -45,7 +47,7 @@ class Metrics:
         registry.register(_WorkerCollector(workers))
         if health is not None:
             registry.register(_RedisCollector(health.status()))
-        return generate_latest(self.registry) + generate_latest(registry)
+        return [self.registry, registry]
 
 
 class MetricsMiddleware:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import sys
 
-import uvicorn
+from runtime.service import server as http
 
 from .app import create_app
 from .config import TrackerSettings
@@ -16,8 +17,8 @@ log = logging.getLogger("spopp.tracker")
 
 
 def _exit_on_sigterm() -> None:
-    # uvicorn re-raises the signal it caught once it has shut down; with Python's default action
-    # the process would die there and skip the `finally` that stops the embedded Redis.
+    # Until the server's loop takes SIGTERM over (and after it), Python's default action would
+    # kill the process there and skip the `finally` that stops the embedded Redis.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
 
@@ -33,14 +34,11 @@ def serve(settings: TrackerSettings) -> None:
             start_timeout=settings.redis_wait_seconds,
         ).start()
         settings = settings.model_copy(update={"redis_url": embedded.url})
-        print(f"spopp tracker: embedded redis on {embedded.url}, AOF under {embedded.data_dir}", flush=True)
+        log.info("spopp tracker: embedded redis on %s, AOF under %s", embedded.url, embedded.data_dir)
     try:
-        uvicorn.run(
-            create_app(settings, redis_supervisor=embedded),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-        )
+        app = create_app(settings, redis_supervisor=embedded)
+        asyncio.run(http.serve(app, settings.host, settings.port, log_level=settings.log_level))
     finally:
+        _exit_on_sigterm()  # the loop's handler went with the loop
         if embedded is not None:
             embedded.stop()

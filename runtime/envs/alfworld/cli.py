@@ -11,12 +11,12 @@ from pathlib import Path
 
 import click
 
+# The generator's own lists: that module imports the standard library only, so --help stays instant.
+from .generate import LAYOUT_CHOICES, SPLITS
+
 group = click.Group(
     "alfworld", help="ALFWorld text games: generate games in the package's layout, write task files."
 )
-
-_SPLITS = ("train", "valid_seen", "valid_unseen")  # generate.SPLITS, not imported here (see above)
-_LAYOUTS = ("all", "seen", "unseen")
 
 
 @group.command("generate")
@@ -24,12 +24,12 @@ _LAYOUTS = ("all", "seen", "unseen")
 @click.option("--seed", type=int, default=0, show_default=True, help="the set's seed (>= 0)")
 @click.option("--per-type", type=int, default=4, show_default=True, help="games per task type (six types)")
 @click.option(
-    "--split", default="train", show_default=True, metavar="|".join(_SPLITS), help="the split folder"
+    "--split", default="train", show_default=True, metavar="|".join(SPLITS), help="the split folder"
 )
 @click.option(
     "--layouts",
     default=None,
-    metavar="|".join(_LAYOUTS),
+    metavar="|".join(LAYOUT_CHOICES),
     help="room layouts to draw from  [default: seen for train and valid_seen, unseen for valid_unseen]",
 )
 @click.option("--max-receptacles", type=int, default=None, help="at most this many receptacles a game (>= 2)")
@@ -50,10 +50,12 @@ def generate_command(out, seed, per_type, split, layouts, max_receptacles, max_d
     """
     # The same checks generate_games makes, here for the errors the option parser would otherwise
     # print with a usage block: one line each.
-    if split not in _SPLITS:
-        raise click.ClickException(f"unknown --split {split!r}; expected one of {', '.join(_SPLITS)}")
-    if layouts is not None and layouts not in _LAYOUTS:
-        raise click.ClickException(f"unknown --layouts {layouts!r}; expected one of {', '.join(_LAYOUTS)}")
+    if split not in SPLITS:
+        raise click.ClickException(f"unknown --split {split!r}; expected one of {', '.join(SPLITS)}")
+    if layouts is not None and layouts not in LAYOUT_CHOICES:
+        raise click.ClickException(
+            f"unknown --layouts {layouts!r}; expected one of {', '.join(LAYOUT_CHOICES)}"
+        )
     from .generate import GenerationError, generate_games
 
     try:

@@ -53,6 +53,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .games import DATA_DIR, TASK_TYPES
+
 __all__ = [
     "LAYOUTS",
     "LAYOUT_CHOICES",
@@ -64,17 +66,9 @@ __all__ = [
     "planner_walkthrough",
 ]
 
-TASK_TYPES = (
-    "pick_and_place_simple",
-    "look_at_obj_in_light",
-    "pick_clean_then_place_in_recep",
-    "pick_heat_then_place_in_recep",
-    "pick_cool_then_place_in_recep",
-    "pick_two_obj_and_place",
-)
+# The splits ALFWorld ships layouts for (games.SPLITS adds valid_train, a split of played games).
 SPLITS = ("train", "valid_seen", "valid_unseen")
 LAYOUT_CHOICES = ("all", "seen", "unseen")
-DATA_DIR = "json_2.1.1"
 GENERATOR = "spopp.alfworld.generate"
 GENERATOR_VERSION = 1
 
@@ -315,22 +309,57 @@ def _draw(
     max_receptacles: int | None,
     max_distractors: int | None,
 ) -> _Game | None:
-    """One game of `task_type` in `layout`, or None when this draw cannot fit the limits."""
+    """One game of `task_type` in `layout`, or None when this draw cannot fit the limits.
+
+    The steps draw from `rng` in a fixed order (target, needed receptacles, kept receptacles,
+    placements, goal text): a seed gives the same games, so keep that order when changing them.
+    """
     sh = _shipped()
     candidates = _targets(task_type, layout, sh)
     if not candidates:
         return None
     obj, parent = rng.choice(candidates)
-    appliance = APPLIANCE.get(task_type)
     all_receps = _recep_ids(layout)
+    required, lamp, lamp_host = _required(task_type, layout, rng, all_receps, parent)
+    receps = _kept_receptacles(obj, parent, required, all_receps, rng, max_receptacles, sh)
+    if receps is None:
+        return None
+    placer = _Placer(rng, receps, sh)
+    # What the task needs: the target(s), never inside the parent's type; the lamp for look-at.
+    target_homes = placer.homes_of(obj, avoid=parent)
+    for _ in range(2 if task_type == "pick_two_obj_and_place" else 1):
+        placer.put(obj, placer.hidden_or_not(target_homes))
+    if lamp is not None and lamp_host is not None:
+        placer.put(lamp[0], lamp_host)
+    for otype, rid in _extras(obj, lamp, layout, placer, max_distractors):
+        if rid:
+            placer.put(otype, rid)
+        elif otype == obj:
+            placer.put(otype, placer.hidden_or_not(target_homes))
+        else:
+            placer.put(otype, rng.choice(placer.homes_of(otype))[0])
+    problem = _problem(receps, placer.placed, task_type, obj, parent, lamp[0] if lamp else None, sh)
+    template = rng.choice(sh.goals[task_type]["templates"])
+    toggle = lamp[0] if lamp else ""
+    goal = template.format(obj=obj.lower(), recep=(parent or "").lower(), toggle=toggle.lower(), mrecep="")
+    limits = {"max_receptacles": max_receptacles, "max_distractors": max_distractors}
+    return _game(
+        task_type, layout, obj, parent, toggle, goal, problem, limits, len(receps), len(placer.placed)
+    )
+
+
+def _required(
+    task_type: str, layout: Layout, rng: random.Random, all_receps: list[tuple[str, str]], parent: str | None
+) -> tuple[list[str], tuple[str, str] | None, str | None]:
+    """The receptacles the task needs (appliance, one parent, the lamp's host), the lamp and its host."""
 
     def instance(rtype: str) -> str:
         return rng.choice([rid for rid, rt in all_receps if rt == rtype])
 
-    # The receptacles the task needs: appliance, one parent, the lamp's host.
     required: list[str] = []
     lamp: tuple[str, str] | None = None
     lamp_host: str | None = None
+    appliance = APPLIANCE.get(task_type)
     if appliance is not None:
         required.append(instance(appliance))
     if parent is not None:
@@ -339,65 +368,87 @@ def _draw(
         lamp = rng.choice([lp for lp in layout.lamps if any(rt == lp[1] for rt, _ in layout.receptacles)])
         lamp_host = instance(lamp[1])
         required.append(lamp_host)
+    return required, lamp, lamp_host
+
+
+def _kept_receptacles(
+    obj: str,
+    parent: str | None,
+    required: list[str],
+    all_receps: list[tuple[str, str]],
+    rng: random.Random,
+    max_receptacles: int | None,
+    sh: _Shipped,
+) -> list[tuple[str, str]] | None:
+    """Every receptacle, or under `max_receptacles` the required ones, a home for the target and
+    a random rest; None when the required ones alone are too many."""
+    if max_receptacles is None:
+        return all_receps
     keep = set(required)
-    if max_receptacles is not None:
-        homes = [rid for rid, rt in all_receps if obj in sh.accepts.get(rt, ()) and rt != parent]
-        if not keep.intersection(homes):
-            keep.add(rng.choice(homes))
-        if len(keep) > max_receptacles:
-            return None
-        rest = [rid for rid, _ in all_receps if rid not in keep]
-        keep.update(rng.sample(rest, min(len(rest), max_receptacles - len(keep))))
-        receps = [(rid, rt) for rid, rt in all_receps if rid in keep]
-    else:
-        receps = all_receps
+    homes = [rid for rid, rt in all_receps if obj in sh.accepts.get(rt, ()) and rt != parent]
+    if not keep.intersection(homes):
+        keep.add(rng.choice(homes))
+    if len(keep) > max_receptacles:
+        return None
+    rest = [rid for rid, _ in all_receps if rid not in keep]
+    keep.update(rng.sample(rest, min(len(rest), max_receptacles - len(keep))))
+    return [(rid, rt) for rid, rt in all_receps if rid in keep]
 
-    def homes_of(otype: str, avoid: str | None = None) -> list[tuple[str, str]]:
-        return [(rid, rt) for rid, rt in receps if otype in sh.accepts.get(rt, ()) and rt != avoid]
 
-    def hidden_or_not(homes: list[tuple[str, str]]) -> str:
-        closed = [rid for rid, rt in homes if rt in sh.openable]
-        open_ = [rid for rid, rt in homes if rt not in sh.openable]
+class _Placer:
+    """Objects put into the game's receptacles, numbered per type in the order they are put."""
+
+    def __init__(self, rng: random.Random, receps: list[tuple[str, str]], sh: _Shipped) -> None:
+        self.rng, self.receps, self.sh = rng, receps, sh
+        self.counts: Counter[str] = Counter()
+        self.placed: list[tuple[str, str, str]] = []  # (object id, type, receptacle id)
+
+    def homes_of(self, otype: str, avoid: str | None = None) -> list[tuple[str, str]]:
+        return [(rid, rt) for rid, rt in self.receps if otype in self.sh.accepts.get(rt, ()) and rt != avoid]
+
+    def hidden_or_not(self, homes: list[tuple[str, str]]) -> str:
+        closed = [rid for rid, rt in homes if rt in self.sh.openable]
+        open_ = [rid for rid, rt in homes if rt not in self.sh.openable]
         if closed and open_:
-            return rng.choice(closed if rng.random() < HIDDEN_TARGET_P else open_)
-        return rng.choice(closed or open_)
+            return self.rng.choice(closed if self.rng.random() < HIDDEN_TARGET_P else open_)
+        return self.rng.choice(closed or open_)
 
-    counts: Counter[str] = Counter()
-    placed: list[tuple[str, str, str]] = []  # (object id, type, receptacle id)
+    def put(self, otype: str, rid: str) -> None:
+        self.counts[otype] += 1
+        self.placed.append((f"{otype}_bar_{self.counts[otype]:02d}", otype, rid))
 
-    def put(otype: str, rid: str) -> None:
-        counts[otype] += 1
-        placed.append((f"{otype}_bar_{counts[otype]:02d}", otype, rid))
 
-    # What the task needs: the target(s), never inside the parent's type; the lamp for look-at.
-    target_homes = homes_of(obj, avoid=parent)
-    for _ in range(2 if task_type == "pick_two_obj_and_place" else 1):
-        put(obj, hidden_or_not(target_homes))
-    if lamp is not None and lamp_host is not None:
-        put(lamp[0], lamp_host)
-
-    # Extras: more instances of the target's class, the room's other lamps, distractors.
+def _extras(
+    obj: str, lamp: tuple[str, str] | None, layout: Layout, placer: _Placer, max_distractors: int | None
+) -> list[tuple[str, str]]:
+    """(type, receptacle id or "" for any home): more instances of the target's class, the room's
+    other lamps, distractors; at most `max_distractors` of them."""
+    rng, receps = placer.rng, placer.receps
     extras: list[tuple[str, str]] = [(obj, "") for _ in range(rng.randint(0, MAX_EXTRA_TARGETS))]
     for lamp_type, host_type in layout.lamps:
         if (lamp_type, host_type) != lamp and any(rt == host_type for _, rt in receps):
             extras.append((lamp_type, rng.choice([rid for rid, rt in receps if rt == host_type])))
-    others = [o for o in ROOM_OBJECTS[layout.room] if o != obj and homes_of(o)]
+    others = [o for o in ROOM_OBJECTS[layout.room] if o != obj and placer.homes_of(o)]
     for otype in rng.sample(others, k=min(len(others), rng.randint(3, 7))):
         extras.extend((otype, "") for _ in range(rng.randint(1, 2)))
     if max_distractors is not None and len(extras) > max_distractors:
         extras = [extras[i] for i in sorted(rng.sample(range(len(extras)), max_distractors))]
-    for otype, rid in extras:
-        if rid:
-            put(otype, rid)
-        elif otype == obj:
-            put(otype, hidden_or_not(target_homes))
-        else:
-            put(otype, rng.choice(homes_of(otype))[0])
+    return extras
 
-    problem = _problem(receps, placed, task_type, obj, parent, lamp[0] if lamp else None, sh)
-    template = rng.choice(sh.goals[task_type]["templates"])
-    toggle = lamp[0] if lamp else ""
-    goal = template.format(obj=obj.lower(), recep=(parent or "").lower(), toggle=toggle.lower(), mrecep="")
+
+def _game(
+    task_type: str,
+    layout: Layout,
+    obj: str,
+    parent: str | None,
+    toggle: str,
+    goal: str,
+    problem: str,
+    limits: dict[str, int | None],
+    n_receptacles: int,
+    n_objects: int,
+) -> _Game:
+    """The game with its traj_data; its trial name is a hash of what it holds."""
     traj = {
         "task_type": task_type,
         "pddl_params": {
@@ -418,10 +469,9 @@ def _draw(
         "generator": {
             "name": GENERATOR,
             "version": GENERATOR_VERSION,
-            "max_receptacles": max_receptacles,
-            "max_distractors": max_distractors,
-            "receptacles": len(receps),
-            "objects": len(placed),
+            **limits,
+            "receptacles": n_receptacles,
+            "objects": n_objects,
         },
     }
     content = json.dumps({"traj": traj, "problem": problem, "goal": goal}, sort_keys=True)
@@ -595,6 +645,69 @@ def _write(trial_dir: Path, game: _Game, walkthrough: list[str] | None, sh: _Shi
     )
 
 
+def _cycles(mode: str, pool: list[Layout], split: str, seed: int) -> dict[str, list[Layout]]:
+    """Each task type's layouts, in the order its games take them; GenerationError for a type
+    that no layout of the pool supports."""
+    cycles = {tt: _layout_cycle(tt, pool, split, seed) for tt in TASK_TYPES}
+    for tt, cycle in cycles.items():
+        if not cycle:
+            raise GenerationError(f"no {mode} layout supports {tt}")
+    return cycles
+
+
+class _Drawing:
+    """The games of one generate_games call: drawn, plan-checked, written and listed."""
+
+    def __init__(
+        self,
+        out: Path,
+        split: str,
+        seed: int,
+        max_receptacles: int | None,
+        max_distractors: int | None,
+        sh: _Shipped,
+        planner: _Planner | None,
+    ) -> None:
+        self.out, self.split, self.seed, self.sh, self.planner = out, split, seed, sh, planner
+        self.max_receptacles, self.max_distractors = max_receptacles, max_distractors
+        self.want_heldout = split != "train"
+        self.rels: list[str] = []
+        self.seen: set[str] = set()
+
+    def one(self, tt: str, i: int, layout: Layout, per_type: int, stats: Counter[str]) -> None:
+        """Game `i` of type `tt` in `layout`: the first of up to MAX_ATTEMPTS seeded draws that fits
+        the limits, belongs to this split, is new and (when checked) has a plan; written and listed.
+        Each draw is counted in `stats` by why it was dropped."""
+        for attempt in range(MAX_ATTEMPTS):
+            rng = random.Random(f"spopp-alfworld:{self.split}:{self.seed}:{tt}:{i}:{attempt}")
+            game = _draw(tt, layout, rng, self.max_receptacles, self.max_distractors)
+            if game is None:
+                stats["too tight"] += 1
+                continue
+            if _heldout_game(game.trial) != self.want_heldout:
+                continue  # the other split's game
+            rel = f"{self.split}/{game.folder}/{game.trial}"
+            if rel in self.seen:
+                stats["duplicate"] += 1
+                continue
+            walkthrough = None
+            if self.planner is not None:
+                walkthrough = self.planner.plan(game.game_json(None, self.sh))
+                if not walkthrough:
+                    stats["unsolvable"] += 1
+                    continue
+            assert not any(s in rel for s in _FORBIDDEN_IN_PATHS), rel
+            _write(self.out / DATA_DIR / rel, game, walkthrough, self.sh)
+            self.seen.add(rel)
+            self.rels.append(rel)
+            return
+        raise GenerationError(
+            f"{tt}: drew only {i} distinct games of {per_type} in layout {layout.name} "
+            f"(max_receptacles={self.max_receptacles}, max_distractors={self.max_distractors}); "
+            "ask for fewer games or relax the limits"
+        )
+
+
 def generate_games(
     out: str | os.PathLike,
     *,
@@ -625,15 +738,9 @@ def generate_games(
     out = _check_args(out, seed, per_type, split, layouts, max_receptacles, max_distractors)
     mode, pool = _layout_pool(split, layouts)
     sh = _shipped()
-    cycles = {tt: _layout_cycle(tt, pool, split, seed) for tt in TASK_TYPES}
-    for tt, cycle in cycles.items():
-        if not cycle:
-            raise GenerationError(f"no {mode} layout supports {tt}")
+    cycles = _cycles(mode, pool, split, seed)
     say = progress or (lambda _line: None)
-    planner = _Planner() if check else None
-    want_heldout = split != "train"
-    rels: list[str] = []
-    seen: set[str] = set()
+    draw = _Drawing(out, split, seed, max_receptacles, max_distractors, sh, _Planner() if check else None)
     dropped: Counter[str] = Counter()
     t_start = time.perf_counter()
     try:
@@ -641,43 +748,15 @@ def generate_games(
             t0 = time.perf_counter()
             stats: Counter[str] = Counter()
             for i in range(per_type):
-                layout = cycles[tt][i % len(cycles[tt])]
-                for attempt in range(MAX_ATTEMPTS):
-                    rng = random.Random(f"spopp-alfworld:{split}:{seed}:{tt}:{i}:{attempt}")
-                    game = _draw(tt, layout, rng, max_receptacles, max_distractors)
-                    if game is None:
-                        stats["too tight"] += 1
-                        continue
-                    if _heldout_game(game.trial) != want_heldout:
-                        continue  # the other split's game
-                    rel = f"{split}/{game.folder}/{game.trial}"
-                    if rel in seen:
-                        stats["duplicate"] += 1
-                        continue
-                    walkthrough = None
-                    if planner is not None:
-                        walkthrough = planner.plan(game.game_json(None, sh))
-                        if not walkthrough:
-                            stats["unsolvable"] += 1
-                            continue
-                    assert not any(s in rel for s in _FORBIDDEN_IN_PATHS), rel
-                    _write(out / DATA_DIR / rel, game, walkthrough, sh)
-                    seen.add(rel)
-                    rels.append(rel)
-                    break
-                else:
-                    raise GenerationError(
-                        f"{tt}: drew only {i} distinct games of {per_type} in layout {layout.name} "
-                        f"(max_receptacles={max_receptacles}, max_distractors={max_distractors}); "
-                        "ask for fewer games or relax the limits"
-                    )
+                draw.one(tt, i, cycles[tt][i % len(cycles[tt])], per_type, stats)
             dt = time.perf_counter() - t0
             dropped.update(stats)
             notes = ", ".join(f"{n} {why}" for why, n in sorted(stats.items())) or "none"
             say(f"{tt}: {per_type} games in {dt:.2f} s ({per_type / dt:.2f} games/s); dropped draws: {notes}")
     finally:
-        if planner is not None:
-            planner.close()
+        if draw.planner is not None:
+            draw.planner.close()
+    rels = draw.rels
     list_file = out / f"{split}_seed{seed}.txt"
     list_file.write_text("".join(rel + "\n" for rel in rels), encoding="utf-8")
     dt = time.perf_counter() - t_start

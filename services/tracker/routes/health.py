@@ -2,38 +2,41 @@
 
 /readyz: Redis answers now (503 while it does not: send no traffic). /healthz: the process can
 still recover by itself (503 once the embedded Redis's supervisor gave up restarting it, or Redis
-has not answered for redis_down_seconds: restart the tracker).
+has not answered for redis_down_seconds: restart the tracker). The routes themselves are the
+service shell's (runtime.service.routes); these are the tracker's probes.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import FastAPI
 
-from ..deps import StoreDep
-from ..errors import unavailable
-
-router = APIRouter(tags=["health"])
+from runtime.service.routes import Unavailable, add_service_routes
 
 
-@router.get("/healthz")
-async def healthz(request: Request):
-    health = getattr(request.app.state, "health", None)
+def add_health_routes(app: FastAPI) -> None:
+    add_service_routes(
+        app, health=lambda: healthz(app), ready=lambda: readyz(app), metrics=lambda: scrape(app)
+    )
+
+
+def healthz(app: FastAPI) -> dict:
+    health = getattr(app.state, "health", None)
     if health is None:  # not started yet
         return {"status": "ok"}
     healthy, body = health.check()
-    return body if healthy else unavailable(body)
+    if not healthy:
+        raise Unavailable(body)
+    return body
 
 
-@router.get("/readyz")
-async def readyz(store: StoreDep):
+async def readyz(app: FastAPI) -> dict:
     try:
-        await store.redis.ping()
+        await app.state.store.redis.ping()
     except Exception as exc:  # any failure to reach Redis means not ready
-        return unavailable({"code": "redis_unavailable", "message": f"redis is not reachable: {exc}"})
+        raise Unavailable({"code": "redis_unavailable", "message": f"redis is not reachable: {exc}"}) from exc
     return {"status": "ready"}
 
 
-@router.get("/metrics")
-async def metrics(request: Request, store: StoreDep) -> Response:
-    body = await request.app.state.metrics.render(store, getattr(request.app.state, "health", None))
-    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+async def scrape(app: FastAPI) -> list:
+    """The registries of one scrape: request counts and latencies, then what Redis holds now."""
+    return await app.state.metrics.registries(app.state.store, getattr(app.state, "health", None))

@@ -1,6 +1,6 @@
 """The summaries behind the report's tables: areas, end rewards, C10 and mean ± s.d. of pairs.
 
-Pure functions, no I/O. The curve summaries are the library's (`spopp.metrics`, the paper's
+Pure functions, no I/O. The curve summaries are the library's (`spopp.curves`, the paper's
 appendix "Metric definitions"); this module adds the report's relaxations for short curves
 (end reward and C10 over fewer than five / ten points) and the aggregates of paired differences.
 """
@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spopp.metrics import C10_POINTS, auc_trapezoid, final_mean, step_mean
+from spopp.curves import C10_POINTS, auc_trapezoid, final_mean, step_mean
 
 AREAS = ("trapezoid", "mean")
 END_POINTS = 5

@@ -1,0 +1,122 @@
+"""Logging of every spopp process: one setup, text for a terminal or JSON lines for a collector.
+
+`setup_logging(service, fmt, run=..., worker=...)` replaces the root logger's handlers with one
+handler on stderr. Everything goes through it: our loggers, uvicorn's error and access logs (the
+servers in `server.py` leave uvicorn's own logging config out, so its loggers propagate here) and
+`warnings` (captured), so that with `json` every line a process writes is one JSON object:
+
+    {"time": "2026-11-25T09:13:20.123Z", "level": "INFO", "logger": "spopp.rollout",
+     "service": "rollout", "run": "math-spopp", "worker": "rollout-0", "message": "...", ...}
+
+plus the event's own fields (`log.info("...", extra={"version": 3})`) and `exc_info` with the
+traceback. `bind(worker=...)` adds context learnt later (a replica's claimed worker id).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pythonjsonlogger.json import JsonFormatter
+
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[str, ...] = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+# Loggers that say too much at INFO for a long-running service: a line per HTTP call.
+QUIET = ("httpx", "httpcore")
+
+
+class _Context(logging.Filter):
+    """Puts the process's context (service, run, worker) on every record the handler sees."""
+
+    def __init__(self, **fields: Any) -> None:
+        super().__init__()
+        self.fields = {k: v for k, v in fields.items() if v is not None}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in self.fields.items():
+            if not hasattr(record, key):  # an event's own field wins
+                setattr(record, key, value)
+        return True
+
+
+class _AccessFields(logging.Filter):
+    """uvicorn's access log passes (client, method, path, http version, status) as arguments:
+    keep them as fields, so a collector need not parse the message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and len(record.args) == 5:
+            client, method, path, _, status = record.args
+            record.client, record.method, record.path, record.status = client, method, path, status
+        return True
+
+
+class JsonLines(JsonFormatter):
+    """One JSON object a line: time (RFC 3339, UTC), level, logger, the context, message, then
+    the event's extra fields."""
+
+    FIRST = ("service", "run", "worker")
+
+    def add_fields(self, log_data: dict, record: logging.LogRecord, message_dict: dict) -> None:
+        stamp = datetime.fromtimestamp(record.created, tz=UTC).isoformat(timespec="milliseconds")
+        log_data["time"] = stamp.replace("+00:00", "Z")
+        log_data["level"] = record.levelname
+        log_data["logger"] = record.name
+        for key in self.FIRST:
+            if getattr(record, key, None) is not None:
+                log_data[key] = getattr(record, key)
+        log_data["message"] = record.message
+        super().add_fields(log_data, record, message_dict)  # extras and exc_info; no format fields
+
+
+def _handler(fmt: LogFormat) -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        # The context fields are placed first by JsonLines; keep them out of the extras.
+        handler.setFormatter(JsonLines(reserved_attrs=(*_RESERVED, *JsonLines.FIRST)))
+    else:
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
+    return handler
+
+
+def setup_logging(
+    service: str, fmt: LogFormat = "text", *, level: int = logging.INFO, **context: Any
+) -> None:
+    """Configure the process's logging (again: a second call replaces the first). `context`:
+    fields of every line, `run` and `worker` where known, others (a learner's `rank`) too; None
+    values are left out."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format {fmt!r}: choose from {', '.join(LOG_FORMATS)}")
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    handler = _handler(fmt)
+    handler.addFilter(_Context(service=service, **context))
+    root.addHandler(handler)
+    root.setLevel(level)
+    for name in QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _AccessFields) for f in access.filters):
+        access.addFilter(_AccessFields())
+    logging.captureWarnings(True)
+
+
+def bind(**fields: Any) -> None:
+    """Add context to every later line (e.g. the worker id a replica claimed at start-up)."""
+    for handler in logging.getLogger().handlers:
+        for f in handler.filters:
+            if isinstance(f, _Context):
+                f.fields.update({k: v for k, v in fields.items() if v is not None})
+
+
+# The LogRecord's own attributes: never copied into a JSON line as extras (python-json-logger's
+# defaults, plus `message`, which JsonLines writes itself, taskName of Python 3.12, and uvicorn's
+# `color_message`, its message again with terminal colour codes).
+_RESERVED = (
+    "args", "asctime", "created", "exc_info", "exc_text", "filename", "funcName", "levelname",
+    "levelno", "lineno", "module", "msecs", "message", "msg", "name", "pathname", "process",
+    "processName", "relativeCreated", "stack_info", "thread", "threadName", "taskName", "color_message",
+)  # fmt: skip

@@ -1,0 +1,135 @@
+"""Logs: `--log-format text|json` on every command, and with json nothing but JSON lines.
+
+The tracker is started for real (embedded Redis) with `--log-format json` and `--log-level info`,
+asked for what succeeds, a 404 and a 422, and stopped: every line it wrote to stdout and stderr,
+uvicorn's own included, is one JSON object with the fields a log collector expects.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import warnings
+from datetime import datetime
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from runtime.service.logs import bind, setup_logging
+from services.cli import build
+from services.tracker.launcher import TrackerProcess
+
+COMMANDS = [
+    ("tracker", "serve"),
+    ("rollout", "serve"),
+    ("learner", "run"),
+    ("evaluator", "run"),
+    ("evaluator", "score"),
+    ("prior",),
+    ("init",),
+    ("launch",),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_lists_log_format(command):
+    got = CliRunner().invoke(build(), [*command, "--help"], terminal_width=200)
+    assert got.exit_code == 0, got.output
+    assert "--log-format" in got.output
+    assert "json" in got.output
+
+
+def _check_line(line: str) -> dict:
+    record = json.loads(line)  # the whole line, nothing before or after the object
+    assert isinstance(record, dict), line
+    assert {"time", "level", "service", "message"} <= record.keys(), line
+    assert record["time"].endswith("Z"), line  # RFC 3339, UTC
+    datetime.fromisoformat(record["time"].replace("Z", "+00:00"))
+    return record
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)
+    logging.captureWarnings(False)
+
+
+def test_json_lines_carry_context_extras_tracebacks_and_warnings(restore_logging, monkeypatch):
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    setup_logging("rollout", "json", run="math-spopp", worker="rollout-0")
+    log = logging.getLogger("spopp.rollout")
+    log.info("reloaded version %d", 3, extra={"version": 3, "seconds": 1.5})
+    bind(worker="rollout-gpu3")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("episode failed")
+    warnings.warn("something old", DeprecationWarning, stacklevel=1)
+    lines = [_check_line(line) for line in stream.getvalue().splitlines()]
+    first, second, third = lines
+    assert first["message"] == "reloaded version 3" and first["level"] == "INFO"
+    assert (first["service"], first["run"], first["worker"]) == ("rollout", "math-spopp", "rollout-0")
+    assert (first["version"], first["seconds"]) == (3, 1.5)
+    assert second["worker"] == "rollout-gpu3" and second["level"] == "ERROR"
+    assert "ValueError: boom" in second["exc_info"]
+    assert third["logger"] == "py.warnings" and "something old" in third["message"]
+
+
+def test_text_lines_stay_as_they_were(restore_logging, monkeypatch):
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    setup_logging("tracker", "text")
+    logging.getLogger("spopp.tracker").info("hello")
+    assert stream.getvalue().rstrip().endswith("spopp.tracker INFO hello")
+
+
+def test_tracker_with_json_logs_writes_only_json_lines(tmp_path):
+    tracker = TrackerProcess(
+        None,
+        data_dir=tmp_path / "data",
+        env={"SPOPP_TRACKER_LOG_FORMAT": "json"},
+        args=("--log-level", "info"),
+    )
+    try:
+        assert httpx.get(tracker.url + "/healthz").status_code == 200
+        assert httpx.get(tracker.url + "/metrics").status_code == 200
+        assert httpx.get(tracker.url + "/v1/runs/nope").status_code == 404
+        assert httpx.get(tracker.url + "/no/such/route").status_code == 404
+        assert httpx.put(tracker.url + "/v1/runs/bad", json={"recipe": "nope"}).status_code == 422
+    finally:
+        tracker.stop()
+    assert tracker.proc.returncode == 0
+    lines = [line for line in tracker.output().splitlines() if line.strip()]
+    records = [_check_line(line) for line in lines]
+    assert all(r["service"] == "tracker" for r in records)
+    assert any("embedded redis on" in r["message"] for r in records)
+    assert any(r["logger"] == "uvicorn.error" for r in records)  # uvicorn's start and stop
+    access = {(r["method"], r["path"], r["status"]) for r in records if r["logger"] == "uvicorn.access"}
+    assert {
+        ("GET", "/v1/runs/nope", 404),
+        ("GET", "/no/such/route", 404),
+        ("PUT", "/v1/runs/bad", 422),
+    } <= access
+
+
+def test_launch_passes_its_log_format_to_every_process_and_sections_may_not_differ(tmp_path):
+    from services.launch.config import LaunchSettings, plan
+    from spopp.settings import SettingsError
+
+    base = {"model": tmp_path / "m", "tasks": tmp_path / "t.jsonl", "heldout": tmp_path / "h.jsonl"}
+    ports = {"tracker": 1, "learner": 2, "evaluator": 3, "rollout-0": 4, "rollout-1": 5}
+    p = plan(LaunchSettings(**base, log_format="json", rollout={"replicas": 2}), ports)
+    children = [p.tracker, p.learner, p.evaluator, *p.rollouts]
+    assert [c.log_format for c in children] == ["json"] * 5
+    with pytest.raises(SettingsError, match="log_format is set by spopp launch"):
+        LaunchSettings.resolve(env={}, flags={**base, "tracker": {"log_format": "text"}})
