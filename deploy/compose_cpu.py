@@ -244,10 +244,15 @@ def report(compose: list[str], env: dict, cfg: dict, replicas: int | None) -> di
 
 
 def finished_lines(compose: list[str], env: dict) -> list[str]:
-    """What the services said about a finished run (init, learner, replicas, evaluator)."""
+    """The last thing each container said about the run being finished (init, learner, every
+    replica, evaluator): one line per container."""
     out = sh([*compose, "logs", "--no-color", "init", "learner", "rollout", "evaluator"], env=env,
              check=False, capture=True).stdout  # fmt: skip
-    return [line for line in out.splitlines() if "finished" in line][-8:]
+    last: dict[str, str] = {}
+    for line in out.splitlines():
+        if "finished" in line and "|" in line:
+            last[line.split("|", 1)[0].strip()] = line
+    return [last[k] for k in sorted(last)]
 
 
 def main(argv: list[str] | None = None) -> int:
