@@ -45,9 +45,9 @@ def say(text: str) -> None:
     print(f"[compose-cpu {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def sh(cmd: list[str], *, check: bool = True, capture: bool = False, env: dict | None = None,
-       timeout: float | None = None) -> subprocess.CompletedProcess:  # fmt: skip
-    return subprocess.run(cmd, check=check, text=True, env=env, timeout=timeout,
+def sh(cmd: list[str], *, check: bool = True, capture: bool = False,
+       env: dict | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    return subprocess.run(cmd, check=check, text=True, env=env,
                           stdout=subprocess.PIPE if capture else None,
                           stderr=subprocess.STDOUT if capture else None)  # fmt: skip
 

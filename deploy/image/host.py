@@ -79,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         if urls:
             (OUT / key).write_text(" ".join(urls) + "\n")
     wheels = local_wheels(config, torch_version()) if a.flavour == "cpu" else []
-    for wheel in wheels:
-        os.link(
-            wheel, OUT / "wheels" / wheel.name
-        ) if wheel.stat().st_dev == OUT.stat().st_dev else shutil.copy(wheel, OUT / "wheels" / wheel.name)
+    for wheel in wheels:  # a hard link where the disk allows: the torch wheel is about 190 MB
+        dest = OUT / "wheels" / wheel.name
+        try:
+            os.link(wheel, dest)
+        except OSError:
+            shutil.copy(wheel, dest)
     print(f"deploy/image/host: CA {ca or 'none (the image trusts its own)'}; "
           f"index {'from pip config' if (OUT / 'index-url').exists() else 'PyPI'}; "
           f"{len(wheels)} local wheel(s) {' '.join(w.name for w in wheels)}")  # fmt: skip
