@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ import httpx
 import yaml
 
 from bench.tracker_bench import write_section
+from spopp.settings import environ_without_settings
 
 HEAD = "## Demo run profile: updates per hour, waits, drains and swaps"
 
@@ -87,7 +87,7 @@ def profile(demo: Path) -> dict:
         shutil.rmtree(run_dir)
     scraper = Scraper(run_dir / "config" / "rollout-0.yaml")
     scraper.start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    env = environ_without_settings()
     t0 = time.monotonic()
     subprocess.run(
         [sys.executable, "-m", "services.cli", "launch", str(demo / "launch.yaml"), "--set", "recipe=spopp",

@@ -102,6 +102,62 @@ def prompts_over_budget(
     return out
 
 
+@dataclass
+class _Progress:
+    """What an episode has gathered so far; each turn of the loop updates it in place."""
+
+    seq: _Sequence
+    env_s: float
+    gen_s: float = 0.0
+    # Reward stays 0 unless the environment ends the episode: a cut answer earns nothing.
+    reward: float = 0.0
+    finish: str = "max_turns"
+    turns: int = 0
+    info: dict = field(default_factory=dict)
+
+
+async def _play_turn(
+    engine: Engine,
+    env: Environment,
+    renderer: ChatRenderer,
+    budget: Budget,
+    sampling: SamplingConfig,
+    stop: tuple[str, ...],
+    progress: _Progress,
+) -> bool:
+    """One turn: generate, step the environment, extend the sequence. False once the episode ends."""
+    seq = progress.seq
+    room = budget.max_total_tokens - len(seq.ids)
+    if room < 1:
+        progress.finish = "max_total_tokens"
+        return False
+    per_turn = min(budget.max_tokens_per_turn, room)
+    s = time.perf_counter()
+    gen = await engine.generate(seq.ids, replace(sampling, max_tokens=per_turn, stop=stop))
+    progress.gen_s += time.perf_counter() - s
+    progress.turns += 1
+    seq.add(gen.token_ids, gen.logprobs)
+    if gen.finish_reason == "length":
+        cut_by_turn = per_turn == budget.max_tokens_per_turn
+        progress.finish = "max_tokens_per_turn" if cut_by_turn else "max_total_tokens"
+        return False
+    s = time.perf_counter()
+    text = engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+    result = await asyncio.to_thread(env.step, text)
+    progress.env_s += time.perf_counter() - s
+    progress.info = result.info
+    if result.done:
+        progress.reward, progress.finish = float(result.reward), str(result.info.get("finish", "done"))
+        seq.add(renderer.close_turn(gen.token_ids))
+        return False
+    more = renderer.close_turn(gen.token_ids) + renderer.continuation(result.messages)
+    if len(seq.ids) + len(more) >= budget.max_total_tokens:
+        progress.finish = "max_total_tokens"
+        return False
+    seq.add(more)
+    return True
+
+
 async def run_episode(
     engine: Engine,
     env: Environment,
@@ -111,57 +167,31 @@ async def run_episode(
     renderer: ChatRenderer | None = None,
 ) -> Episode:
     renderer = renderer or ChatRenderer(engine.tokenizer)
-    seq = _Sequence()
     t0 = time.perf_counter()
     # A reset may load a game (ALFWorld: about 0.5 s): off the event loop, like every step.
     opening = await asyncio.to_thread(env.reset, task)
-    reset_s = env_s = time.perf_counter() - t0
-    gen_s = 0.0
+    reset_s = time.perf_counter() - t0
+    progress = _Progress(seq=_Sequence(), env_s=reset_s)
+    seq = progress.seq
     seq.add(renderer.prompt(opening))
     prompt_tokens = len(seq.ids)
-    # Reward stays 0 unless the environment ends the episode: a cut answer earns nothing.
-    reward, finish, turns, info = 0.0, "max_turns", 0, {}
+    # The engine stops at the caller's stop strings and at the environment's.
     stop = tuple(dict.fromkeys(sampling.stop + env.stop))
-    while turns < budget.max_turns:
-        room = budget.max_total_tokens - len(seq.ids)
-        if room < 1:
-            finish = "max_total_tokens"
+    while progress.turns < budget.max_turns:
+        if not await _play_turn(engine, env, renderer, budget, sampling, stop, progress):
             break
-        per_turn = min(budget.max_tokens_per_turn, room)
-        s = time.perf_counter()
-        gen = await engine.generate(seq.ids, replace(sampling, max_tokens=per_turn, stop=stop))
-        gen_s += time.perf_counter() - s
-        turns += 1
-        seq.add(gen.token_ids, gen.logprobs)
-        if gen.finish_reason == "length":
-            finish = "max_tokens_per_turn" if per_turn == budget.max_tokens_per_turn else "max_total_tokens"
-            break
-        s = time.perf_counter()
-        text = engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        result = await asyncio.to_thread(env.step, text)
-        env_s += time.perf_counter() - s
-        info = result.info
-        if result.done:
-            reward, finish = float(result.reward), str(info.get("finish", "done"))
-            seq.add(renderer.close_turn(gen.token_ids))
-            break
-        more = renderer.close_turn(gen.token_ids) + renderer.continuation(result.messages)
-        if len(seq.ids) + len(more) >= budget.max_total_tokens:
-            finish = "max_total_tokens"
-            break
-        seq.add(more)
     return Episode(
         token_ids=seq.ids,
         action_mask=seq.mask,
         rollout_logprobs=seq.logprobs,
-        reward=reward,
-        num_turns=turns,
-        finish_reason=finish,
+        reward=progress.reward,
+        num_turns=progress.turns,
+        finish_reason=progress.finish,
         prompt_tokens=prompt_tokens,
-        info=info,
+        info=progress.info,
         timings={
-            "generate_s": gen_s,
-            "env_s": env_s,
+            "generate_s": progress.gen_s,
+            "env_s": progress.env_s,
             "reset_s": reset_s,
             "total_s": time.perf_counter() - t0,
         },

@@ -146,51 +146,64 @@ def _interpreter_prefixes(python: str) -> tuple[tuple[str, str], ...]:
     return tuple(binds)
 
 
-def _build_argv(setup: _Setup, config: SandboxConfig, code_fd: int) -> list[str]:
-    argv = [
-        setup.bwrap,
-        "--unshare-ipc",
-        "--unshare-pid",
-        "--unshare-net",
-        "--unshare-uts",
-        "--unshare-cgroup-try",
-        "--die-with-parent",
-        "--new-session",
-        "--hostname",
-        "sandbox",
-    ]
+_NAMESPACE_FLAGS = (
+    "--unshare-ipc",
+    "--unshare-pid",
+    "--unshare-net",
+    "--unshare-uts",
+    "--unshare-cgroup-try",
+    "--die-with-parent",
+    "--new-session",
+    "--hostname",
+    "sandbox",
+)
+
+
+class _MountPlan:
+    """The bwrap filesystem arguments, with the folders made so far (to create parents once)."""
+
+    def __init__(self, argv: list[str]):
+        self.argv = argv
+        self.made: set[str] = {"/"}
+
+    def parents(self, path: str) -> None:
+        # bwrap creates missing parents 0700 (unusable for uid 65534): make them 0711 ourselves.
+        head = os.path.dirname(path)
+        chain = []
+        while head not in self.made and head != "/":
+            chain.append(head)
+            head = os.path.dirname(head)
+        for d in reversed(chain):
+            self.argv.extend(["--perms", "0711", "--dir", d])
+            self.made.add(d)
+
+
+def _filesystem_args(argv: list[str], setup: _Setup, config: SandboxConfig, code_fd: int) -> None:
+    """Append the mounts: system folders, /etc files, /proc, /dev, /tmp, prefixes, the work folder."""
     for d in _SYSTEM_DIRS:
         if os.path.islink(d):
             argv += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             argv += ["--ro-bind", d, d]
-    made: set[str] = {"/"}
-
-    def parents(path: str) -> None:
-        # bwrap creates missing parents 0700 (unusable for uid 65534): make them 0711 ourselves.
-        head = os.path.dirname(path)
-        chain = []
-        while head not in made and head != "/":
-            chain.append(head)
-            head = os.path.dirname(head)
-        for d in reversed(chain):
-            argv.extend(["--perms", "0711", "--dir", d])
-            made.add(d)
-
+    plan = _MountPlan(argv)
     for f in _ETC_FILES:
         if os.path.exists(f):
-            parents(f)
+            plan.parents(f)
             argv += ["--ro-bind", f, f]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     # /tmp first, so that binds below it (a prefix under /tmp, the work folder) land on it.
     argv += ["--perms", "1777", "--tmpfs", "/tmp"]
-    made.add("/tmp")
+    plan.made.add("/tmp")
     for host, inside in setup.prefix_binds:
-        parents(inside)
+        plan.parents(inside)
         argv += ["--ro-bind", host, inside]
-        made.add(inside)
+        plan.made.add(inside)
     argv += ["--perms", "0777", "--size", str(config.workdir_bytes), "--tmpfs", WORKDIR]
     argv += ["--perms", "0644", "--file", str(code_fd), f"{WORKDIR}/{SCRIPT_NAME}"]
+
+
+def _environment_args(setup: _Setup) -> list[str]:
+    """A cleared environment with only what the interpreter needs, and the work folder as cwd."""
     env = {
         "PATH": os.pathsep.join([os.path.dirname(setup.python), "/usr/local/bin", "/usr/bin", "/bin"]),
         "HOME": WORKDIR,
@@ -203,11 +216,16 @@ def _build_argv(setup: _Setup, config: SandboxConfig, code_fd: int) -> list[str]
         "MKL_NUM_THREADS": "1",
         "MPLBACKEND": "Agg",
     }
-    argv.append("--clearenv")
+    argv = ["--clearenv"]
     for k, v in env.items():
         argv += ["--setenv", k, v]
     argv += ["--chdir", WORKDIR]
-    argv += [
+    return argv
+
+
+def _command_args(setup: _Setup, config: SandboxConfig) -> list[str]:
+    """The command inside: drop to the unprivileged uid (setpriv), set rlimits (prlimit), run."""
+    return [
         setup.setpriv,
         f"--reuid={config.uid}",
         f"--regid={config.gid}",
@@ -229,6 +247,14 @@ def _build_argv(setup: _Setup, config: SandboxConfig, code_fd: int) -> list[str]
         "-B",
         SCRIPT_NAME,
     ]
+
+
+def _build_argv(setup: _Setup, config: SandboxConfig, code_fd: int) -> list[str]:
+    """The full bwrap command line: namespaces, mounts, environment, then the limited interpreter."""
+    argv = [setup.bwrap, *_NAMESPACE_FLAGS]
+    _filesystem_args(argv, setup, config, code_fd)
+    argv += _environment_args(setup)
+    argv += _command_args(setup, config)
     return argv
 
 
@@ -309,16 +335,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _run(setup: _Setup, config: SandboxConfig, code: str) -> SandboxResult:
-    started = time.monotonic()
-    deadline = started + config.wall_seconds
-    out_stream, err_stream = _Stream(config.max_output_bytes), _Stream(config.max_output_bytes)
-    timed_out_wall = False
+def _start(setup: _Setup, config: SandboxConfig, code: str) -> subprocess.Popen:
+    """Start bwrap in its own session, the code passed as an anonymous file (closed here after)."""
     with tempfile.TemporaryFile() as code_file:
         code_file.write(code.encode("utf-8", errors="surrogatepass"))
         code_file.flush()
         code_file.seek(0)
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             _build_argv(setup, config, code_file.fileno()),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -328,42 +351,62 @@ def _run(setup: _Setup, config: SandboxConfig, code: str) -> SandboxResult:
             cwd="/",
             env={"PATH": "/usr/bin:/bin"},
         )
-    try:
-        sel = selectors.DefaultSelector()
-        streams = {proc.stdout.fileno(): out_stream, proc.stderr.fileno(): err_stream}
+
+
+class _Pump:
+    """Reads the sandbox's stdout and stderr without blocking, into capped streams."""
+
+    def __init__(self, proc: subprocess.Popen, out_stream: _Stream, err_stream: _Stream):
+        self.sel = selectors.DefaultSelector()
+        self.streams = {proc.stdout.fileno(): out_stream, proc.stderr.fileno(): err_stream}
         for f in (proc.stdout, proc.stderr):
             os.set_blocking(f.fileno(), False)
-            sel.register(f, selectors.EVENT_READ)
+            self.sel.register(f, selectors.EVENT_READ)
 
-        def pump(until: float) -> bool:
-            """Read until both pipes close (True) or the time `until` passes (False)."""
-            while sel.get_map():
-                remaining = until - time.monotonic()
-                if remaining <= 0:
-                    return False
-                for key, _ in sel.select(remaining):
-                    try:
-                        chunk = os.read(key.fd, 65536)
-                    except BlockingIOError:
-                        continue
-                    if chunk:
-                        streams[key.fd].add(chunk)
-                    else:
-                        sel.unregister(key.fileobj)
-            return True
+    def __call__(self, until: float) -> bool:
+        """Read until both pipes close (True) or the time `until` passes (False)."""
+        while self.sel.get_map():
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                return False
+            for key, _ in self.sel.select(remaining):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if chunk:
+                    self.streams[key.fd].add(chunk)
+                else:
+                    self.sel.unregister(key.fileobj)
+        return True
 
-        if pump(deadline):
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out_wall = True
-        else:
+
+def _wait_for(proc: subprocess.Popen, out_stream: _Stream, err_stream: _Stream, deadline: float) -> bool:
+    """Collect the output until the process ends; kill it at the deadline. True if it timed out."""
+    pump = _Pump(proc, out_stream, err_stream)
+    timed_out_wall = False
+    if pump(deadline):
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             timed_out_wall = True
-        if timed_out_wall:
-            _kill_group(proc)
-            proc.wait()
-            pump(time.monotonic() + 1.0)  # the pid namespace dies with bwrap: pipes close at once
-        sel.close()
+    else:
+        timed_out_wall = True
+    if timed_out_wall:
+        _kill_group(proc)
+        proc.wait()
+        pump(time.monotonic() + 1.0)  # the pid namespace dies with bwrap: pipes close at once
+    pump.sel.close()
+    return timed_out_wall
+
+
+def _run(setup: _Setup, config: SandboxConfig, code: str) -> SandboxResult:
+    started = time.monotonic()
+    deadline = started + config.wall_seconds
+    out_stream, err_stream = _Stream(config.max_output_bytes), _Stream(config.max_output_bytes)
+    proc = _start(setup, config, code)
+    try:
+        timed_out_wall = _wait_for(proc, out_stream, err_stream, deadline)
     finally:
         if proc.poll() is None:
             _kill_group(proc)

@@ -109,10 +109,13 @@ class _Api:
         retry_seconds: float = DEFAULT_RETRY_SECONDS,
         backoff: float = 0.1,
         max_backoff: float = 5.0,
+        http: httpx.Client | httpx.AsyncClient | None = None,
     ) -> None:
         """Retry a call for up to `retry_seconds` (0: one attempt), backoff doubling from `backoff`
-        seconds up to `max_backoff`."""
-        self.http = self._http_class(base_url=base_url, headers=_headers(token), timeout=timeout)
+        seconds up to `max_backoff`. `http`: an httpx client to send through instead of one made
+        here (for example FastAPI's TestClient around the tracker's app in this process); it is
+        used as given, so `base_url`, `token` and `timeout` are ignored."""
+        self.http = http or self._http_class(base_url=base_url, headers=_headers(token), timeout=timeout)
         self.retry = RetryPolicy(retry_seconds, backoff, max(backoff, max_backoff))
 
     def _do(self, call: _Call) -> Any:  # pragma: no cover - defined by the transports

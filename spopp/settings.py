@@ -31,6 +31,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 API_TOKEN_ENV = "SPOPP_API_TOKEN"
+# SPOPP_* variables that are not a service's settings: the machine's, kept by `environ_without_settings`.
+MACHINE_ENV = frozenset({"SPOPP_PORT_RANGE"})
+
+
+def environ_without_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment (this process's by default) less every service setting (`SPOPP_*`): what a
+    child is started with when only what its starter passes may configure it. What describes the
+    machine rather than a service (`MACHINE_ENV`: the port range to draw from) stays."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if not k.startswith("SPOPP_") or k in MACHINE_ENV}
 
 
 class SettingsError(ValueError):

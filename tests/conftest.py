@@ -1,18 +1,46 @@
-"""Fixtures that start real things: a redis-server on a free port and tracker processes over HTTP."""
+"""The suite's tiers, its fixtures (a real redis-server, the tracker in this process or as a
+process over HTTP) and each xdist worker's own ports.
+
+Two tiers. A test marked `process` starts processes (services over real HTTP, the sandbox,
+torchrun, vLLM's engine core): the seams. Every other test stays in this process: pure functions,
+FastAPI apps through TestClient (httpx over the ASGI app), a real redis-server where the store needs
+one. `make test-fast` runs those that are not `slow` either; `make test` runs everything, on every
+core. A test outside the process tier that starts a process fails (`pytest_runtest_protocol`), so the
+fast tier stays fast as tests are added.
+"""
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import subprocess
 import uuid
 
+import httpx
 import pytest
 from fixtures_model import model_limits, perturbed_model, reference, tiny_model  # noqa: F401  (session fixtures)
 
 from services.tracker.embedded import EmbeddedRedis
 from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
+from spopp.net import PORT_RANGE_ENV, port_range
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _worker_port_range() -> str:
+    """This pytest-xdist worker's share of the ports below the ephemeral range (all of it without
+    xdist): every port a test or a process it starts draws (spopp.net.free_port) comes from it, so
+    two workers never pick the same port however their tests interleave."""
+    lo, hi = port_range()
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    width = (hi - lo + 1) // count
+    return f"{lo + index * width}-{lo + (index + 1) * width - 1}"
+
+
+# Set before any test or fixture draws a port; a range given from outside is split, not replaced.
+os.environ[PORT_RANGE_ENV] = _worker_port_range()
 
 
 @pytest.fixture(scope="session")
@@ -28,10 +56,102 @@ def tracker(redis_server):
     proc.stop()
 
 
+@pytest.fixture(scope="session")
+def tracker_http(redis_server):
+    """The tracker's app in this process, no server and no socket (FastAPI's TestClient: httpx
+    over the ASGI app, lifespan included), on the session's real Redis: the fast tier's way to
+    the routes. Answers an httpx client whose paths are the API's (`tracker_http.get("/healthz")`)."""
+    from fastapi.testclient import TestClient
+
+    from services.tracker.app import create_app
+    from services.tracker.config import TrackerSettings
+
+    app = create_app(TrackerSettings(redis_url=redis_server.url))
+    # As a server would: an exception in a route is a 500 answer, not an exception in the test.
+    with TestClient(app, raise_server_exceptions=False) as http:
+        yield http
+
+
+def _process_tier(request) -> bool:
+    return request.node.get_closest_marker("process") is not None
+
+
 @pytest.fixture
-def client(tracker):
-    with TrackerClient(tracker.url) as c:
-        yield c
+def client(request):
+    """A TrackerClient: over HTTP to the session's tracker process for the process tier, on the
+    tracker's app in this process for every other test."""
+    if not _process_tier(request):
+        http = request.getfixturevalue("tracker_http")  # the session's: not closed here
+        yield TrackerClient(str(http.base_url), http=http)
+    else:
+        with TrackerClient(request.getfixturevalue("tracker").url) as c:
+            yield c
+
+
+@pytest.fixture
+def api(request):
+    """An httpx client for raw calls to the tracker (bodies a TrackerClient would never send),
+    paths from the root (`api.get("/healthz")`): the session's tracker process for the process
+    tier, the app in this process otherwise."""
+    if not _process_tier(request):
+        yield request.getfixturevalue("tracker_http")
+    else:
+        with httpx.Client(base_url=request.getfixturevalue("tracker").url, timeout=30) as http:
+            yield http
+
+
+# The test now running when it is outside the process tier (its setup, call and teardown, module
+# and session fixtures included), else None; the guards below consult it.
+_guarded: str | None = None
+
+
+def _refuse(what: str) -> AssertionError:
+    return AssertionError(
+        f"{_guarded} started {what} but is not marked `process`: mark it (@pytest.mark.process, "
+        "the process tier) or keep it in this process"
+    )
+
+
+_popen_init = subprocess.Popen.__init__
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _guarded_popen_init(self, args, *rest, **kwargs):
+    if _guarded is not None:
+        program = os.path.basename(str(args[0] if isinstance(args, list | tuple) else args).split()[0])
+        if program != "redis-server":  # a real Redis is allowed where the store needs one
+            raise _refuse(f"a process ({program})")
+    _popen_init(self, args, *rest, **kwargs)
+
+
+def _guarded_process_start(self):
+    if _guarded is not None:
+        raise _refuse(f"a multiprocessing process ({self.name})")
+    _process_start(self)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init
+multiprocessing.process.BaseProcess.start = _guarded_process_start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Outside the process tier a test may start a real redis-server, nothing else: no subprocess
+    and no multiprocessing child, from the test or from any fixture it sets up."""
+    global _guarded
+    if item.get_closest_marker("process") is None:
+        _guarded = item.nodeid
+    try:
+        return (yield)
+    finally:
+        _guarded = None
+
+
+@pytest.fixture(autouse=True)
+def _no_tracker_process_outside_the_process_tier(request):
+    """The session's tracker process may be running already (no process to start): refuse it too."""
+    if not _process_tier(request) and "tracker" in request.fixturenames:
+        raise _refuse("the session's tracker process (fixture `tracker`)")
 
 
 @pytest.fixture
@@ -50,3 +170,23 @@ def make_run(client, run_name):
         return run_name
 
     return make
+
+
+# The longest tests, started first: the suite cannot end before its longest test does, so that one
+# must not start last. (`make test` uses xdist's worksteal: the first worker starts on these while
+# the others take the rest, stealing from its queue's far end when theirs runs dry.)
+LONGEST_FIRST = ("test_learning.py", "test_demo.py", "test_demo_alfworld.py", "test_kill_under_load.py")
+
+
+def pytest_collection_modifyitems(config, items):
+
+    def rank(item) -> tuple[int, int]:
+        name = item.path.name
+        if name in LONGEST_FIRST:
+            return (0, LONGEST_FIRST.index(name))
+        if item.get_closest_marker("slow"):
+            return (1, 0)
+        # Then the process tier, then the in-process tests: what a worker steals late is cheap.
+        return (2 if item.get_closest_marker("process") else 3, 0)
+
+    items.sort(key=rank)  # stable: the order within each rank is collection order

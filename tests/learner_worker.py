@@ -16,7 +16,6 @@ import gc
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from spopp.advantages import normalize_advantages
+from spopp.net import free_port
 from spopp.trajectory import Trajectory
 from tools.tiny_model import render, sample_chat
 
@@ -155,12 +155,6 @@ def dist_env_restored() -> Iterator[None]:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(job: dict[str, Any], workdir: Path, nproc: int, timeout: float = 240) -> list[dict[str, Any]]:

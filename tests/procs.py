@@ -4,12 +4,13 @@ killed by its own pid if still running at the end."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+
+from spopp.settings import environ_without_settings
 
 
 def cli(*args: str) -> list[str]:
@@ -18,7 +19,7 @@ def cli(*args: str) -> list[str]:
 
 @contextlib.contextmanager
 def running(args: list[str], log_path, env: dict | None = None):
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    base = environ_without_settings()
     log = open(log_path, "w+")
     proc = subprocess.Popen(
         args, env={**base, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=log, stderr=subprocess.STDOUT

@@ -374,6 +374,7 @@ def test_the_tasks_command_writes_checked_rows_or_nothing(games, tmp_path):
     assert not out2.exists()
 
 
+@pytest.mark.process
 def test_a_pool_of_engine_workers_plays_games_in_other_processes(games):
     import os
 
@@ -399,6 +400,7 @@ def test_a_pool_of_engine_workers_plays_games_in_other_processes(games):
     assert sys.argv == argv and all(w.games == 0 for w in pool._workers)  # every game given back
 
 
+@pytest.mark.process
 def test_a_dead_engine_worker_fails_its_games_and_is_replaced(games):
     import os
     import signal

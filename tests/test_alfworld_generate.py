@@ -135,6 +135,7 @@ def test_every_task_type_in_its_room_kinds(checked, unchecked):
     assert len(checked["lines"]) == len(TASK_TYPES) + 1 and checked["lines"][-1].startswith("wrote 12 games")
 
 
+@pytest.mark.process
 def test_walkthroughs_win_and_the_key_step_matters(checked, engine):
     for root, rels in (checked["full"], checked["small"]):
         for rel in rels:
@@ -310,6 +311,7 @@ def test_bad_arguments_write_nothing(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.process
 def test_generation_leaves_alfworlds_import_side_effects_out(tmp_path, checked):
     """Generating imports no alfworld module; the planner's import puts $ALFWORLD_DATA and the
     cache folder back as they were (here: unset, absent)."""

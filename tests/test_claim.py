@@ -22,8 +22,8 @@ from runtime.tasks import generate_arithmetic_tasks
 from services.evaluator.config import EvaluatorSettings
 from services.rollout.config import RolloutSettings
 from spopp.claim import ClaimError, DeviceSpecError, claim, visible_devices
-from spopp.net import free_port
-from spopp.settings import SettingsError
+from spopp.net import free_port, port_free
+from spopp.settings import SettingsError, environ_without_settings
 from spopp.wait import http_answer, wait_until
 from tools.sink import LearnerSink
 
@@ -103,6 +103,7 @@ def holders():
     h.close()
 
 
+@pytest.mark.process
 def test_four_claimers_started_at_once_get_four_distinct_slots(holders, tmp_path):
     procs = [holders.start(tmp_path, role="rollout", record=str(tmp_path / f"rec{i}.json")) for i in range(4)]
     got = [holders.answer(p) for p in procs]
@@ -122,6 +123,7 @@ def test_four_claimers_started_at_once_get_four_distinct_slots(holders, tmp_path
     assert not (tmp_path / "rollout-slot-4.lock").exists()  # nobody tried further than needed
 
 
+@pytest.mark.process
 def test_a_full_device_pool_names_its_holders_and_a_waiter_gets_the_freed_device(holders, tmp_path):
     procs = [holders.start(tmp_path, devices="0,1,2") for _ in range(3)]
     got = {}
@@ -140,6 +142,7 @@ def test_a_full_device_pool_names_its_holders_and_a_waiter_gets_the_freed_device
         assert f"device-{device}.lock: rollout-gpu{device} (pid {g['pid']}" in answer["error"]
     # A waiter gets the device of the holder that dies, and only that one.
     waiter = holders.start(tmp_path, devices="0,1,2", wait=60)
+    # A negative over a window (no device frees up, so no claim): it has to take some time.
     time.sleep(0.5)
     assert waiter.poll() is None
     holders.kill(got["1"][0])
@@ -147,6 +150,7 @@ def test_a_full_device_pool_names_its_holders_and_a_waiter_gets_the_freed_device
     assert (g["device"], g["worker_id"], g["cuda"]) == ("1", "rollout-gpu1", "1")
 
 
+@pytest.mark.process
 def test_a_sigkilled_holders_slot_goes_to_its_successor(holders, tmp_path):
     procs = [holders.start(tmp_path) for _ in range(3)]
     got = {holders.answer(p)["index"]: p for p in procs}
@@ -158,6 +162,7 @@ def test_a_sigkilled_holders_slot_goes_to_its_successor(holders, tmp_path):
     assert (after["index"], after["worker_id"]) == (3, "rollout-3")
 
 
+@pytest.mark.process
 def test_a_replica_and_an_evaluator_never_share_a_device(holders, tmp_path):
     replica = holders.answer(holders.start(tmp_path, role="rollout", devices="0,1"))
     evaluator = holders.answer(holders.start(tmp_path, role="evaluator", devices="0,1"))
@@ -170,6 +175,7 @@ def test_a_replica_and_an_evaluator_never_share_a_device(holders, tmp_path):
     assert [s["worker_id"] for s in slots] == ["rollout-0", "evaluator-0"]
 
 
+@pytest.mark.process
 def test_no_child_keeps_the_claim_after_its_parent_dies(holders, tmp_path):
     parent = holders.start(tmp_path, children=True)
     got = holders.answer(parent)
@@ -230,6 +236,7 @@ def _fake_nvidia_smi(folder: Path, body: str) -> None:
     tool.chmod(0o755)
 
 
+@pytest.mark.process
 def test_visible_devices_auto_asks_nvidia_smi(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     _fake_nvidia_smi(bin_dir, '[ "$1" = "--query-gpu=index" ] && [ "$2" = "--format=csv,noheader" ] '
@@ -269,6 +276,7 @@ def test_claim_settings_read_from_the_environment_and_checked():
         EvaluatorSettings.resolve(env={}, flags={"tasks": "t", "devices": "1"})
 
 
+@pytest.mark.process
 def test_the_services_take_worker_id_port_and_gpu_from_their_claim(holders, tmp_path, monkeypatch):
     from services.evaluator.cli import _claimed as evaluator_claimed
     from services.rollout.cli import _claimed as rollout_claimed
@@ -293,11 +301,12 @@ def test_the_services_take_worker_id_port_and_gpu_from_their_claim(holders, tmp_
     assert not (tmp_path / "rollout-slot-0.lock").exists()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("command", [["rollout", "serve", "--model", "nowhere"],
                                      ["evaluator", "run", "--tasks", "nowhere", "--run", "r"]])  # fmt: skip
 def test_a_taken_pool_stops_the_service_with_code_2_and_no_traceback(holders, tmp_path, command):
     holder = holders.answer(holders.start(tmp_path, devices="4"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    env = environ_without_settings()
     done = subprocess.run(
         cli(*command, "--claim-dir", str(tmp_path), "--devices", "4"),
         env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
@@ -308,6 +317,7 @@ def test_a_taken_pool_stops_the_service_with_code_2_and_no_traceback(holders, tm
     assert f"device-4.lock: rollout-gpu4 (pid {holder['pid']}" in done.stderr
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_two_replicas_started_alike_come_up_on_distinct_ports_and_ids(
     tiny_model, tracker, client, run_name, tmp_path
@@ -316,7 +326,7 @@ def test_two_replicas_started_alike_come_up_on_distinct_ports_and_ids(
     client.put_run(run_name, {"recipe": "spopp"})
     client.put_tasks(run_name, [{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in tasks])
     port = free_port()
-    while port + 1 > 65535 or not _free(port + 1):
+    while port + 1 > 65535 or not port_free(port + 1):
         port = free_port()
     claims = tmp_path / "claims"
     with LearnerSink(run_name) as sink, contextlib.ExitStack() as stack:
@@ -345,17 +355,6 @@ def test_two_replicas_started_alike_come_up_on_distinct_ports_and_ids(
         for p in (port, port + 1):
             wait_until(lambda p=p: _tokens(p) > 0, 240, f"tokens from the replica on port {p}", interval=0.2)
         assert len(sink.trajectories()) >= 1
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _tokens(port: int) -> float:

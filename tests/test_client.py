@@ -11,6 +11,7 @@ from spopp.client import TrackerClient, TrackerError
 from spopp.net import free_port
 
 
+@pytest.mark.process
 def test_client_retries_until_the_tracker_is_up(redis_server, run_name):
     port = free_port()
     started = {}
@@ -48,6 +49,7 @@ def test_client_validates_before_sending():
             c.put_tasks("r", [{"task_id": "t"}])
 
 
+@pytest.mark.process
 def test_error_carries_detail(client, run_name):
     with pytest.raises(TrackerError) as err:
         client.get_task(run_name, "q")
@@ -55,6 +57,7 @@ def test_error_carries_detail(client, run_name):
     assert err.value.detail["run"] == run_name
 
 
+@pytest.mark.process
 def test_client_rides_out_a_redis_restart_behind_the_tracker(tmp_path, run_name):
     """While Redis is down the tracker answers 503; the client retries through it and the call
     lands once Redis is back (with its AOF: the run is still there)."""

@@ -9,14 +9,17 @@ import json
 
 import pytest
 import yaml
-from test_demo import check_runs_and_report, run_demo
+from test_demo import DEMO_LIMIT_S, check_runs_and_report, run_demo
 
 from spopp.priors import read_prior
+
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
 pytest.importorskip("alfworld")
 pytest.importorskip("textworld")
 
 
+@pytest.mark.timeout(DEMO_LIMIT_S + 60)
 def test_alfworld_demo_smallest_path_every_stage(tmp_path):
     out = tmp_path / "demo"
     r = run_demo("tools.alfworld_demo", out)

@@ -296,6 +296,7 @@ def _check_jsonschema(*files: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.process
 def test_compose_files_validate_against_the_compose_specification(tmp_path):
     merged = tmp_path / "merged-gpu.yml"  # the project compose builds from both files on a GPU node
     merged.write_text(yaml.safe_dump(project(gpu=True)))
@@ -565,6 +566,7 @@ def test_gpu_file_gives_gpus_only_to_gpu_services():
 # --- the deployment's own steps, run for real ----------------------------------------------------
 
 
+@pytest.mark.process
 def test_entrypoint_exports_the_generated_token_unless_env_sets_one(tmp_path):
     script = ROOT / "deploy" / "image" / "entrypoint.sh"
     (tmp_path / "api-token").write_text("g" * 64 + "\n")
@@ -620,6 +622,7 @@ def test_data_step_math_tasks_and_an_env_without_defaults(tmp_path, capsys):
     assert "put tasks.jsonl, held_out.jsonl into the data volume" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_model_step_builds_the_toy_model_once(tmp_path, monkeypatch, capsys):
     # The real build (tools.cold_start in a child process), shortened to a few steps.
     monkeypatch.setitem(

@@ -179,6 +179,7 @@ def hosted(noisy_model, runner):
     runner.run(e.close())
 
 
+@pytest.mark.process
 def test_hosted_engine_answers_like_the_in_process_one(hosted, engine, runner, prompts):
     async def both(e):
         return await asyncio.gather(*(e.generate(p, greedy(max_tokens=20)) for p in prompts))
@@ -190,6 +191,7 @@ def test_hosted_engine_answers_like_the_in_process_one(hosted, engine, runner, p
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
 
 
+@pytest.mark.process
 def test_hosted_engine_raises_the_engines_own_errors(hosted, runner, prompts, tmp_path):
     with pytest.raises(ValueError, match="must not be empty"):
         runner.run(hosted.generate([], greedy()))
@@ -201,6 +203,7 @@ def test_hosted_engine_raises_the_engines_own_errors(hosted, runner, prompts, tm
     assert len(runner.run(hosted.generate(prompts[0], greedy(max_tokens=4))).token_ids) == 4
 
 
+@pytest.mark.process
 def test_a_model_the_child_cannot_load_fails_the_constructor_with_its_reason(tmp_path, tiny_model):
     import glob
     import shutil
@@ -217,6 +220,7 @@ def test_a_model_the_child_cannot_load_fails_the_constructor_with_its_reason(tmp
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "spopp-engine-*"))) == before
 
 
+@pytest.mark.process
 def test_a_killed_engine_process_fails_waiting_and_later_calls(noisy_model, runner, prompts, long_sampling):
     e = make_engine("transformers", noisy_model, process=True)
 
@@ -236,6 +240,7 @@ def test_a_killed_engine_process_fails_waiting_and_later_calls(noisy_model, runn
     runner.run(scenario())
 
 
+@pytest.mark.process
 def test_a_script_without_a_main_guard_can_host_the_engine(tiny_model, tmp_path):
     """The child is `python -m`, not a multiprocessing spawn: the caller's module is not re-run."""
     script = tmp_path / "plain.py"

@@ -19,7 +19,9 @@ from runtime.engines.factory import make_engine
 from tools.tiny_model import render, sample_chat
 
 # "process": the transformers engine in a child process of its own, as replicas run it.
-ENGINES = ["transformers", "process", "vllm"]
+# The transformers engine runs in this process; the other two start processes (the engine's child,
+# vLLM's engine core): the process tier.
+ENGINES = ["transformers", *(pytest.param(k, marks=pytest.mark.process) for k in ("process", "vllm"))]
 # Absolute tolerance on log-probs against the float64 reference; vLLM's kernels differ more.
 LOGPROB_TOL = {"transformers": 1e-4, "process": 1e-4, "vllm": 1e-3}
 # Top-2 logit margins below this are ties as far as float32 kernels can tell.
@@ -139,6 +141,7 @@ def test_greedy_matches_forward_pass(engine, kind, runner, prompts, reference, t
     assert any("<code>" in g.text and g.finish_reason == "stop" for g in gens)
 
 
+@pytest.mark.process
 def test_engines_agree_greedy(transformers_engine, vllm_engine, runner, prompts, reference, tiny_model):
     cfg = greedy(max_tokens=64)
     hf = run_all(runner, transformers_engine, prompts, [cfg] * len(prompts))

@@ -3,18 +3,21 @@ loads the prior; a second init changes nothing; a conflicting recipe or prior is
 
 from __future__ import annotations
 
-import os
 import subprocess
 
+import pytest
 from procs import cli
 
 from runtime.envs.toy_calc import write_toy_calc_tasks
 from runtime.tasks import load_tasks
 from spopp.priors import build_prior, write_prior
+from spopp.settings import environ_without_settings
+
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
 
 def _init(tracker_url: str, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    env = environ_without_settings()
     return subprocess.run(
         cli("init", "--tracker", tracker_url, *args), capture_output=True, text=True, timeout=120, env=env
     )

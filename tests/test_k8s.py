@@ -249,6 +249,7 @@ def test_kustomization_layout():
             assert (overlay / name).is_file(), f"{overlay.name}: no patch {name}"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "directory", KUSTOMIZATIONS, ids=lambda d: str(d.relative_to(K8S)) if d != K8S else "k8s"
 )
@@ -275,10 +276,12 @@ def test_every_kustomization_renders_and_validates_strictly(directory):
     assert completions == parallelism == nnodes and per_node == gpus, directory
 
 
+@pytest.mark.process
 def test_the_top_level_kustomization_is_the_base():
     assert render(K8S) == render(BASE)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda d: d.name)
 def test_overlay_counts_reach_the_rendered_objects(overlay):
     """What an overlay's patches set (the rollout replicas, the learner's nodes and GPUs) is what
@@ -309,6 +312,7 @@ def test_overlay_counts_reach_the_rendered_objects(overlay):
             assert by_key[key] == d, f"{overlay.name} changes {key} without a patch"
 
 
+@pytest.mark.process
 def test_scale_out_renders_16_replicas_and_4_learner_nodes():
     """deploy/README.md's numbers for the scale-out overlay, in what `kubectl apply -k` applies."""
     rendered = render(K8S / "overlays" / "scale-out")
@@ -495,6 +499,7 @@ def _serve(status: int) -> http.server.ThreadingHTTPServer:
     return server
 
 
+@pytest.mark.process
 def test_learner_probes_are_right_on_every_index():
     """Only index 0 (global rank 0) serves HTTP: there the probes ask the intake's /healthz; on the
     other indexes, whether torchrun (pid 1, the container's command) still has a learner rank. The

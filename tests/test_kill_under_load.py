@@ -16,6 +16,7 @@ embedded Redis restarts by itself). Then:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -34,6 +35,10 @@ from runtime.tasks import generate_arithmetic_tasks
 from services.tracker.embedded import EmbeddedRedis
 from spopp.client import TrackerClient
 from spopp.net import free_port
+from spopp.settings import environ_without_settings
+from spopp.wait import WaitTimeout, wait_until
+
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
 N_TASKS, UPDATES = 12, 6
 
@@ -43,7 +48,7 @@ class Proc:
 
     def __init__(self, name: str, args: list[str], log: Path, env: dict | None = None) -> None:
         self.name, self.args, self.log_path = name, args, log
-        base = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+        base = environ_without_settings()
         self.env = {**base, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.seen: set[int] = set()  # every pid of this process and its descendants, ever
@@ -256,7 +261,12 @@ def test_every_process_killed_in_turn_loses_nothing(tiny_model, tmp_path, seed, 
                     p.kill()
         if redis is not None:
             redis.stop()
+
     # No orphan: every process any of ours ever started is gone (the tracker's Redis included).
-    time.sleep(1.0)
-    left = [pid for p in procs for pid in p.seen | tracker_seen if _alive(pid)]
-    assert not left, [psutil.Process(pid).cmdline() for pid in left if _alive(pid)]
+    # A process that was sent its last signal a moment ago may still be going: wait (bounded).
+    def left() -> list[int]:
+        return [pid for p in procs for pid in p.seen | tracker_seen if _alive(pid)]
+
+    with contextlib.suppress(WaitTimeout):
+        wait_until(lambda: not left(), 15, "every process to be gone")
+    assert not left(), [psutil.Process(pid).cmdline() for pid in left() if _alive(pid)]

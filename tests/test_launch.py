@@ -24,8 +24,10 @@ from services.launch.cli import resolve
 from services.launch.compare import arm_settings
 from services.launch.config import LaunchSettings
 from spopp.priors import build_prior, read_prior, write_prior
-from spopp.settings import SettingsError
+from spopp.settings import SettingsError, environ_without_settings
 from spopp.wait import ProcessExited, WaitTimeout, wait_until
+
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
 BUDGET = {"max_turns": 3, "max_tokens_per_turn": 16, "max_total_tokens": 128}
 
@@ -64,7 +66,7 @@ def config(toy: dict, tmp: Path, **over) -> Path:
 
 
 def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    env = environ_without_settings()
     return subprocess.run(cli("launch", *args), capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -233,7 +235,7 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 
 def _start(path: Path, log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    env = environ_without_settings()
     return subprocess.Popen(cli("launch", str(path)), stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 

@@ -16,6 +16,8 @@ from procs import cli, learner_config, running
 from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 TOKEN = "learner-token-for-tests-0123456789"
 B = 4
 

@@ -14,6 +14,8 @@ from procs import cli, learner_config, running
 from runtime.tasks import generate_arithmetic_tasks
 from spopp.net import free_port
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 N_TASKS = 12
 
 

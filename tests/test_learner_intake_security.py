@@ -274,6 +274,7 @@ def _wait_for_metrics(url: str, ready, deadline_s: float = 120) -> dict:
         raise AssertionError(f"learner metrics never got there: {seen.get('last')}") from None
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_real_learner_keeps_training_through_hostile_trajectories(
     tiny_model, model_limits, tracker, client, run_name, tmp_path
@@ -339,6 +340,8 @@ def test_real_learner_keeps_training_through_hostile_trajectories(
             lambda m: (
                 gauge(m, "spopp_learner_policy_version") == 1
                 and m[("spopp_learner_checkpoint_seconds_count", frozenset())] == 1
+                # observed last, after the tracker heard of the version
+                and m[("spopp_learner_publish_seconds_count", frozenset())] == 1
             ),
         )
         assert m[("spopp_learner_updates_total", frozenset())] == 1

@@ -29,6 +29,8 @@ from safetensors.torch import load_file
 
 from services.learner.checkpoint import latest_tag, load_checkpoint
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 B, N, KILL_AFTER = 4, 4, 2
 
 

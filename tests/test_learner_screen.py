@@ -15,6 +15,8 @@ from procs import cli, learner_config, running
 
 from spopp.wait import wait_http
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 B = 4
 
 

@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 from runtime.engines.base import SamplingConfig
 from tools.tiny_model import sample_chat
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 CFG = {
     "zero_stage": 1,
     "batch_size": 8,

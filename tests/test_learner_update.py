@@ -34,6 +34,8 @@ from learner_worker import dist_env_restored, launch, make_batch, run_task
 
 from spopp.loss import policy_loss
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 RTOL = 1e-5
 END_TO_END_RTOL = 5e-5  # the parameter change per tensor; over the whole model it is RTOL
 BASE = {

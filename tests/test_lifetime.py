@@ -14,6 +14,8 @@ import pytest
 
 from spopp.lifetime import guard_children
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 
 def _gone(pids: list[int], within: float) -> bool:
     deadline = time.monotonic() + within

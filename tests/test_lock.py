@@ -94,6 +94,7 @@ def test_make_setup_installed_exactly_the_lock():
     )  # a new lock reinstalls
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("flavour", ["cpu", "gpu"])
 def test_every_image_installs_only_pinned_releases(flavour):
     targets = image_extras()

@@ -10,6 +10,10 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import subprocess
+import sys
+import threading
 import warnings
 from datetime import datetime
 
@@ -74,7 +78,9 @@ def test_json_lines_carry_context_extras_tracebacks_and_warnings(restore_logging
         raise ValueError("boom")
     except ValueError:
         log.exception("episode failed")
-    warnings.warn("something old", DeprecationWarning, stacklevel=1)
+    with warnings.catch_warnings():  # shown whatever filters the run has (once-per-place, xdist's)
+        warnings.simplefilter("always")
+        warnings.warn("something old", DeprecationWarning, stacklevel=1)
     lines = [_check_line(line) for line in stream.getvalue().splitlines()]
     first, second, third = lines
     assert first["message"] == "reloaded version 3" and first["level"] == "INFO"
@@ -85,6 +91,63 @@ def test_json_lines_carry_context_extras_tracebacks_and_warnings(restore_logging
     assert third["logger"] == "py.warnings" and "something old" in third["message"]
 
 
+def test_an_exception_escaping_a_thread_is_one_json_line(restore_logging, monkeypatch):
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    monkeypatch.setattr("threading.excepthook", threading.excepthook)  # restored after the test
+    monkeypatch.setattr("sys.excepthook", sys.excepthook)
+    setup_logging("learner", "json", run="r")
+
+    def fail():
+        raise RuntimeError("lost the device")
+
+    worker = threading.Thread(target=fail, name="pusher")
+    worker.start()
+    worker.join()
+    (record,) = [_check_line(line) for line in stream.getvalue().splitlines()]
+    assert record["level"] == "CRITICAL" and record["run"] == "r"
+    assert record["message"] == "RuntimeError in thread pusher: lost the device"
+    assert 'raise RuntimeError("lost the device")' in record["exc_info"]
+
+
+def _spopp(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(
+    ("args", "env_format", "says", "code"),
+    [
+        (("tracker", "serve", "--log-format", "json", "--bogus"), None, "No such option '--bogus'", 2),
+        (("tracker", "serve", "--port", "many"), "json", "port (flag --port)", 2),
+        (("launch", "/nonexistent/run.yaml", "--log-format=json"), None, "/nonexistent/run.yaml", 2),
+    ],
+    ids=["unknown flag", "bad setting from the environment", "missing config file"],
+)
+def test_errors_before_logging_is_set_up_are_json_lines_too(args, env_format, says, code):
+    """A usage error or a setting that does not parse fails before the command sets up its
+    logging: with json asked for (flag or environment) it is still one JSON line, with the exit
+    code click gives it."""
+    env = dict(os.environ)
+    if env_format:
+        env["SPOPP_TRACKER_LOG_FORMAT"] = env_format
+    got = _spopp(*args, env=env)
+    assert got.returncode == code, got.stderr
+    assert got.stdout == ""
+    (record,) = [_check_line(line) for line in got.stderr.splitlines()]
+    assert record["level"] == "ERROR" and record["service"] == args[0]
+    assert says in record["message"] and record["exit_code"] == code
+
+
+@pytest.mark.process
+def test_text_usage_errors_stay_as_click_prints_them():
+    got = _spopp("tracker", "serve", "--bogus")
+    assert got.returncode == 2
+    assert got.stderr.startswith("Usage: spopp tracker serve [OPTIONS]")
+
+
 def test_text_lines_stay_as_they_were(restore_logging, monkeypatch):
     stream = io.StringIO()
     monkeypatch.setattr("sys.stderr", stream)
@@ -93,6 +156,7 @@ def test_text_lines_stay_as_they_were(restore_logging, monkeypatch):
     assert stream.getvalue().rstrip().endswith("spopp.tracker INFO hello")
 
 
+@pytest.mark.process
 def test_tracker_with_json_logs_writes_only_json_lines(tmp_path):
     tracker = TrackerProcess(
         None,

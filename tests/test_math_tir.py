@@ -110,6 +110,7 @@ def test_reset_gives_system_and_user_messages():
     assert env.name == "math-tir" and "</code>" in env.stop
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("answer", "reward"), [(str(123456 * 654321), 1.0), ("80779853377", 0.0)])
 def test_episode_with_code_then_answer(answer, reward):
     env = MathTIREnv(CONFIG)
@@ -128,6 +129,7 @@ def test_episode_with_code_then_answer(answer, reward):
         env.step("again")
 
 
+@pytest.mark.process
 def test_fenced_python_block_is_a_tool_call():
     env = MathTIREnv(CONFIG)
     env.reset(TASK)
@@ -136,6 +138,7 @@ def test_fenced_python_block_is_a_tool_call():
     assert "out" in r.messages[0]["content"] and "err" in r.messages[0]["content"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("code", "expected"),
     [
@@ -156,6 +159,7 @@ def test_hostile_code_gives_an_error_observation(code, expected):
     assert final.done and final.reward == 1.0 and final.info["sandbox_failures"] == 1
 
 
+@pytest.mark.process
 def test_tool_budget_ends_the_episode_with_zero_reward():
     env = MathTIREnv(CONFIG, max_tool_calls=2)
     env.reset(TASK)
@@ -266,6 +270,7 @@ def test_arithmetic_tasks_are_deterministic_and_correct():
         assert abs(int(t.answer)) > 10_000 or t.meta["kind"] == "mod"
 
 
+@pytest.mark.process
 def test_verify_and_env_work_outside_the_main_thread():
     from concurrent.futures import ThreadPoolExecutor
 

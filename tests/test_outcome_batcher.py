@@ -14,6 +14,8 @@ import pytest
 from services.rollout.outcomes import OutcomeBatcher
 from spopp.client import AsyncTrackerClient, TrackerError
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 N = 24
 
 

@@ -29,7 +29,7 @@ from runtime.envs.toy_calc import generate_toy_calc_tasks, write_toy_calc_tasks
 from services.evaluator.prior_config import PriorSettings
 from services.evaluator.scorer import sample_seed
 from spopp.priors import read_prior
-from spopp.settings import SettingsError
+from spopp.settings import SettingsError, environ_without_settings
 from spopp.tracker_api import PutTasks
 
 N_TASKS, ROLLOUTS, MASS, SEED = 10, 8, 8.0, 5
@@ -261,9 +261,10 @@ def test_cli_in_process_on_the_toy_model(toy_model, train_file, tmp_path):
 # -- the real command, as a process -----------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_prior_command_as_a_process(toy_model, train_file, tmp_path):
     """`python -m services.cli prior` on the untrained toy model: 8 tasks x 2 rollouts."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    env = environ_without_settings()
     env.update(OMP_NUM_THREADS="1", SPOPP_PRIOR_ENV="toy-calc")
     out = tmp_path / "prior.json"
     (tmp_path / "p.yaml").write_text(

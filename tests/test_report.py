@@ -475,6 +475,7 @@ def _run_cli(module: str, args: list[str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.process
 def test_report_module_from_a_subprocess(runs_root, tmp_path):
     out_dir = tmp_path / "out"
     proc = _run_cli("services.report.cli", [str(runs_root), "--out", str(out_dir)])
@@ -484,6 +485,7 @@ def test_report_module_from_a_subprocess(runs_root, tmp_path):
     assert proc.returncode == 1 and "no such folder" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.process
 def test_spopp_report_from_a_subprocess(runs_root, tmp_path):
     out_dir = tmp_path / "out"
     proc = _run_cli("services.cli", ["report", str(runs_root), "--out", str(out_dir)])

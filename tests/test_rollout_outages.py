@@ -23,6 +23,8 @@ from spopp.client import TrackerClient
 from spopp.net import free_port
 from tools.sink import LearnerSink
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 
 def _replica(tiny_model, tracker_url, learner_url, run, port, log_path, *extra):
     args = cli(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 from transformers import AutoTokenizer
 
 from runtime.engines.base import Engine, Generation
@@ -18,6 +19,8 @@ from runtime.envs.toy_calc import ToyCalcEnv, generate_toy_calc_tasks
 from services.rollout.config import RolloutSettings
 from services.rollout.worker import Worker
 from tools.sink import LearnerSink
+
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
 TASKS = generate_toy_calc_tasks(8, seed=5)
 
@@ -103,14 +106,16 @@ def test_episodes_keep_generating_while_their_outcome_reports_wait(tiny_model, t
 
 
 class JitteredEngine(ScriptedEngine):
-    """Generations of 20-60 ms: episodes end one at a time, as under continuous batching."""
+    """Generations of 100-300 ms: episodes end one at a time, as under continuous batching. Long
+    next to a dispatch's round trip to the tracker even on a loaded machine (with 20-60 ms, a
+    busy second core made the refills late and the batch look emptier than the code keeps it)."""
 
     def __init__(self, tokenizer, seed: int = 0) -> None:
         super().__init__(tokenizer, 0.0)
         self.rng = random.Random(seed)
 
     async def generate(self, prompt_ids, sampling) -> Generation:
-        self.seconds = 0.02 + 0.04 * self.rng.random()  # read by the sleep before any other call runs
+        self.seconds = 0.1 + 0.2 * self.rng.random()  # read by the sleep before any other call runs
         return await super().generate(prompt_ids, sampling)
 
 

@@ -20,6 +20,8 @@ from spopp.wait import wait_until
 from tools.sink import LearnerSink
 from tools.tiny_model import perturb_weights
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 N_TASKS = 8
 
 

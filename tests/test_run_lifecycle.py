@@ -27,6 +27,8 @@ from spopp.client import RunFinished, TrackerClient, TrackerError
 from spopp.net import free_port
 from tools.sink import LearnerSink
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 TASKS = [{"task_id": f"q{i}", "alpha0": 1.0, "beta0": 1.0} for i in range(6)]
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from runtime.sandbox import SandboxConfig, SandboxUnavailable, run_python
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 FAST = SandboxConfig(wall_seconds=5, cpu_seconds=3)
 
 

@@ -6,6 +6,8 @@ import pytest
 from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient, TrackerError
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 TOKEN = "s3cret-token-for-tests-0123456789"
 
 

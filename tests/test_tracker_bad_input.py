@@ -1,8 +1,11 @@
-"""Every bad input gets its status code and a detail body, and leaves the state unchanged."""
+"""Every bad input gets its status code and a detail body, and leaves the state unchanged.
+
+The routes' logic, in the fast tier: the tracker's app in this process on a real Redis (the
+`api` and `client` fixtures). Where the socket matters (a body over the limit, streamed or not)
+the test is in test_tracker_routes, over real HTTP to a tracker process."""
 
 import json
 
-import httpx
 import pytest
 
 TASKS = [{"task_id": f"q{i}", "alpha0": 1.0 + i, "beta0": 2.0} for i in range(4)]
@@ -23,9 +26,9 @@ def snapshot(client, run):
     return r.model_dump(), client.export(run)
 
 
-def _send(tracker, method, path, body=None, raw=None, headers=None):
+def _send(api, method, path, body=None, raw=None, headers=None):
     kw = {"content": raw} if raw is not None else ({"json": body} if body is not None else {})
-    return httpx.request(method, tracker.url + path, headers=headers, timeout=30, **kw)
+    return api.request(method, path, headers=headers, **kw)
 
 
 CASES = [
@@ -239,7 +242,7 @@ CASES = [
 
 @pytest.mark.parametrize("what,method,suffix,body,status,code", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_and_changes_nothing(
-    tracker, client, live, what, method, suffix, body, status, code
+    api, client, live, what, method, suffix, body, status, code
 ):
     run, reqs = live
     suffix = suffix.replace("REQ0", reqs[0].request_id).replace("REQ1", reqs[1].request_id)
@@ -255,58 +258,38 @@ def test_bad_input_is_refused_and_changes_nothing(
             text = text.replace(f'"REQ{i}"', json.dumps(r.request_id))
         body = json.loads(text)
     before = snapshot(client, run)
-    resp = _send(tracker, method, f"/v1/runs/{run}{suffix}", body=body, raw=raw)
+    resp = _send(api, method, f"/v1/runs/{run}{suffix}", body=body, raw=raw)
     assert resp.status_code == status, resp.text
     detail = resp.json()["detail"]
     assert detail["code"] == code and detail["message"]
     assert snapshot(client, run) == before
 
 
-def test_validation_message_names_the_field(tracker, live):
+def test_validation_message_names_the_field(api, live):
     run, _ = live
-    resp = _send(
-        tracker, "POST", f"/v1/runs/{run}/outcomes", {"outcomes": [{"request_id": "x", "reward": 2}]}
-    )
+    resp = _send(api, "POST", f"/v1/runs/{run}/outcomes", {"outcomes": [{"request_id": "x", "reward": 2}]})
     assert resp.json()["detail"]["message"].startswith("outcomes.0.reward")
 
 
-def test_unknown_run_is_404_and_422_comes_first(tracker):
-    assert _send(tracker, "GET", "/v1/runs/nope-run").status_code == 404
+def test_unknown_run_is_404_and_422_comes_first(api):
+    assert _send(api, "GET", "/v1/runs/nope-run").status_code == 404
     resp = _send(
-        tracker,
+        api,
         "POST",
         "/v1/runs/nope-run/dispatch",
         {"worker_id": "w", "policy_version": 0, "max_requests": 1},
     )
     assert resp.status_code == 404 and resp.json()["detail"]["code"] == "unknown_run"
-    resp = _send(
-        tracker, "POST", "/v1/runs/nope-run/outcomes", {"outcomes": [{"request_id": "x", "reward": 9}]}
-    )
+    resp = _send(api, "POST", "/v1/runs/nope-run/outcomes", {"outcomes": [{"request_id": "x", "reward": 9}]})
     assert resp.status_code == 422
-    assert _send(tracker, "GET", "/v1/runs/nope-run/export").status_code == 404
-    assert _send(tracker, "PUT", "/v1/runs/nope-run/tasks", {"tasks": []}).status_code == 404
+    assert _send(api, "GET", "/v1/runs/nope-run/export").status_code == 404
+    assert _send(api, "PUT", "/v1/runs/nope-run/tasks", {"tasks": []}).status_code == 404
 
 
-def test_404_comes_before_409(tracker, client, live):
+def test_404_comes_before_409(api, client, live):
     run, reqs = live
     body = {
         "outcomes": [{"request_id": reqs[1].request_id, "reward": 1}, {"request_id": "nope", "reward": 1}]
     }
-    resp = _send(tracker, "POST", f"/v1/runs/{run}/outcomes", body)
+    resp = _send(api, "POST", f"/v1/runs/{run}/outcomes", body)
     assert resp.status_code == 404 and resp.json()["detail"]["request_ids"] == ["nope"]
-
-
-def test_oversized_body_is_413(tracker, client, live):
-    run, _ = live
-    before = snapshot(client, run)
-    big = b'{"tasks": [' + b" " * (9 * 1024 * 1024) + b"]}"
-    resp = _send(tracker, "PUT", f"/v1/runs/{run}/tasks", raw=big)
-    assert resp.status_code == 413 and resp.json()["detail"]["code"] == "body_too_large"
-
-    def chunks():  # no Content-Length: counted as it streams in
-        for _ in range(10):
-            yield b" " * (1024 * 1024)
-
-    resp = httpx.put(f"{tracker.url}/v1/runs/{run}/tasks", content=chunks(), timeout=30)
-    assert resp.status_code == 413
-    assert snapshot(client, run) == before

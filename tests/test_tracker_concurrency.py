@@ -8,6 +8,8 @@ import pytest
 from services.tracker.launcher import TrackerProcess
 from spopp.client import AsyncTrackerClient, TrackerError
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 
 async def _worker(url, run, wid, rounds, log, held):
     rnd = random.Random(wid)

@@ -69,6 +69,7 @@ def rdb(redis_server):
 # -- 1. every number is bounded ---------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_user_report_prior_mass_1e308_is_refused_and_leaves_nothing(tracker, run_name, rdb):
     """The report: prior_mass 1e308 was accepted, the next PUT tasks answered 500 after writing
     half (1 task, 0 idle, never dispatched), a retry said "unchanged" and the export printed
@@ -94,6 +95,7 @@ def test_user_report_prior_mass_1e308_is_refused_and_leaves_nothing(tracker, run
     assert row["alpha"] == pytest.approx(1e6 * 2.5 / 3) and 0 < row["value"] < 1
 
 
+@pytest.mark.process
 def test_huge_priors_are_refused(tracker, client, make_run):
     """alpha0 = beta0 = 1.7e308 gave the value 0.0 (a + b overflows) instead of 0.5."""
     run = make_run()
@@ -145,6 +147,7 @@ OUT_OF_BOUNDS = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("what,method,suffix,body", OUT_OF_BOUNDS, ids=[c[0] for c in OUT_OF_BOUNDS])
 def test_out_of_bounds_numbers_are_422_and_change_nothing(
     tracker, client, make_run, rdb, what, method, suffix, body
@@ -258,6 +261,7 @@ def test_every_script_checks_its_whole_call_before_its_first_write(redis_server,
     assert not bad, bad
 
 
+@pytest.mark.process
 def test_export_is_strict_json_at_the_extremes(tracker, client, run_name):
     """The largest priors, the smallest retention and drift half-life, 40 policy events with
     outcomes placed at old versions, and SPO at the bounds: every number stays finite."""
@@ -295,6 +299,7 @@ def test_export_is_strict_json_at_the_extremes(tracker, client, run_name):
             assert 0.0 <= row["value"] <= 1.0
 
 
+@pytest.mark.process
 def test_export_of_state_written_before_the_bounds_is_still_json(tracker, client, make_run, rdb):
     """A run damaged by the old unbounded API (a task whose alpha is inf) still exports strict
     JSON: the numbers that are not finite come out as null."""
@@ -354,6 +359,7 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
+@pytest.mark.process
 def test_sigkilled_embedded_redis_is_restarted_and_keeps_every_acknowledged_outcome(tmp_path, run_name):
     data = tmp_path / "data"
     tracker = TrackerProcess(None, data_dir=data)
@@ -380,6 +386,7 @@ def test_sigkilled_embedded_redis_is_restarted_and_keeps_every_acknowledged_outc
     assert tracker.proc.returncode == 0
 
 
+@pytest.mark.process
 def test_healthz_fails_when_the_embedded_redis_keeps_dying(tmp_path, run_name):
     data = tmp_path / "data"
     env = {"SPOPP_TRACKER_REDIS_MAX_RESTARTS": "1", "SPOPP_TRACKER_REDIS_RESTART_WINDOW_SECONDS": "600"}
@@ -403,6 +410,7 @@ def test_healthz_fails_when_the_embedded_redis_keeps_dying(tmp_path, run_name):
         tracker.stop()
 
 
+@pytest.mark.process
 def test_a_stopped_embedded_redis_is_slow_not_dead_and_is_not_restarted(tmp_path, run_name):
     data = tmp_path / "data"
     tracker = TrackerProcess(None, data_dir=data, env={"SPOPP_TRACKER_REDIS_TIMEOUT_SECONDS": "0.5"})
@@ -424,6 +432,7 @@ def test_a_stopped_embedded_redis_is_slow_not_dead_and_is_not_restarted(tmp_path
         tracker.stop()
 
 
+@pytest.mark.process
 def test_healthz_fails_when_an_external_redis_stays_unreachable(tmp_path, run_name):
     port = free_port()
     redis = EmbeddedRedis(tmp_path, port=port).start()  # main thread: its death signal follows it
@@ -448,6 +457,7 @@ def test_healthz_fails_when_an_external_redis_stays_unreachable(tmp_path, run_na
 # -- 3. idempotency records and finished requests expire ---------------------------------------
 
 
+@pytest.mark.process
 def test_idempotency_records_and_finished_requests_expire(tracker, client, make_run, rdb):
     """A dispatch's idempotency record, a finished request and a consumed update each live for
     idempotency_ttl_seconds (an hour by default), not forever; a live lease does not expire."""
@@ -469,6 +479,7 @@ def test_idempotency_records_and_finished_requests_expire(tracker, client, make_
     assert not rdb.exists(prefix(spo) + "consumed")
 
 
+@pytest.mark.process
 def test_finished_records_are_forgotten_after_the_ttl(redis_server, rdb, run_name):
     tracker = TrackerProcess(redis_server.url, env={"SPOPP_TRACKER_IDEMPOTENCY_TTL_SECONDS": "1"})
     try:
@@ -519,6 +530,7 @@ V1_CALLS = [
 ]
 
 
+@pytest.mark.process
 def test_every_v1_route_answers_503_with_retry_after_while_redis_is_down(tmp_path, run_name):
     port = free_port()
     redis = EmbeddedRedis(tmp_path, port=port).start()

@@ -8,6 +8,8 @@ import pytest
 from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 
 def _state(c: TrackerClient, run: str) -> tuple:
     r = c.get_run(run)

@@ -8,6 +8,8 @@ import pytest
 from spopp.client import StalePolicy, TrackerError
 from spopp.evidence import jeffreys_init
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 LAM = -math.log(0.875)
 
 
@@ -209,3 +211,21 @@ def test_lookup_tells_each_request_state(client, make_run, tracker):
     with pytest.raises(TrackerError) as err:
         client.lookup(run + "-nope", ["x"])
     assert err.value.status == 404
+
+
+def test_oversized_body_is_413_and_changes_nothing(tracker, client, make_run):
+    """The body limit where the socket matters: with a Content-Length over the limit, and
+    streamed in chunks without one (counted as it comes in)."""
+    run = make_run(tasks=[{"task_id": "q0", "alpha0": 1.0, "beta0": 2.0}])
+    before = client.get_run(run).model_dump(), client.export(run)
+    big = b'{"tasks": [' + b" " * (9 * 1024 * 1024) + b"]}"
+    resp = httpx.put(f"{tracker.url}/v1/runs/{run}/tasks", content=big, timeout=30)
+    assert resp.status_code == 413 and resp.json()["detail"]["code"] == "body_too_large"
+
+    def chunks():  # no Content-Length
+        for _ in range(10):
+            yield b" " * (1024 * 1024)
+
+    resp = httpx.put(f"{tracker.url}/v1/runs/{run}/tasks", content=chunks(), timeout=30)
+    assert resp.status_code == 413
+    assert (client.get_run(run).model_dump(), client.export(run)) == before

@@ -13,6 +13,8 @@ from services.tracker.embedded import EmbeddedRedis
 from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
 
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
 TTL_SECONDS = 4  # the tracker's idempotency_ttl_seconds here: expiry shows within the test
 LOAD_SECONDS = 66
 SAMPLE_EVERY = 2.0

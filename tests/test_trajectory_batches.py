@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import httpx
 import pytest
@@ -32,6 +31,7 @@ from runtime.service.server import ThreadedServer
 from services.learner.ingest import TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
 from services.rollout.deliveries import TrajectoryBatcher, Undelivered
+from spopp.net import free_port
 from spopp.retry import RetryPolicy
 from spopp.trajectory import INTAKE_BATCH, MAX_TRAJECTORIES_PER_CALL
 
@@ -248,21 +248,15 @@ def test_a_learner_without_the_batch_route_gets_single_posts(model_limits):
     assert [t.request_id for t in buffer.take(5)] == ["q0", "q1", "q3", "q4", "q5"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_learner_away_past_the_retry_bound_leaves_each_record_undelivered():
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     out, _, retries, _ = _deliver_all(url, [traj(i) for i in range(3)], retry_s=0.5)
     assert all(isinstance(x, Undelivered) for x in out) and "ConnectError" in str(out[0])
     assert retries > 0
 
 
 def test_a_learner_that_comes_back_within_the_bound_gets_everything(model_limits):
-    port = _free_port()
+    port = free_port()
     buffer, server = None, None
 
     async def go():

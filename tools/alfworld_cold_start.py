@@ -463,7 +463,8 @@ def evaluate(model_dir, tasks: list[Task], *, samples: int = 1, temperature: flo
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line: the teacher's task file and errors, the model's size, the training run."""
     p = argparse.ArgumentParser(
         description="Supervised cold start of a tiny model on imperfect ALFWorld traces"
     )
@@ -486,7 +487,31 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=MODEL["num_layers"])
     p.add_argument("--hidden", type=int, default=MODEL["hidden_size"])
     p.add_argument("--traces", default=None, help="teacher traces (JSON): read when there, else written")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def _teacher_traces(a: argparse.Namespace, tasks: list[Task], teacher: TeacherConfig) -> list[dict]:
+    """The teacher's traces: read from `--traces` when that file exists, else played (and saved there,
+    so that runs that differ only in training reuse the same traces)."""
+    if a.traces and Path(a.traces).is_file():
+        return json.loads(Path(a.traces).read_text())
+    traces = collect_traces(tasks, a.episodes_per_task, seed=a.seed, teacher=teacher)
+    if a.traces:
+        Path(a.traces).write_text(json.dumps(traces))
+    return traces
+
+
+def _score_heldout(out: Path, a: argparse.Namespace, report: dict) -> None:
+    """Held-out success, sampled (T=1, `--eval-samples` per task) and greedy, added to `report`."""
+    for temperature, samples in ((1.0, a.eval_samples), (0.0, 1)):
+        r = evaluate(out, load_tasks(a.eval_tasks), samples=samples, temperature=temperature, seed=a.seed)
+        report[f"heldout_T{temperature:g}"] = r
+        print(f"held-out T={temperature:g}: {r}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Collect the teacher's traces, train a tiny model on them, save it; its report (also saved)."""
+    a = _parse_args(argv)
 
     import torch
 
@@ -496,12 +521,7 @@ def main(argv: list[str] | None = None) -> dict:
     tasks = load_tasks(a.tasks)
     teacher = TeacherConfig(p_detour=a.p_detour, p_skip=a.p_skip)
     t0 = time.perf_counter()
-    if a.traces and Path(a.traces).is_file():
-        traces = json.loads(Path(a.traces).read_text())
-    else:
-        traces = collect_traces(tasks, a.episodes_per_task, seed=a.seed, teacher=teacher)
-        if a.traces:
-            Path(a.traces).write_text(json.dumps(traces))
+    traces = _teacher_traces(a, tasks, teacher)
     collect_s = time.perf_counter() - t0
     tok = build_word_tokenizer(vocabulary(trace_words(traces)))
     renderer = ChatRenderer(tok)
@@ -527,10 +547,7 @@ def main(argv: list[str] | None = None) -> dict:
         teacher_seconds=collect_s, p_rename=a.p_rename,
     )  # fmt: skip
     if a.eval_tasks:
-        for temperature, samples in ((1.0, a.eval_samples), (0.0, 1)):
-            r = evaluate(out, load_tasks(a.eval_tasks), samples=samples, temperature=temperature, seed=a.seed)
-            report[f"heldout_T{temperature:g}"] = r
-            print(f"held-out T={temperature:g}: {r}")
+        _score_heldout(out, a, report)
     (out / "cold_start.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 

@@ -152,7 +152,7 @@ def finish(out: Path, t0: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = demo_parser(__doc__, "demo-out", seeds="0,1,2; quick 0,1", quick="the same path, smaller (under 4 minutes)",
+    p = demo_parser(__doc__, "demo-out", seeds="0,1,2; quick 0,1", quick="the same path, smaller (about 3.5 minutes on 2 idle cores)",
                     data_seed="seed of the tasks and the cold start")  # fmt: skip
     a = p.parse_args(argv)
     size, seeds = demo_size(a, FULL, QUICK, TINY)

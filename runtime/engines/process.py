@@ -220,6 +220,75 @@ def _accept(listener: Listener, proc: subprocess.Popen, timeout_s: float):
     return result[0]
 
 
+class _CallServer:
+    """The child's side of the socket: each call runs as a task on the event loop, so that
+    generations overlap and a cancel can stop one; a reader thread feeds the loop the requests."""
+
+    def __init__(self, conn, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.loop = loop
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.stop = asyncio.Event()
+
+    def reply(self, call_id: int, payload) -> None:
+        # Only this loop's thread sends; the reader thread only receives.
+        try:
+            self.conn.send((call_id, payload))
+        except (OSError, ValueError):  # the parent is gone
+            self.stop.set()
+
+    async def run(self, op: str, call_id: int, args) -> None:
+        """Do one call and send its result (or its exception); a cancelled call sends nothing."""
+        try:
+            if op == "generate":
+                result = await self.engine.generate(*args)
+            elif op == "load_weights":
+                result = await self.engine.load_weights(*args)
+            else:
+                raise ValueError(f"unknown engine call {op!r}")
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:
+            self.reply(call_id, _portable(exc))
+        else:
+            self.reply(call_id, result)
+        finally:
+            self.tasks.pop(call_id, None)
+
+    def receive(self, message) -> None:
+        """On the loop: act on one request (close, cancel, or a call to start)."""
+        op, call_id, args = message
+        if op == "close":
+            self.stop.set()
+        elif op == "cancel":
+            task = self.tasks.get(call_id)
+            if task is not None:
+                task.cancel()
+        else:
+            self.tasks[call_id] = self.loop.create_task(self.run(op, call_id, args))
+
+    def read(self) -> None:
+        """Reader thread: pass each request to the loop, until "close" or the parent goes."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):  # the parent died or closed the pipe
+                self.loop.call_soon_threadsafe(self.stop.set)
+                return
+            self.loop.call_soon_threadsafe(self.receive, message)
+            if message[0] == "close":
+                return
+
+    async def serve(self) -> None:
+        """Serve until told to close or the parent goes; then cancel what runs and close the engine."""
+        threading.Thread(target=self.read, name="engine-requests", daemon=True).start()
+        await self.stop.wait()
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await self.engine.close()
+
+
 def _child_main(conn, kind: str, model_dir: str, kwargs: dict) -> None:
     """The child: build the engine, then serve calls until told to close or the parent goes."""
     from .factory import make_engine
@@ -232,61 +301,7 @@ def _child_main(conn, kind: str, model_dir: str, kwargs: dict) -> None:
             conn.send(_portable(exc))
             return
         conn.send(None)
-        loop = asyncio.get_running_loop()
-        tasks: dict[int, asyncio.Task] = {}
-        stop = asyncio.Event()
-
-        def reply(call_id: int, payload) -> None:
-            # Only this loop's thread sends; the reader thread only receives.
-            try:
-                conn.send((call_id, payload))
-            except (OSError, ValueError):  # the parent is gone
-                stop.set()
-
-        async def run(op: str, call_id: int, args) -> None:
-            try:
-                if op == "generate":
-                    result = await engine.generate(*args)
-                elif op == "load_weights":
-                    result = await engine.load_weights(*args)
-                else:
-                    raise ValueError(f"unknown engine call {op!r}")
-            except asyncio.CancelledError:
-                return
-            except Exception as exc:
-                reply(call_id, _portable(exc))
-            else:
-                reply(call_id, result)
-            finally:
-                tasks.pop(call_id, None)
-
-        def receive(message) -> None:
-            op, call_id, args = message
-            if op == "close":
-                stop.set()
-            elif op == "cancel":
-                task = tasks.get(call_id)
-                if task is not None:
-                    task.cancel()
-            else:
-                tasks[call_id] = loop.create_task(run(op, call_id, args))
-
-        def read() -> None:
-            while True:
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):  # the parent died or closed the pipe
-                    loop.call_soon_threadsafe(stop.set)
-                    return
-                loop.call_soon_threadsafe(receive, message)
-                if message[0] == "close":
-                    return
-
-        threading.Thread(target=read, name="engine-requests", daemon=True).start()
-        await stop.wait()
-        for task in list(tasks.values()):
-            task.cancel()
-        await engine.close()
+        await _CallServer(conn, engine, asyncio.get_running_loop()).serve()
 
     asyncio.run(main())
 

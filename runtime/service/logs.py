@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -102,6 +103,31 @@ def setup_logging(
     if not any(isinstance(f, _AccessFields) for f in access.filters):
         access.addFilter(_AccessFields())
     logging.captureWarnings(True)
+    if fmt == "json":
+        _log_uncaught()
+
+
+def _log_uncaught() -> None:
+    """An exception that escapes a thread or the main program is logged (one JSON line with its
+    traceback) instead of printed by Python as plain text."""
+    log = logging.getLogger("spopp.uncaught")
+
+    def main_hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            sys.__excepthook__(kind, value, tb)
+            return
+        log.critical("%s: %s", kind.__name__, value, exc_info=(kind, value, tb))
+
+    def thread_hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        log.critical(
+            "%s in thread %s: %s", args.exc_type.__name__, getattr(args.thread, "name", "?"), args.exc_value,
+            exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+        )  # fmt: skip
+
+    sys.excepthook = main_hook
+    threading.excepthook = thread_hook
 
 
 def bind(**fields: Any) -> None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
+
+from spopp.net import free_port
+from spopp.wait import WaitTimeout, wait_until
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STARTUP_FAILURE = 3  # uvicorn's exit code when the app's start-up fails
@@ -66,12 +67,6 @@ async def serve(
     return result
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class ThreadedServer:
     """An ASGI app under uvicorn in a background thread: the learner's intake beside its training
     loop, and the stand-in learner of rollout tests. `port=0` picks a free port."""
@@ -84,12 +79,16 @@ class ThreadedServer:
 
     def start(self, timeout: float = 10.0) -> ThreadedServer:
         self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"HTTP server on {self.url} did not start")
-            time.sleep(0.01)
+        try:
+            wait_until(self._started, timeout, f"the HTTP server on {self.url}", interval=0.01)
+        except WaitTimeout:
+            raise RuntimeError(f"HTTP server on {self.url} did not start within {timeout:g} s") from None
         return self
+
+    def _started(self) -> bool:
+        if not self.server.started and not self.thread.is_alive():
+            raise RuntimeError(f"HTTP server on {self.url} did not start: its thread ended (port taken?)")
+        return self.server.started
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from spopp.lifetime import die_with_parent
-from spopp.settings import API_TOKEN_ENV
+from spopp.settings import API_TOKEN_ENV, environ_without_settings
 from spopp.wait import ProcessExited, WaitTimeout, wait_http
 
 
@@ -36,7 +36,7 @@ def _die_with_launcher(launcher: int) -> None:  # runs in the child, between for
 def child_env(token: str | None, devices: str) -> dict[str, str]:
     """The launcher's environment minus SPOPP_* (each child reads its config file, nothing else),
     plus the shared token and the child's devices."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+    env = environ_without_settings()
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = devices

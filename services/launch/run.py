@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ import yaml
 
 from spopp.client import TrackerClient
 from spopp.jsonfile import read_model, write_text
-from spopp.net import free_port
+from spopp.net import free_port, port_free
 from spopp.records import RunRecord
 from spopp.registration import RegistrationError, register, task_bodies
 from spopp.settings import SettingsError
@@ -71,50 +69,16 @@ def _interrupt(signum, _frame) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def _pick_port(taken: set[int], rng: random.Random) -> int:
-    """A free port below the ephemeral range. An OS-chosen free port lies inside that range, where
-    any process's next outgoing connection may take it before the child that was given it binds
-    it; with several children starting at once that happens. Below the range only a listener can."""
-    lo = _ephemeral_range()[0]
-    if lo > 11_000:
-        for _ in range(200):
-            port = rng.randrange(10_000, lo)
-            if port not in taken and _port_free(port):
-                return port
-    port = free_port()
-    while port in taken:
-        port = free_port()
-    return port
-
-
 def _resolve_ports(s: LaunchSettings) -> dict[str, int]:
     ports, taken = {}, set()
-    rng = random.Random()
     for name, port in port_requests(s).items():
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise LaunchError(f"{name}: port must be an integer in 0..65535, got {port!r}")
         if port:
-            if port in taken or not _port_free(port):
+            if port in taken or not port_free(port):
                 raise LaunchError(f"port {port} ({name}) is in use: pick another or 0 for any free port")
         else:
-            port = _pick_port(taken, rng)
+            port = free_port(taken=taken)
         taken.add(port)
         ports[name] = port
     return ports

@@ -224,69 +224,66 @@ class _CountDoorRefusals:
         await self.app(scope, receive, watch)
 
 
-def ingest_app(
-    buffer: TrajectoryBuffer,
-    max_body_bytes: int,
-    *,
-    token: str | None = None,
-    limits: IntakeLimits | None = None,
-    metrics: LearnerMetrics | None = None,
-) -> FastAPI:
-    """The intake app; `token` None leaves it open, `limits` None checks the schema only."""
-    limits = limits or IntakeLimits()
-    metrics = metrics or LearnerMetrics()
-    metrics.watch(buffer)
-    app = FastAPI(title="spopp learner")
+def _admit(buffer: TrajectoryBuffer, metrics: LearnerMetrics, t: Trajectory) -> int:
+    """Buffer `t` and return its position; a repeated request_id is counted as accepted once."""
+    position, new = buffer.admit(t)
+    if new:
+        metrics.accepted.inc()
+    return position
 
-    def admit(t: Trajectory) -> int:
-        position, new = buffer.admit(t)
-        if new:
-            metrics.accepted.inc()
-        return position
+
+def _check_batch(buffer: TrajectoryBuffer, limits: IntakeLimits, batch: TrajectoryBatch) -> None:
+    """Raise the first record's refusal that is the sender's fault, naming the record's index."""
+    # Every check that is the sender's fault first, for every record: a 422 leaves nothing
+    # buffered. What remains (stale, full) depends on when each record came, not on it.
+    for i, t in enumerate(batch.trajectories):
+        try:
+            buffer.check_run(t)
+        except Refused as exc:
+            exc.detail.update(index=i, request_id=t.request_id)
+            raise
+        limits.check(t, at=f"trajectories.{i}.")
+
+
+def _deliver(buffer: TrajectoryBuffer, metrics: LearnerMetrics, t: Trajectory) -> Delivered:
+    """Admit one record of a checked batch; a refusal (stale, full) is that record's own answer."""
+    try:
+        return Delivered(
+            request_id=t.request_id, status=200, accepted=True, position=_admit(buffer, metrics, t)
+        )
+    except Refused as exc:
+        metrics.refuse(_REASON.get(exc.detail["code"], exc.detail["code"]))
+        return Delivered(
+            request_id=t.request_id,
+            status=exc.status,
+            accepted=False,
+            code=exc.detail["code"],
+            message=exc.detail["message"],
+        )
+
+
+def _add_intake_routes(
+    app: FastAPI, buffer: TrajectoryBuffer, limits: IntakeLimits, metrics: LearnerMetrics
+) -> None:
+    """POST /v1/trajectories (one record) and /v1/trajectories/batch (many, answered one by one)."""
 
     @app.post(INTAKE)
     def post(t: Trajectory) -> dict:
         limits.check(t)
-        return {"accepted": True, "policy_version": buffer.version, "position": admit(t)}
+        return {"accepted": True, "policy_version": buffer.version, "position": _admit(buffer, metrics, t)}
 
     @app.post(INTAKE_BATCH)
     def post_batch(batch: TrajectoryBatch) -> dict:
-        # Every check that is the sender's fault first, for every record: a 422 leaves nothing
-        # buffered. What remains (stale, full) depends on when each record came, not on it.
-        for i, t in enumerate(batch.trajectories):
-            try:
-                buffer.check_run(t)
-            except Refused as exc:
-                exc.detail.update(index=i, request_id=t.request_id)
-                raise
-            limits.check(t, at=f"trajectories.{i}.")
-        results = []
-        for t in batch.trajectories:
-            try:
-                results.append(
-                    Delivered(request_id=t.request_id, status=200, accepted=True, position=admit(t))
-                )
-            except Refused as exc:
-                metrics.refuse(_REASON.get(exc.detail["code"], exc.detail["code"]))
-                results.append(
-                    Delivered(
-                        request_id=t.request_id,
-                        status=exc.status,
-                        accepted=False,
-                        code=exc.detail["code"],
-                        message=exc.detail["message"],
-                    )
-                )
+        _check_batch(buffer, limits, batch)
+        results = [_deliver(buffer, metrics, t) for t in batch.trajectories]
         return {
             "policy_version": buffer.version,
             "results": [r.model_dump(exclude_none=True) for r in results],
         }
 
-    add_service_routes(
-        app,
-        health=lambda: {"status": "ok", "policy_version": buffer.version, "buffered": len(buffer)},
-        metrics=metrics.registry,
-    )
+
+def _add_refusal_handlers(app: FastAPI, metrics: LearnerMetrics) -> None:
+    """Answer refusals and schema errors alike ({"detail": {code, message, ...}}), counting each."""
 
     @app.exception_handler(Refused)
     async def refused(request: Request, exc: Refused) -> JSONResponse:
@@ -301,6 +298,27 @@ def ingest_app(
         ]
         return await refused(request, invalid(errors or [{"field": "body", "message": "invalid trajectory"}]))
 
+
+def ingest_app(
+    buffer: TrajectoryBuffer,
+    max_body_bytes: int,
+    *,
+    token: str | None = None,
+    limits: IntakeLimits | None = None,
+    metrics: LearnerMetrics | None = None,
+) -> FastAPI:
+    """The intake app; `token` None leaves it open, `limits` None checks the schema only."""
+    limits = limits or IntakeLimits()
+    metrics = metrics or LearnerMetrics()
+    metrics.watch(buffer)
+    app = FastAPI(title="spopp learner")
+    _add_intake_routes(app, buffer, limits, metrics)
+    add_service_routes(
+        app,
+        health=lambda: {"status": "ok", "policy_version": buffer.version, "buffered": len(buffer)},
+        metrics=metrics.registry,
+    )
+    _add_refusal_handlers(app, metrics)
     # Added innermost first: auth is decided before the body is read, and counted outside both.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(BearerAuth, token=token)

@@ -6,7 +6,6 @@ process speaking real HTTP. It is stopped by its own pid, never by name.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from spopp.net import free_port
+from spopp.settings import environ_without_settings
 from spopp.wait import ProcessExited, WaitTimeout, wait_http
 
 
@@ -45,7 +45,7 @@ class TrackerProcess:
         if data_dir:
             argv += ["--data-dir", str(data_dir)]
         # Only what the caller passes configures the child, not SPOPP_* left in our environment.
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPOPP_")}
+        full_env = environ_without_settings()
         full_env.update(env or {})
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(argv, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
