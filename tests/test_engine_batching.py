@@ -204,20 +204,25 @@ def test_hosted_engine_raises_the_engines_own_errors(hosted, runner, prompts, tm
 
 
 @pytest.mark.process
-def test_a_model_the_child_cannot_load_fails_the_constructor_with_its_reason(tmp_path, tiny_model):
-    import glob
+def test_a_model_the_child_cannot_load_fails_the_constructor_with_its_reason(
+    tmp_path, tiny_model, monkeypatch
+):
     import shutil
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model, broken)  # the tokenizer loads in the parent; the weights do not
     for f in broken.glob("*.safetensors"):
         f.write_bytes(b"not a checkpoint")
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "spopp-engine-*")))
+    # The engine's socket folder goes under a temporary folder of this test's own (other tests,
+    # on another xdist worker, make and remove theirs in the system's meanwhile).
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
     with pytest.raises(Exception, match="deserializing header") as err:
         make_engine("transformers", broken, process=True)
     assert not isinstance(err.value, EngineProcessError)  # the child's own error, not "it died"
     # Nothing of the failed start is left: its socket folder is gone (the child was waited for).
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "spopp-engine-*"))) == before
+    assert list(own_tmp.iterdir()) == []
 
 
 @pytest.mark.process
