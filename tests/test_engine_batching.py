@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -214,15 +215,18 @@ def test_a_model_the_child_cannot_load_fails_the_constructor_with_its_reason(
     for f in broken.glob("*.safetensors"):
         f.write_bytes(b"not a checkpoint")
     # The engine's socket folder goes under a temporary folder of this test's own (other tests,
-    # on another xdist worker, make and remove theirs in the system's meanwhile).
-    own_tmp = tmp_path / "tmp"
-    own_tmp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
-    with pytest.raises(Exception, match="deserializing header") as err:
-        make_engine("transformers", broken, process=True)
-    assert not isinstance(err.value, EngineProcessError)  # the child's own error, not "it died"
-    # Nothing of the failed start is left: its socket folder is gone (the child was waited for).
-    assert list(own_tmp.iterdir()) == []
+    # on another xdist worker, make and remove theirs in the system's meanwhile); a short one in
+    # /tmp, since a Unix socket's path must fit in 108 bytes (tmp_path under xdist does not).
+    own_tmp = Path(tempfile.mkdtemp(prefix="spopp-t-"))
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
+        with pytest.raises(Exception, match="deserializing header") as err:
+            make_engine("transformers", broken, process=True)
+        assert not isinstance(err.value, EngineProcessError)  # the child's own error, not "it died"
+        # Nothing of the failed start is left: its socket folder is gone (the child was waited for).
+        assert list(own_tmp.iterdir()) == []
+    finally:
+        shutil.rmtree(own_tmp, ignore_errors=True)
 
 
 @pytest.mark.process
