@@ -102,6 +102,9 @@ def setup_logging(
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, _AccessFields) for f in access.filters):
         access.addFilter(_AccessFields())
+    # Off, then on: captureWarnings(True) does nothing when logging thinks it captures already,
+    # even after someone else (a test harness's catch_warnings) put warnings.showwarning back.
+    logging.captureWarnings(False)
     logging.captureWarnings(True)
     if fmt == "json":
         _log_uncaught()
