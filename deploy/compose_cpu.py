@@ -176,6 +176,17 @@ def tracker_get(port: str, token: str | None, path: str) -> dict | None:
         return None
 
 
+def wait_tracker_ready(port: str, timeout: float = 180.0) -> None:
+    """Until the tracker's /readyz answers. `up -d` returns once the container has started, not
+    once the tracker serves: asking for the run before then reads "no such run" and the second
+    `make compose-cpu` would not know that the run was finished already."""
+    deadline = time.monotonic() + timeout
+    while tracker_get(port, None, "/readyz") is None:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"compose-cpu: the tracker did not answer /readyz within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
 def api_token(compose: list[str], env: dict, cfg: dict) -> str | None:
     if cfg.get("SPOPP_API_TOKEN"):
         return cfg["SPOPP_API_TOKEN"]
@@ -277,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     build(compose, env)
     say("starting redis, the tracker and the data step")
     up(compose, env, "redis", "tracker")
+    wait_tracker_ready(cfg["SPOPP_TRACKER_PORT"])
     token = api_token(compose, env, cfg)
     before = tracker_get(cfg["SPOPP_TRACKER_PORT"], token, f"/v1/runs/{cfg['SPOPP_RUN']}")
     if before and before.get("status") == "finished":
