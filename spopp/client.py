@@ -35,6 +35,7 @@ from .tracker_api import (
     TaskState,
     TaskValue,
     WorkerBeat,
+    WorkerReleased,
 )
 
 log = logging.getLogger("spopp.client")
@@ -199,6 +200,12 @@ class _Api:
         """The worker's cumulative counts; the tracker keeps the largest it has seen (WorkerBeat)."""
         body = {"trajectories": trajectories, "episodes": episodes}
         return self._do(_Call("POST", f"/v1/runs/{run}/workers/{worker_id}", body, WorkerBeat.model_validate))
+
+    def release_worker(self, run: str, worker_id: str) -> Any:
+        """Give back every live lease of `worker_id` (a restarted replica, before its first
+        dispatch). Answers WorkerReleased."""
+        path = f"/v1/runs/{run}/workers/{worker_id}/release"
+        return self._do(_Call("POST", path, None, WorkerReleased.model_validate))
 
     def policy(self, run: str) -> Any:
         return self._do(_Call("GET", f"/v1/runs/{run}/policy", None, Policy.model_validate))

@@ -43,6 +43,17 @@ class RunRecord(BaseModel):
     launches: StrictInt = Field(0, ge=0, description="launches of this folder so far")
     updates_done: StrictInt | None = Field(None, ge=0, description="learner updates when it last stopped")
     finished: float | None = Field(None, description="unix time it finished")
+    restarts: dict[str, StrictInt] = Field(
+        default_factory=dict,
+        description="restarts per process by the launcher's supervision, over every launch",
+    )
+    metrics_url: str | None = Field(None, description="the last launcher's /metrics (spopp_restarts_total)")
+    tracker_counts: dict[str, StrictInt] | None = Field(
+        None, description="the tracker's run counts at the end (dispatches, outcomes, releases, ...)"
+    )
+    workers: dict[str, dict[str, Any]] | None = Field(
+        None, description="the tracker's per-worker counts at the end (leases, outcomes, ...)"
+    )
 
     def to_text(self, where: str) -> str:
         """The file's text: the keys set, in order, two-space indented (as earlier launchers wrote)."""

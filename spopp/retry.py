@@ -26,6 +26,13 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 DEFAULT_RETRY_SECONDS = 300.0
 
 
+def backoff(initial: float, cap: float, attempt: int) -> float:
+    """The schedule every backoff in spopp follows: `initial` doubled per earlier attempt, at
+    most `cap` (attempt 0 waits `initial`). A call's retries draw their jitter below it; the
+    launcher's restarts wait it exactly (one process, nobody to fall in step with)."""
+    return min(cap, initial * 2 ** min(attempt, 64))
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """`max_seconds` after the first attempt, no further attempt starts; delays grow from
@@ -53,7 +60,7 @@ class Attempts:
 
     def next_delay(self, retry_after: float | None = None) -> float | None:
         """Seconds to wait before the next attempt, or None when the time bound is spent."""
-        base = min(self.policy.cap, self.policy.initial * 2**self.count)
+        base = backoff(self.policy.initial, self.policy.cap, self.count)
         delay = random.uniform(base / 2, base)
         if retry_after is not None:
             delay = max(delay, min(retry_after, self.policy.cap))

@@ -177,6 +177,14 @@ class WorkerBeat(WorkerStats):
     run_status: Literal["running", "finished"]
 
 
+class WorkerReleased(BaseModel):
+    """What POST /v1/runs/{run}/workers/{worker_id}/release gave back."""
+
+    worker_id: str
+    released: list[str] = Field(description="request ids whose live leases were released")
+    expired: int = Field(description="leases of the worker found past their expiry, expired instead")
+
+
 class TaskPrior(_Body):
     """A task with an explicit prior (alpha0, beta0) or with offline 0/1 outcomes (Jeffreys init)."""
 

@@ -420,6 +420,19 @@ def test_a_partial_last_line_is_skipped_with_a_warning(tmp_path):
     assert any(w.startswith(f"{path}:3: skipped a partial last line") for w in report["warnings"])
 
 
+def test_restarts_in_run_json_are_warned_about_and_a_bad_count_is_refused(tmp_path):
+    folder = write_run(tmp_path, "spo", 0, [0.1, 0.2])
+    meta = json.loads((folder / "run.json").read_text())
+    (folder / "run.json").write_text(json.dumps({**meta, "restarts": {"rollout-1": 2, "learner": 1}}))
+    _, report, _ = invoke(folder, "--format", "json")
+    assert report["runs"][0]["rewards"] == [0.1, 0.2]  # the curve is whole: a warning, not an error
+    assert "processes restarted by supervision during the run: learner 1, rollout-1 2" in " ".join(
+        report["warnings"]
+    )
+    (folder / "run.json").write_text(json.dumps({**meta, "restarts": {"learner": "once"}}))
+    assert f"{folder / 'run.json'}: restarts.learner: Input should be a valid integer" in error_of(folder)
+
+
 def test_versions_must_increase(tmp_path):
     folder = write_run(tmp_path, "spo", 0, [0.1, 0.2])
     path = folder / "eval" / "evals.jsonl"

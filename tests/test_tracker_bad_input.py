@@ -237,6 +237,8 @@ CASES = [
     ("heartbeat worker id of 129", "POST", "/workers/" + "w" * 129, {"trajectories": 1, "episodes": 1}, 422, "invalid"),
     ("heartbeat worker id with a space", "POST", "/workers/a%20b", {"trajectories": 1, "episodes": 1}, 422, "invalid"),
     ("heartbeat worker id with a quote", "POST", "/workers/a%22b", {"trajectories": 1, "episodes": 1}, 422, "invalid"),
+    ("release worker id of 129", "POST", "/workers/" + "w" * 129 + "/release", None, 422, "invalid"),
+    ("release worker id with a space", "POST", "/workers/a%20b/release", None, 422, "invalid"),
 ]  # fmt: skip
 
 
@@ -284,6 +286,7 @@ def test_unknown_run_is_404_and_422_comes_first(api):
     assert resp.status_code == 422
     assert _send(api, "GET", "/v1/runs/nope-run/export").status_code == 404
     assert _send(api, "PUT", "/v1/runs/nope-run/tasks", {"tasks": []}).status_code == 404
+    assert _send(api, "POST", "/v1/runs/nope-run/workers/w/release").status_code == 404
 
 
 def test_404_comes_before_409(api, client, live):

@@ -83,3 +83,39 @@ def test_release_of_an_expired_lease_is_a_no_op_that_reclaims(client, make_run):
     assert client.release(run, r.request_id).state == "expired"
     counts = client.get_run(run).counts
     assert (counts.idle, counts.expirations, counts.releases) == (1, 1, 0)
+
+
+def test_release_worker_gives_back_that_workers_live_leases_and_nothing_else(client, make_run):
+    """A restarted replica's call: its live leases go back at once, another worker's stay, an
+    outcome already reported stays counted, and a repeat (or an unknown worker) gives back none."""
+    tasks = [{"task_id": f"q{i}", "alpha0": 1.0, "beta0": 1.0} for i in range(4)]
+    run = make_run(tasks=tasks)
+    mine = client.dispatch(run, "w", 0, 2).requests
+    theirs = client.dispatch(run, "w2", 0, 1).requests
+    client.outcomes(run, [(mine[0].request_id, 1.0)])
+    before = client.get_run(run).counts
+    assert (before.in_flight, before.releases, before.outcomes) == (2, 0, 1)
+
+    back = client.release_worker(run, "w")
+    assert back.worker_id == "w" and back.released == [mine[1].request_id] and back.expired == 0
+    after = client.get_run(run).counts
+    assert (after.in_flight, after.releases, after.outcomes, after.idle) == (1, 1, 1, 3)
+    assert not client.get_task(run, mine[1].task_id).in_flight
+    assert client.get_task(run, theirs[0].task_id).in_flight
+    # The old life's report, arriving late, is refused and counts nothing.
+    with pytest.raises(TrackerError) as err:
+        client.outcomes(run, [(mine[1].request_id, 1.0)])
+    assert err.value.status == 409 and err.value.code == "lease_not_live"
+    assert client.release_worker(run, "w").released == []
+    assert client.release_worker(run, "never-seen").released == []
+    assert client.get_run(run).counts == after
+
+
+def test_release_worker_expires_what_is_past_its_expiry(client, make_run):
+    run = make_run(tasks=[{"task_id": "q", "alpha0": 1.0, "beta0": 1.0}], lease_seconds=0.2)
+    client.dispatch(run, "w", 0, 1)
+    time.sleep(0.3)
+    back = client.release_worker(run, "w")
+    assert (back.released, back.expired) == ([], 1)
+    counts = client.get_run(run).counts
+    assert (counts.idle, counts.expirations, counts.releases) == (1, 1, 0)

@@ -70,12 +70,13 @@ class Child:
     def poll(self) -> int | None:
         return self.proc.poll()
 
-    def tail(self, chars: int = 3000) -> str:
+    def tail(self, lines: int = 20, chars: int = 4000) -> str:
+        """The last `lines` lines of its log (at most `chars` characters of them)."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
-        return text[-chars:]
+        return "\n".join(text.rstrip("\n").splitlines()[-lines:])[-chars:]
 
     def wait_http(self, url: str, timeout: float, ok=(200,)) -> None:
         """Wait until `url` answers one of `ok`; ChildFailed if the child exits or time runs out."""
@@ -108,4 +109,4 @@ class Child:
 class ChildFailed(RuntimeError):
     def __init__(self, child: Child, what: str) -> None:
         self.child = child
-        super().__init__(f"{child.name} {what}; the end of {child.log_path}:\n{child.tail()}")
+        super().__init__(f"{child.name} {what}; the last lines of {child.log_path}:\n{child.tail()}")

@@ -55,6 +55,7 @@ from spopp.settings import Settings, SettingsError
 from spopp.tracker_api import RunConfig
 
 from .gpus import GpuPlan
+from .supervise import SupervisionSettings
 
 # The full recipes of the paper's paired comparison (§5): what each arm's learner defaults to.
 RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -267,6 +268,17 @@ class LaunchSettings(Settings):
     )
     stop_seconds: float = Field(
         30.0, gt=0, le=3600, description="how long a service may take to stop before it is killed"
+    )
+    supervision: SupervisionSettings = Field(
+        default_factory=SupervisionSettings,
+        description="restarts of children that die: enabled, max_restarts per window_seconds, "
+        "backoff_seconds doubling up to max_backoff_seconds",
+    )
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="port of the launcher's /healthz and /metrics (restarts); 0: a free port",
     )
     wandb: bool = Field(False, description="also log to Weights & Biases (offline unless WANDB_MODE says)")
     wandb_project: str = Field("spopp", min_length=1, description="W&B project name")

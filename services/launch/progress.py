@@ -1,6 +1,7 @@
 """The launcher's progress line, read from what the services already write.
 
     [spopp-s0] update 12/40 v12 | reward 0.531 | eval 0.612 @v8 | 9.8 episodes/s | 41s, ~1m35s left
+    [spopp-s0] update 30/40 v30 | ... | restarts learner 1, rollout-1 2 | 3m02s, ~52s left
 
 Updates and the training reward come from the learner's metrics.jsonl, the evaluation reward
 from the evaluator's evals.jsonl, episodes/s from the tracker's outcome count: nothing new is
@@ -59,7 +60,11 @@ def eval_points(path: Path) -> list[tuple[int, float, str]]:
 
 
 class Progress:
-    def __init__(self, plan, client, echo) -> None:
+    def __init__(self, plan, client, echo, restarts: dict[str, int] | None = None, tracker_up=None) -> None:
+        """`restarts`: the launcher's live count per process (read at each line); `tracker_up()`:
+        whether to ask the tracker now (not while supervision restarts it)."""
+        self.restarts = restarts if restarts is not None else {}
+        self.tracker_up = tracker_up or (lambda: True)
         self.plan = plan
         self.client = client
         self.echo = echo
@@ -93,6 +98,8 @@ class Progress:
         if points:
             parts.append(f"eval {points[-1][1]:.3f} @v{points[-1][0]}")
         with contextlib.suppress(Exception):  # the line must never stop the run
+            if not self.tracker_up():
+                raise LookupError("the tracker is restarting")
             run = self.client.get_run(s.run)
             parts[0] += f" v{run.policy_version}"
             self.rate.append((now, run.counts.outcomes))
@@ -100,6 +107,8 @@ class Progress:
             if len(self.rate) > 1 and self.rate[-1][0] > self.rate[0][0]:
                 (t_a, n_a), (t_b, n_b) = self.rate[0], self.rate[-1]
                 parts.append(f"{(n_b - n_a) / (t_b - t_a):.1f} episodes/s")
+        if self.restarts:
+            parts.append("restarts " + ", ".join(f"{k} {v}" for k, v in sorted(self.restarts.items())))
         elapsed = now - self.t0
         done = step - (self.first_step or 0)
         clock = format_seconds(elapsed)

@@ -21,6 +21,7 @@ identity (recipe, seed, model, tasks, prior, run config) must not have changed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from spopp.client import TrackerClient
@@ -36,11 +38,14 @@ from spopp.net import free_port, port_free
 from spopp.records import RunRecord
 from spopp.registration import RegistrationError, register, task_bodies
 from spopp.settings import SettingsError
+from spopp.wait import WaitTimeout, wait_until
 
 from . import gpus as gpu
 from .children import Child, ChildFailed, child_env
 from .config import LaunchSettings, Plan, plan, port_requests
+from .metrics import LaunchMetrics
 from .progress import Progress, eval_points, last_line
+from .supervise import GaveUp, RestartBudget, describe_exit
 
 
 def _check_env(name: str, options: dict) -> None:
@@ -55,6 +60,24 @@ def _check_env(name: str, options: dict) -> None:
         if not message.startswith(f"environment {name}"):
             message = f"environment {name}: {message}"
         raise LaunchError(message) from None
+
+
+def _answers(url: str) -> bool:
+    """Whether `url` answers 200 now (a short timeout: the supervisor asks every tick)."""
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _redis_pid(pidfile: Path) -> int | None:
+    """The pid in a Redis pidfile while that process is a live redis-server, else None."""
+    try:
+        pid = int(pidfile.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return pid if b"redis-server" in cmdline else None
 
 
 class LaunchError(RuntimeError):
@@ -138,6 +161,15 @@ class Launcher:
         self.record: RunRecord | None = None  # run.json, once read or written
         self.bodies: list[dict] = []
         self.tracker_finished = False  # the tracker said the run is finished (it stays so)
+        # Supervision: how each child is started again, which are due for a restart (when),
+        # which are starting (until when), which are done for good, restarts per child.
+        self.commands: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+        self.pending: dict[str, float] = {}
+        self.starting: dict[str, float] = {}
+        self.done: set[str] = set()
+        self.restarts: dict[str, int] = {}
+        self.budget = RestartBudget(s.supervision)
+        self.metrics = LaunchMetrics({})
 
     # -- before anything starts ------------------------------------------------------------------
     def prepare(self) -> Plan:
@@ -200,7 +232,10 @@ class Launcher:
             )
             return 0
         resuming = self.record is not None
-        self._write_folder(p, resuming)
+        self.restarts = dict(self.record.restarts) if resuming else {}
+        self.metrics = LaunchMetrics(self.restarts)
+        server = self.metrics.serve(self.s.metrics_port)
+        self._write_folder(p, resuming, metrics_url=server.url + "/metrics")
         old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         status, code = "failed", 1
         try:
@@ -229,11 +264,12 @@ class Launcher:
             self._stop_all()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
+            server.stop()
             self._set_status(p, status)
         self._summary(p, status)
         return code
 
-    def _write_folder(self, p: Plan, resuming: bool) -> None:
+    def _write_folder(self, p: Plan, resuming: bool, metrics_url: str) -> None:
         p.run_dir.mkdir(parents=True, exist_ok=True)
         (p.run_dir / "launch.yaml").write_text(
             yaml.safe_dump({k: v for k, v in self.s.model_dump(mode="json").items() if k != "api_token"},
@@ -249,7 +285,7 @@ class Launcher:
             "normalization": p.learner.normalization, "seed": self.s.seed, "updates": self.s.updates,
             "final_version": p.final_version, "identity": p.identity(), "status": "running",
             "started": old.started if old and old.started is not None else now,
-            "launches": (old.launches if old else 0) + 1,
+            "launches": (old.launches if old else 0) + 1, "metrics_url": metrics_url,
         })  # fmt: skip
         _write_record(p.run_dir / "run.json", self.record)
 
@@ -287,12 +323,12 @@ class Launcher:
             child_env(self.s.api_token, gpu.visible_devices(devices)),
         )
         self.children[name] = child
+        self.commands[name] = (service, command, extra)
         return child
 
     def _start(self, p: Plan) -> None:
-        wait = self.s.start_seconds
         tracker = self._spawn(p, "tracker", "tracker", "serve")
-        tracker.wait_http(f"http://127.0.0.1:{p.tracker.port}/readyz", wait)
+        tracker.wait_http(self._health_url(p, "tracker"), self.s.start_seconds)
         self._register(p)
         # The rest start together: a replica waits for the learner's /healthz before its first
         # dispatch, so nothing here waits on the learner's start-up (the longest).
@@ -301,23 +337,27 @@ class Launcher:
             self._spawn(p, r.worker_id, "rollout", "serve")
         if p.evaluator is not None:
             self._spawn(p, "evaluator", "evaluator", "run")
-        # /healthz answers (open, token or not) once rank 0 has the model and serves the intake.
-        self._wait_up(p, "learner", p.learner.port)
-        for r in p.rollouts:
-            self._wait_up(p, r.worker_id, r.port)
-        if p.evaluator is not None:
-            self._wait_up(p, "evaluator", p.evaluator.port)
+        deadline = time.monotonic() + self.s.start_seconds
+        self.starting.update({name: deadline for name in self.children if name != "tracker"})
+        # Supervised from the first start: a replica that dies while the learner loads is
+        # restarted like one that dies later. A learner that exits 0 at once found the run
+        # finished at the tracker (a launch killed after its last update): nothing to wait for.
+        while (self.starting or self.pending) and not self._tend(p):
+            time.sleep(0.2)
         self.echo(f"every process is up: {', '.join(f'{n} (pid {c.pid})' for n, c in self.children.items())}")
 
-    def _wait_up(self, p: Plan, name: str, port: int) -> None:
-        """Wait for a child's /healthz. On a run the tracker holds finished already (a launch killed
-        after the learner's last update), the learner and the replicas exit 0 at once: not a failure."""
-        child = self.children[name]
-        try:
-            child.wait_http(f"http://127.0.0.1:{port}/healthz", self.s.start_seconds)
-        except ChildFailed:
-            if child.poll() != 0 or not self._run_finished(p):
-                raise
+    def _health_url(self, p: Plan, name: str) -> str:
+        """The route that says a child is up: the tracker's /readyz (Redis answers), /healthz of
+        the others (the learner's once rank 0 has the model and serves the intake)."""
+        if name == "tracker":
+            return f"http://127.0.0.1:{p.tracker.port}/readyz"
+        if name == "learner":
+            port = p.learner.port
+        elif name == "evaluator":
+            port = p.evaluator.port
+        else:
+            port = next(r.port for r in p.rollouts if r.worker_id == name)
+        return f"http://127.0.0.1:{port}/healthz"
 
     def _run_finished(self, p: Plan) -> bool:
         """Whether the tracker says the run is finished (remembered once it does: it stays so)."""
@@ -329,8 +369,10 @@ class Launcher:
                 self.tracker_finished = True
         return self.tracker_finished
 
-    def _client(self, p: Plan) -> TrackerClient:
-        return TrackerClient(f"http://127.0.0.1:{p.tracker.port}", token=self.s.api_token, retry_seconds=30)
+    def _client(self, p: Plan, retry_seconds: float = 30) -> TrackerClient:
+        return TrackerClient(
+            f"http://127.0.0.1:{p.tracker.port}", token=self.s.api_token, retry_seconds=retry_seconds
+        )
 
     def _register(self, p: Plan) -> None:
         """Create the run (or find it unchanged) and load its tasks with their prior."""
@@ -348,32 +390,123 @@ class Launcher:
                     f"budget's last version {p.final_version}"
                 )
 
-    def _watch(self, p: Plan) -> None:
-        progress = Progress(p, self._client(p), self.echo)  # opens the W&B run when wandb is on
-        learner = self.children["learner"]
+    # -- supervision -----------------------------------------------------------------------------
+    def _tend(self, p: Plan) -> bool:
+        """One look at every child: start what is due for a restart, see who came up, decide on
+        who exited. Answers whether the learner has finished (exit 0: training is over)."""
+        now = time.monotonic()
+        for name, child in list(self.children.items()):
+            if name in self.done:
+                continue
+            if name in self.pending:
+                if now >= self.pending[name]:
+                    del self.pending[name]
+                    self._restart(p, name)
+                continue
+            code = child.poll()
+            if code is None:
+                if name in self.starting:
+                    self._check_started(p, name, now)
+                continue
+            self.starting.pop(name, None)
+            self.metrics.up.labels(process=name).set(0)
+            if (name == "learner" and code == 0) or self._normal_exit(p, name, code):
+                self.done.add(name)
+            elif code == 0:  # stopped by someone (SIGTERM) while the run goes on: not a crash
+                raise ChildFailed(child, f"exited with code {code}")
+            else:
+                self._died(p, name, code, now)
+        return "learner" in self.done
+
+    def _check_started(self, p: Plan, name: str, now: float) -> None:
+        url = self._health_url(p, name)
+        if _answers(url):
+            del self.starting[name]
+            self.metrics.up.labels(process=name).set(1)
+            if self.restarts.get(name):
+                self.echo(f"{name} is up again (pid {self.children[name].pid})")
+        elif now > self.starting[name]:
+            self.echo(f"{name} did not answer {url} within {self.s.start_seconds:.0f} s: killing it")
+            self.children[name].kill()
+            del self.starting[name]
+            self._died(p, name, self.children[name].poll(), now)
+
+    def _died(self, p: Plan, name: str, code: int | None, now: float) -> None:
+        child = self.children[name]
+        sup = self.s.supervision
+        if not sup.enabled:
+            raise ChildFailed(child, f"exited with code {code}")
         try:
-            while True:
-                code = learner.poll()
-                if code is not None:
-                    if code != 0:
-                        raise ChildFailed(learner, f"exited with code {code}")
-                    break
-                for name, child in self.children.items():
-                    code = child.poll()
-                    if name != "learner" and code is not None and not self._normal_exit(p, name, code):
-                        raise ChildFailed(child, f"exited with code {code}")
+            delay = self.budget.death(name, code, now)
+        except GaveUp as exc:
+            raise ChildFailed(child, str(exc)) from None
+        self.echo(
+            f"{name} (pid {child.pid}) exited with {describe_exit(code)}; restarting it in {delay:g} s "
+            f"(supervision: {sup.max_restarts} restarts per {sup.window_seconds:g} s)"
+        )
+        self.pending[name] = now + delay
+
+    def _restart(self, p: Plan, name: str) -> None:
+        old = self.children[name]
+        old.stop(0)  # dead already: this closes its log
+        if name == "tracker":
+            self._wait_for_old_redis(p)
+        service, command, extra = self.commands[name]
+        child = self._spawn(p, name, service, command, extra)
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.metrics.restarts.labels(process=name).inc()
+        self.record = RunRecord.model_validate(
+            {**self.record.model_dump(exclude_unset=True), "restarts": dict(self.restarts)}
+        )
+        _write_record(p.run_dir / "run.json", self.record)
+        self.starting[name] = time.monotonic() + self.s.start_seconds
+        self.echo(f"restarted {name} (pid {child.pid}; restart {self.restarts[name]} of it in this run)")
+
+    def _wait_for_old_redis(self, p: Plan) -> None:
+        """A tracker's embedded Redis gets SIGTERM when the tracker dies and flushes its append-only
+        file as it exits; the new tracker's Redis must not open that file before then. Its pid
+        is in <data_dir>/redis.pid until it exits. Past stop_seconds it is killed by that pid."""
+        if p.tracker.redis_url is not None:
+            return
+        pidfile = Path(p.tracker.data_dir) / "redis.pid"
+        try:
+            wait_until(
+                lambda: _redis_pid(pidfile) is None, self.s.stop_seconds, "the old tracker's Redis to exit"
+            )
+        except WaitTimeout:
+            pid = _redis_pid(pidfile)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                self.echo(
+                    f"the dead tracker's Redis (pid {pid}) did not exit within {self.s.stop_seconds:g} s: killed"
+                )
+
+    def _watch(self, p: Plan) -> None:
+        progress = Progress(
+            p, self._client(p, retry_seconds=0), self.echo, self.restarts,
+            tracker_up=lambda: "tracker" not in self.pending and "tracker" not in self.starting,
+        )  # fmt: skip
+        try:
+            while not self._tend(p):
                 progress.tick()
                 time.sleep(0.5)
             progress.tick(force=True)
             # Training is over: the replicas' work has nowhere to go. The evaluator goes on.
             for r in p.rollouts:
-                self.children[r.worker_id].stop(self.s.stop_seconds)
-            ev = self.children.get("evaluator")
-            while ev is not None and ev.poll() is None:
+                if r.worker_id not in self.done:
+                    self.children[r.worker_id].stop(self.s.stop_seconds)
+                    self.done.add(r.worker_id)
+                self.pending.pop(r.worker_id, None)
+            # The evaluator (and the tracker it reads) stay supervised until it has scored the end.
+            while "evaluator" in self.children and "evaluator" not in self.done:
+                self._tend(p)
                 progress.tick(waiting="evaluating the last versions")
                 time.sleep(0.5)
-            if ev is not None and ev.poll() != 0:
-                raise ChildFailed(ev, f"exited with code {ev.poll()}")
+            # The export below needs the tracker: one that is coming back is waited for.
+            while "tracker" in self.pending or "tracker" in self.starting:
+                self._tend(p)
+                time.sleep(0.2)
             progress.tick(force=True)
         finally:
             progress.close()
@@ -387,14 +520,22 @@ class Launcher:
         return name == "evaluator" or (name.startswith("rollout") and self._run_finished(p))
 
     def _finish(self, p: Plan) -> None:
-        """The tracker's per-task evidence, then the tracker stops (in _stop_all)."""
+        """The tracker's per-task evidence, and its run counts and per-worker counts in run.json
+        (what a reader checks a run against once its tracker is gone: every dispatch ended as one
+        outcome, release, expiry or lease still in flight), then the tracker stops (in _stop_all)."""
         with self._client(p) as c:
             rows = c.export(self.s.run)
+            run = c.get_run(self.s.run)
         tmp = p.run_dir / "export.jsonl.tmp"
         with tmp.open("w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         os.replace(tmp, p.run_dir / "export.jsonl")
+        self.record = RunRecord.model_validate({
+            **self.record.model_dump(exclude_unset=True),
+            "tracker_counts": run.counts.model_dump(mode="json"),
+            "workers": {k: v.model_dump(mode="json") for k, v in run.workers.items()},
+        })  # fmt: skip
 
     def _stop_all(self) -> None:
         # Replicas and the evaluator first (they report to the tracker), the learner, the tracker last.
@@ -416,4 +557,7 @@ class Launcher:
                 f"evaluation ({points[0][2]}): version {first[0]} {first[1]:.3f} -> version {last[0]} "
                 f"{last[1]:.3f} over {len(points)} points"
             )
+        if self.restarts:
+            listed = ", ".join(f"{k} {v}" for k, v in sorted(self.restarts.items()))
+            self.echo(f"restarts by supervision over this run: {listed} (run.json, spopp report)")
         self.echo(f"run {self.s.run}: {status}; folder {p.run_dir}")

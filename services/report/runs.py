@@ -99,6 +99,10 @@ def read_run(folder: Path, metric: str, warnings: list[str]) -> Run:
     """One run folder, its curve at `metric`; warnings (skipped versions, a cut last line) are appended."""
     meta = _read_run_json(folder / RUN_FILE)
     run = Run(dir=folder, arm=meta.arm, seed=meta.seed, name=meta.run or folder.name, status=meta.status)
+    if meta.restarts:
+        # Supervision kept the run going; the curve is whole, but a reader should know what it rode out.
+        listed = ", ".join(f"{k} {v}" for k, v in sorted(meta.restarts.items()))
+        warnings.append(f"run {run.label}: processes restarted by supervision during the run: {listed}")
     path = folder / EVALS_FILE
     try:
         data = path.read_bytes()

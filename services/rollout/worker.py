@@ -267,6 +267,14 @@ class Worker:
         mine = run.workers.get(self.s.worker_id)
         if mine is not None:
             self.counted = (mine.trajectories, mine.episodes)
+            # Its previous life's leases have no episode behind them now: give them back at once
+            # rather than keep their tasks out of the race until the leases expire.
+            back = await self.tracker.release_worker(self.s.run, self.s.worker_id)
+            if back.released or back.expired:
+                log.info(
+                    "gave back %d leases of this worker's previous life (%d found expired)",
+                    len(back.released), back.expired,
+                )  # fmt: skip
         await self._wait_for_learner()
         await self.sync_policy()
 

@@ -24,7 +24,7 @@ from .errors import ApiError
 
 _SCRIPTS = (
     "put_run put_tasks dispatch outcomes renew release consume policy read_tasks read_run read_requests "
-    "finish reopen heartbeat"
+    "finish reopen heartbeat release_worker"
 ).split()
 # The per-worker hashes of a run (common.lua): worker id -> count, or last seen (ms).
 _WORKER_STATS = {
@@ -169,6 +169,10 @@ class Store:
         row = {name: int(got[name]) for name in _WORKER_STATS}
         last_seen = rfc3339(float(got["seen_ms"]))
         return {"worker_id": worker, **row, "last_seen": last_seen, "run_status": got["run_status"]}
+
+    async def release_worker(self, run: str, worker: str) -> dict:
+        out = await self._call("release_worker", run, worker, self.ttl_ms)
+        return {"worker_id": worker, "released": _list(out["released"]), "expired": int(out["expired"])}
 
     async def runs(self) -> list[str]:
         return sorted(

@@ -1,0 +1,40 @@
+"""The launcher's own /healthz and /metrics: restarts of its children, for the same scraper that
+reads the services' metrics.
+
+    spopp_restarts_total{process="rollout-1"} 2
+    spopp_children_up{process="learner"} 1
+
+A counter starts from run.json's restarts when a run resumes, so the total is the run's, not one
+launch's. The server runs in a thread of the launcher on `metrics_port` (0: a free port), and
+its URL is written to run.json as `metrics_url`.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
+
+from runtime.service.routes import add_service_routes
+from runtime.service.server import ThreadedServer
+
+disable_created_metrics()
+
+
+class LaunchMetrics:
+    def __init__(self, restarts: dict[str, int]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.restarts = Counter(
+            "spopp_restarts",
+            "restarts of a launched run's process by its supervisor",
+            ["process"],
+            registry=r,
+        )
+        self.up = Gauge("spopp_children_up", "1 while the process runs and answers its health route",
+                        ["process"], registry=r)  # fmt: skip
+        for name, n in restarts.items():
+            self.restarts.labels(process=name).inc(n)
+
+    def serve(self, port: int) -> ThreadedServer:
+        app = FastAPI(title="spopp launch", docs_url=None, redoc_url=None, openapi_url=None)
+        add_service_routes(app, health=lambda: {"status": "ok"}, metrics=self.registry)
+        return ThreadedServer(app, port=port).start()

@@ -1,0 +1,204 @@
+"""`spopp launch` supervises its children: each kind of process SIGKILLed mid-run is restarted and
+the run ends at its budget with nothing lost or doubled; a process that dies on every start spends
+its restart budget and the run stops naming it; with supervision off, any death ends the run.
+No process of any of these runs outlives it.
+
+Real processes throughout: the launcher, the tracker with its embedded Redis, two transformers
+replicas, the DeepSpeed learner and the evaluator on the toy model (tests/test_launch.py's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_launch import _start, _wait_for, config, toy  # noqa: F401  (toy: the module's fixture)
+
+from spopp.wait import WaitTimeout, wait_until
+
+pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+
+FAST = {"backoff_seconds": 0.5, "max_backoff_seconds": 2}
+
+
+class Watcher(threading.Thread):
+    """Every pid the launcher ever had below it, sampled until stopped (for the orphan check)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.seen, self.halt = pid, set(), threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                self.seen |= {p.pid for p in psutil.Process(self.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                return
+            time.sleep(0.1)
+
+    def left(self) -> list[psutil.Process]:
+        alive = []
+        for pid in self.seen:
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+
+def child(launcher: int, name: str) -> psutil.Process | None:
+    """The launcher's child `name` (started with --config <run_dir>/config/<name>.yaml)."""
+    for p in psutil.Process(launcher).children():
+        try:
+            if any(arg.endswith(f"/config/{name}.yaml") for arg in p.cmdline()):
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def updates(run_dir: Path) -> int:
+    path = run_dir / "learner" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def no_orphans(watcher: Watcher) -> None:
+    watcher.halt.set()
+    try:
+        wait_until(lambda: not watcher.left(), 20, "every process of the run to be gone")
+    except WaitTimeout:
+        raise AssertionError([p.cmdline() for p in watcher.left()]) from None
+
+
+def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(toy, tmp_path):  # noqa: F811
+    budget = 24
+    path = config(
+        toy, tmp_path, updates=budget, rollout={"replicas": 2}, supervision=FAST,
+        learner={"checkpoint_every": 1},
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    log = tmp_path / "launch.log"
+    proc = _start(path, log)
+    watcher = Watcher(proc.pid)
+    watcher.start()
+    killed: list[tuple[str, int]] = []
+
+    def kill(victim: str) -> None:
+        target = child(proc.pid, victim)
+        assert target is not None, log.read_text()[-3000:]
+        target.kill()
+        killed.append((victim, target.pid))
+        _wait_for(log, f"{victim} is up again", proc)
+
+    try:
+        _wait_for(log, "every process is up", proc)
+        wait_until(lambda: updates(run_dir) >= 1, 120, "the first update", proc=proc)
+        # The toy run trains faster than a replica restarts; to kill each kind *mid-run* whatever
+        # the machine's speed, the learner's process group is paused (SIGSTOP: a long update, as
+        # far as the others can tell) while the replica, the tracker and the evaluator die in turn.
+        learner = child(proc.pid, "learner")
+        os.killpg(learner.pid, signal.SIGSTOP)
+        try:
+            for victim in ("rollout-1", "tracker", "evaluator"):
+                kill(victim)
+        finally:
+            os.killpg(learner.pid, signal.SIGCONT)
+        mark = updates(run_dir)
+        assert mark < budget
+        wait_until(lambda: updates(run_dir) > mark, 120, "an update after the others came back", proc=proc)
+        kill("learner")
+        assert proc.wait(400) == 0, log.read_text()[-5000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    no_orphans(watcher)
+
+    out = log.read_text()
+    for victim, pid in killed:
+        assert f"{victim} (pid {pid}) exited with SIGKILL; restarting it in" in out
+    state = json.loads((run_dir / "run.json").read_text())
+    assert state["status"] == "finished" and state["updates_done"] == budget
+    assert state["restarts"] == {"rollout-1": 1, "tracker": 1, "learner": 1, "evaluator": 1}
+    assert "restarts by supervision over this run: evaluator 1, learner 1, rollout-1 1, tracker 1" in out
+
+    # Each update once and each version published once (a resumed learner re-announces only a
+    # version whose identical weights are on disk already).
+    records = [json.loads(x) for x in (run_dir / "learner" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, budget + 1))
+    assert [r["policy_version"] for r in records] == list(range(budget))
+    assert "already exists with other weights" not in (run_dir / "logs" / "learner.log").read_text()
+    evals = [
+        json.loads(x)["policy_version"] for x in (run_dir / "eval" / "evals.jsonl").read_text().splitlines()
+    ]
+    assert evals == sorted(set(evals)) and evals[-1] == budget
+
+    # Nothing lost or doubled at the tracker: every dispatch ended exactly one way, the evidence
+    # per task adds up to the outcomes counted, and so do the outcomes per worker.
+    counts = state["tracker_counts"]
+    ended = counts["outcomes"] + counts["releases"] + counts["expirations"] + counts["in_flight"]
+    assert counts["dispatches"] == ended, counts
+    export = [json.loads(x) for x in (run_dir / "export.jsonl").read_text().splitlines()]
+    assert sum(row["outcomes"] for row in export) == counts["outcomes"]
+    assert sum(w["outcomes"] for w in state["workers"].values()) == counts["outcomes"]
+    assert set(state["workers"]) == {"rollout-0", "rollout-1"}
+    # The restarted replica gave its old life's leases back at once.
+    assert "gave back" in (run_dir / "logs" / "rollout-1.log").read_text()
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["budget", "supervision-off"])
+def test_a_process_that_dies_on_every_start_stops_the_run_with_its_restarts_spent_no_orphan(
+    toy,
+    tmp_path,
+    enabled,  # noqa: F811
+):
+    """rollout-0 is killed each time it appears (as a replica that crashes at once would die):
+    with a budget of 2 restarts the third death ends the run, naming the process, its deaths,
+    its last exit and the last lines of its log. With supervision off, the first death does."""
+    path = config(
+        toy, tmp_path, updates=1000, evaluator={"enabled": False},
+        supervision={**FAST, "max_restarts": 2, "enabled": enabled},
+    )  # fmt: skip
+    log = tmp_path / "launch.log"
+    proc = _start(path, log)
+    watcher = Watcher(proc.pid)
+    watcher.start()
+    kills = 0
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            target = child(proc.pid, "rollout-0")
+            if target is not None:
+                try:
+                    target.send_signal(signal.SIGKILL)
+                    kills += 1
+                    target.wait(10)
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.05)
+        assert proc.returncode == 1, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    no_orphans(watcher)
+    out = log.read_text()
+    state = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert state["status"] == "failed"
+    if enabled:
+        assert kills == 3
+        assert "run spopp-s0 failed: rollout-0 died 3 times in" in out
+        assert "more than the 2 restarts that supervision allows within 600 s; its last exit: SIGKILL" in out
+        assert f"the last lines of {tmp_path / 'run' / 'logs' / 'rollout-0.log'}:" in out
+        assert state["restarts"] == {"rollout-0": 2}
+    else:
+        assert kills == 1
+        assert "run spopp-s0 failed: rollout-0 exited with code -9" in out
+        assert state.get("restarts", {}) == {}
