@@ -23,6 +23,7 @@ def build() -> click.Group:
     from services.launch.cli import ablate_command as ablate
     from services.launch.cli import init_command as init
     from services.launch.cli import launch_command as launch
+    from services.launch.cli import scale_command as scale
     from services.learner.cli import group as learner
     from services.report.cli import command as report
     from services.rollout.cli import group as rollout
@@ -35,7 +36,19 @@ def build() -> click.Group:
                              callback=_print_version, help="print the version and exit")],
     )  # fmt: skip
     # The services' groups, then the experiment commands that compose them, then data tools.
-    for command in (tracker, rollout, learner, evaluator, init, launch, prior, report, ablate, alfworld):
+    for command in (
+        tracker,
+        rollout,
+        learner,
+        evaluator,
+        init,
+        launch,
+        scale,
+        prior,
+        report,
+        ablate,
+        alfworld,
+    ):
         app.add_command(command)
     return app
 

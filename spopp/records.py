@@ -48,6 +48,9 @@ class RunRecord(BaseModel):
         description="restarts per process by the launcher's supervision, over every launch",
     )
     metrics_url: str | None = Field(None, description="the last launcher's /metrics (spopp_restarts_total)")
+    replicas: StrictInt | None = Field(
+        None, ge=0, description="rollout replicas now (spopp scale changes it)"
+    )
     tracker_counts: dict[str, StrictInt] | None = Field(
         None, description="the tracker's run counts at the end (dispatches, outcomes, releases, ...)"
     )

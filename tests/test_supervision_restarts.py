@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from test_launch import _start, _wait_for, config, toy  # noqa: F401  (toy: the module's fixture)
@@ -109,6 +110,11 @@ def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(
         try:
             for victim in ("rollout-1", "tracker", "evaluator"):
                 kill(victim)
+            # The launcher's /metrics counts them (its URL is in run.json).
+            url = json.loads((run_dir / "run.json").read_text())["metrics_url"]
+            scraped = httpx.get(url, timeout=10).text
+            for victim in ("rollout-1", "tracker", "evaluator"):
+                assert f'spopp_restarts_total{{process="{victim}"}} 1.0' in scraped, scraped
         finally:
             os.killpg(learner.pid, signal.SIGCONT)
         mark = updates(run_dir)

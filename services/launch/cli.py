@@ -135,6 +135,66 @@ launch_command = click.Command(
 )
 
 
+def _scale(run_dir: Path, replicas: int, wait: float) -> None:
+    import time
+
+    from spopp.jsonfile import read_model, write_text
+    from spopp.records import RunRecord
+
+    from .run import SCALE_FILE, parse_replicas
+
+    record_path = run_dir / "run.json"
+    try:
+        record = read_model(record_path, RunRecord)
+    except FileNotFoundError:
+        _fail(f"{run_dir} is not a launched run's folder: no run.json")
+    except (OSError, ValueError) as exc:
+        _fail(str(exc))
+    if record.status != "running":
+        _fail(
+            f"run {record.run} in {run_dir} is {record.status}, not running: set rollout.replicas in its config"
+        )
+    try:
+        parse_replicas(str(replicas), 0)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    write_text(run_dir / SCALE_FILE, f"{replicas}\n")
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        record = read_model(record_path, RunRecord)
+        if record.replicas == replicas and record.status == "running":
+            click.echo(f"run {record.run}: {replicas} rollout replica(s)")
+            return
+        if record.status != "running":
+            _fail(f"run {record.run} became {record.status} before it took the new count")
+        time.sleep(0.2)
+    _fail(
+        f"the launcher of {run_dir} did not take {replicas} replicas within {wait:g} s; see its output "
+        f"(a count it refuses is named there) and {run_dir / SCALE_FILE}"
+    )
+
+
+scale_command = click.Command(
+    "scale",
+    callback=_scale,
+    params=[
+        click.Argument(["run_dir"], type=click.Path(file_okay=False, path_type=Path)),
+        click.Argument(["replicas"], type=int),
+        click.Option(
+            ["--wait"],
+            type=float,
+            default=60.0,
+            show_default=True,
+            help="seconds to wait for the launcher to take the count",
+        ),  # fmt: skip
+    ],
+    help="Change the number of rollout replicas of a run that `spopp launch` is running: new "
+    "replicas (rollout-N, ...) start and join, the highest ones stop and give back their leases. "
+    "Writes RUN_DIR/replicas, which the launcher reads every half second (editing that file by hand "
+    "does the same); `docker compose up -d --scale rollout=N` is the same under compose.",
+)
+
+
 def _ablate(config: Path, sets: tuple[str, ...], seeds: str, arms: str, out: Path) -> None:
     from .compare import ARMS, compare
     from .run import LaunchError

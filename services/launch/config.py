@@ -405,22 +405,29 @@ def _learner(s: LaunchSettings, run_dir: Path, tracker_url: str, port: int) -> t
     return learner, nproc
 
 
+def rollout_settings(
+    s: LaunchSettings, i: int, tracker_url: str, learner_url: str, port: int
+) -> RolloutSettings:
+    """Replica i's settings (rollout-i): at launch, and when `spopp scale` adds it to a running run."""
+    # Short: a replica stops when training is over, and its in-flight work has nowhere to go.
+    values = {"shutdown_seconds": 2.0, **s.rollout.given()}
+    values.update(
+        model=Path(s.model).resolve(), tracker=tracker_url, learner=learner_url,
+        run=s.run, api_token=s.api_token, env=s.env, env_options=s.env_options,
+        tasks=Path(s.tasks).resolve(), worker_id=f"rollout-{i}",
+        # Distinct sampling streams per replica, all fixed by the run's seed.
+        seed=s.seed * 1000 + i, port=port, host="127.0.0.1", log_format=s.log_format,
+    )  # fmt: skip
+    return _build(RolloutSettings, "rollout", values)
+
+
 def _rollouts(
     s: LaunchSettings, tracker_url: str, learner_url: str, ports: dict[str, int]
 ) -> list[RolloutSettings]:
-    rollouts = []
-    for i in range(s.rollout.replicas):
-        # Short: a replica stops when training is over, and its in-flight work has nowhere to go.
-        values = {"shutdown_seconds": 2.0, **s.rollout.given()}
-        values.update(
-            model=Path(s.model).resolve(), tracker=tracker_url, learner=learner_url,
-            run=s.run, api_token=s.api_token, env=s.env, env_options=s.env_options,
-            tasks=Path(s.tasks).resolve(), worker_id=f"rollout-{i}",
-            # Distinct sampling streams per replica, all fixed by the run's seed.
-            seed=s.seed * 1000 + i, port=ports[f"rollout-{i}"], host="127.0.0.1", log_format=s.log_format,
-        )  # fmt: skip
-        rollouts.append(_build(RolloutSettings, "rollout", values))
-    return rollouts
+    return [
+        rollout_settings(s, i, tracker_url, learner_url, ports[f"rollout-{i}"])
+        for i in range(s.rollout.replicas)
+    ]
 
 
 def _evaluator(

@@ -42,7 +42,7 @@ from spopp.wait import WaitTimeout, wait_until
 
 from . import gpus as gpu
 from .children import Child, ChildFailed, child_env
-from .config import LaunchSettings, Plan, plan, port_requests
+from .config import LaunchSettings, Plan, plan, port_requests, rollout_settings
 from .metrics import LaunchMetrics
 from .progress import Progress, eval_points, last_line
 from .supervise import GaveUp, RestartBudget, describe_exit
@@ -78,6 +78,25 @@ def _redis_pid(pidfile: Path) -> int | None:
     except (OSError, ValueError):
         return None
     return pid if b"redis-server" in cmdline else None
+
+
+# `spopp scale` writes the wanted replica count here; the running launcher reads it each tick.
+SCALE_FILE = "replicas"
+MAX_REPLICAS = 256
+
+
+def parse_replicas(text: str, gpu_slots: int) -> int:
+    """The replica count in a scale file: a whole number from 1 (a run without replicas would
+    stall) up to MAX_REPLICAS, and up to the replicas gpus.rollout has devices for (when given)."""
+    try:
+        n = int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected a whole number of replicas, got {text.strip()[:40]!r}") from None
+    if not 1 <= n <= MAX_REPLICAS:
+        raise ValueError(f"replicas must be 1..{MAX_REPLICAS}, got {n}")
+    if gpu_slots and n > gpu_slots:
+        raise ValueError(f"gpus.rollout has devices for {gpu_slots} replicas, not {n}")
+    return n
 
 
 class LaunchError(RuntimeError):
@@ -168,8 +187,10 @@ class Launcher:
         self.starting: dict[str, float] = {}
         self.done: set[str] = set()
         self.restarts: dict[str, int] = {}
+        self.down_since: dict[str, float] = {}  # when a child being restarted was found dead
         self.budget = RestartBudget(s.supervision)
         self.metrics = LaunchMetrics({})
+        self.scale_seen: int | None = None  # the scale file's mtime last read
 
     # -- before anything starts ------------------------------------------------------------------
     def prepare(self) -> Plan:
@@ -233,6 +254,13 @@ class Launcher:
             return 0
         resuming = self.record is not None
         self.restarts = dict(self.record.restarts) if resuming else {}
+        stale = p.run_dir / SCALE_FILE
+        if stale.is_file():
+            # A count set for an earlier launch of this folder: this one starts from its config.
+            stale.unlink()
+            self.echo(
+                f"removed {stale} of an earlier launch: replicas start at rollout.replicas ({len(p.rollouts)})"
+            )
         self.metrics = LaunchMetrics(self.restarts)
         server = self.metrics.serve(self.s.metrics_port)
         self._write_folder(p, resuming, metrics_url=server.url + "/metrics")
@@ -286,6 +314,7 @@ class Launcher:
             "final_version": p.final_version, "identity": p.identity(), "status": "running",
             "started": old.started if old and old.started is not None else now,
             "launches": (old.launches if old else 0) + 1, "metrics_url": metrics_url,
+            "replicas": len(p.rollouts),
         })  # fmt: skip
         _write_record(p.run_dir / "run.json", self.record)
 
@@ -423,8 +452,9 @@ class Launcher:
         if _answers(url):
             del self.starting[name]
             self.metrics.up.labels(process=name).set(1)
-            if self.restarts.get(name):
-                self.echo(f"{name} is up again (pid {self.children[name].pid})")
+            if name in self.down_since:
+                down = now - self.down_since.pop(name)
+                self.echo(f"{name} is up again (pid {self.children[name].pid}; down {down:.1f} s)")
         elif now > self.starting[name]:
             self.echo(f"{name} did not answer {url} within {self.s.start_seconds:.0f} s: killing it")
             self.children[name].kill()
@@ -445,6 +475,7 @@ class Launcher:
             f"(supervision: {sup.max_restarts} restarts per {sup.window_seconds:g} s)"
         )
         self.pending[name] = now + delay
+        self.down_since.setdefault(name, now)
 
     def _restart(self, p: Plan, name: str) -> None:
         old = self.children[name]
@@ -461,6 +492,53 @@ class Launcher:
         _write_record(p.run_dir / "run.json", self.record)
         self.starting[name] = time.monotonic() + self.s.start_seconds
         self.echo(f"restarted {name} (pid {child.pid}; restart {self.restarts[name]} of it in this run)")
+
+    # -- replicas while the run goes on ------------------------------------------------------
+    def _rescale(self, p: Plan) -> None:
+        """Apply a new count from <run_dir>/replicas: start rollout-N.. or stop the highest ones
+        (SIGTERM: a replica drains and gives back its leases). A bad file changes nothing."""
+        path = p.run_dir / SCALE_FILE
+        try:
+            mtime = path.stat().st_mtime_ns
+            if mtime == self.scale_seen:
+                return
+            self.scale_seen = mtime
+            want = parse_replicas(path.read_text(), len(self.s.gpus.rollout))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            self.echo(f"{path}: {exc}; the run keeps its {len(p.rollouts)} replica(s)")
+            return
+        have = len(p.rollouts)
+        for i in range(have, want):
+            self._add_replica(p, i)
+        for r in reversed(p.rollouts[want:]):
+            self.pending.pop(r.worker_id, None)
+            self.starting.pop(r.worker_id, None)
+            self.children[r.worker_id].stop(self.s.stop_seconds)
+            self.done.add(r.worker_id)
+            p.rollouts.remove(r)
+        if want != have:
+            self.echo(f"replicas {have} -> {want} ({path})")
+        self.record = RunRecord.model_validate(
+            {**self.record.model_dump(exclude_unset=True), "replicas": want}
+        )
+        _write_record(p.run_dir / "run.json", self.record)
+
+    def _add_replica(self, p: Plan, i: int) -> None:
+        taken = {p.tracker.port, p.learner.port, *(r.port for r in p.rollouts)}
+        if p.evaluator is not None:
+            taken.add(p.evaluator.port)
+        r = rollout_settings(
+            self.s, i, f"http://127.0.0.1:{p.tracker.port}", f"http://127.0.0.1:{p.learner.port}",
+            free_port(taken=taken),
+        )  # fmt: skip
+        r.to_file(p.run_dir / "config" / f"{r.worker_id}.yaml")
+        p.rollouts.append(r)
+        self.done.discard(r.worker_id)
+        child = self._spawn(p, r.worker_id, "rollout", "serve")
+        self.starting[r.worker_id] = time.monotonic() + self.s.start_seconds
+        self.echo(f"started {r.worker_id} (pid {child.pid})")
 
     def _wait_for_old_redis(self, p: Plan) -> None:
         """A tracker's embedded Redis gets SIGTERM when the tracker dies and flushes its append-only
@@ -489,6 +567,7 @@ class Launcher:
         )  # fmt: skip
         try:
             while not self._tend(p):
+                self._rescale(p)
                 progress.tick()
                 time.sleep(0.5)
             progress.tick(force=True)
