@@ -212,18 +212,54 @@ def fail_with_logs(compose: list[str], env: dict, service: str, why: str) -> Non
     raise SystemExit(f"compose-cpu: {service} {why}")
 
 
-def wait_for_end(compose: list[str], env: dict, cfg: dict, replicas: int, timeout: float) -> None:
-    """Until the learner, every replica and the evaluator have exited 0; a progress line every 30 s."""
+# A container that Docker will restart (restart: on-failure) shows "exited" with its code for a
+# moment between its death and its restart; one that stays so longer is not coming back.
+RESTART_GRACE_S = 60.0
+
+
+def kill_containers(compose: list[str], env: dict, services: list[str]) -> dict[str, str]:
+    """SIGKILL one container of each service (as an OOM kill or a crash would end it); answers
+    service -> container name. Docker's restart policy (on-failure) brings each back."""
+    rows = containers(compose, env)
+    killed = {}
+    for service in services:
+        running = [r for r in rows if r["service"] == service and r["status"] == "running"]
+        if not running:
+            raise SystemExit(f"compose-cpu: no running {service} container to kill")
+        sh(["docker", "kill", "--signal", "KILL", running[0]["name"]], capture=True)
+        killed[service] = running[0]["name"]
+    say("killed (SIGKILL) mid-run: " + ", ".join(f"{s} ({n})" for s, n in killed.items()))
+    return killed
+
+
+def wait_for_end(compose: list[str], env: dict, cfg: dict, replicas: int, timeout: float,
+                 kill: list[str] | None = None) -> dict[str, str]:  # fmt: skip
+    """Until the learner, every replica and the evaluator have exited 0; a progress line every 30 s.
+    With `kill`, one container of each of those services is SIGKILLed once the run is at policy
+    version 2; answers service -> the container killed."""
     t0, last, token = time.monotonic(), 0.0, None
+    down_since: dict[str, float] = {}
+    killed: dict[str, str] = {}
     while True:
         rows = containers(compose, env)
         for r in rows:
             if r["exit"] != 0 and r["status"] == "exited":
-                fail_with_logs(compose, env, r["service"], f"exited with code {r['exit']}")
-        done = [r for r in rows if r["service"] in FINISHING and r["status"] == "exited"]
+                since = down_since.setdefault(r["name"], time.monotonic())
+                if time.monotonic() - since > RESTART_GRACE_S:
+                    fail_with_logs(compose, env, r["service"], f"exited with code {r['exit']} and was not restarted")
+            else:
+                down_since.pop(r["name"], None)
+        if kill and not killed:
+            token = token or api_token(compose, env, cfg)
+            run = tracker_get(cfg["SPOPP_TRACKER_PORT"], token, f"/v1/runs/{cfg['SPOPP_RUN']}") or {}
+            if run.get("status") == "finished":
+                raise SystemExit("compose-cpu: the run finished before the kills (raise --max-updates)")
+            if run.get("policy_version", 0) >= 2:
+                killed = kill_containers(compose, env, kill)
+        done = [r for r in rows if r["service"] in FINISHING and r["status"] == "exited" and r["exit"] == 0]
         expected = replicas + 2
-        if len(done) >= expected:
-            return
+        if len(done) >= expected and (killed or not kill):
+            return killed
         if time.monotonic() - t0 > timeout:
             raise SystemExit(f"compose-cpu: the run did not end within {timeout:.0f} s")
         if time.monotonic() - last >= 30:
@@ -254,6 +290,26 @@ def report(compose: list[str], env: dict, cfg: dict, replicas: int | None) -> di
     return run
 
 
+def check_after_kills(compose: list[str], env: dict, run: dict, killed: dict[str, str], budget: int) -> None:
+    """Each killed container was restarted by Docker; the run ended at its budget; every dispatch
+    the tracker made ended one way (outcome, release, expiry, or a lease still in flight)."""
+    restarts = {r["name"]: r["restarts"] for r in containers(compose, env)}
+    not_back = [f"{s} ({n})" for s, n in killed.items() if restarts.get(n, 0) < 1]
+    if not_back:
+        raise SystemExit(f"compose-cpu: not restarted by Docker: {', '.join(not_back)}")
+    if run.get("final_version") != budget:
+        raise SystemExit(f"compose-cpu: the run ended at version {run.get('final_version')}, not {budget}")
+    c = run["counts"]
+    ended = c["outcomes"] + c["releases"] + c["expirations"] + c["in_flight"]
+    per_worker = sum(w.get("outcomes", 0) for w in (run.get("workers") or {}).values())
+    if c["dispatches"] != ended or per_worker != c["outcomes"]:
+        raise SystemExit(f"compose-cpu: dispatches {c['dispatches']} but {ended} ended; outcomes "
+                         f"{c['outcomes']} but {per_worker} per worker")  # fmt: skip
+    say(f"restarted by Docker: {', '.join(f'{s} ({restarts[n]}x)' for s, n in killed.items())}; run at version "
+        f"{budget}; dispatches {c['dispatches']} = outcomes {c['outcomes']} + releases {c['releases']} + "
+        f"expirations {c['expirations']} + in flight {c['in_flight']}")  # fmt: skip
+
+
 def finished_lines(compose: list[str], env: dict) -> list[str]:
     """The last thing each container said about the run being finished (init, learner, every
     replica, evaluator): one line per container."""
@@ -272,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-updates", type=int, default=6, help="learner updates of the run")
     p.add_argument("--timeout", type=float, default=2400, help="seconds the run may take")
     p.add_argument("--clean", action="store_true", help="remove the stack's containers and volumes")
+    p.add_argument("--kill", default="", help="services to SIGKILL one container of at policy version 2 "
+                   "(comma-separated: tracker,learner,rollout,evaluator); each must be restarted by its "
+                   "restart policy and the run must still end at --max-updates with every dispatch accounted for")  # fmt: skip
     a = p.parse_args(argv)
     if a.replicas < 1 or a.max_updates < 1:
         p.error("--replicas and --max-updates must be at least 1")
@@ -296,13 +355,19 @@ def main(argv: list[str] | None = None) -> int:
             "every service says so and exits without training; `make compose-clean` starts over")  # fmt: skip
     say(f"up: {a.replicas} replicas (--scale rollout={a.replicas}), max_updates {a.max_updates}")
     up(compose, env, "--scale", f"rollout={a.replicas}")
-    wait_for_end(compose, env, cfg, a.replicas, a.timeout)
+    kill = [x.strip() for x in a.kill.split(",") if x.strip()]
+    unknown = sorted(set(kill) - {"tracker", "learner", "rollout", "evaluator", "redis"})
+    if unknown:
+        p.error(f"--kill: unknown service(s) {', '.join(unknown)}")
+    killed = wait_for_end(compose, env, cfg, a.replicas, a.timeout, kill)
     finished_before = bool(before and before.get("status") == "finished")
     for line in finished_lines(compose, env):
         print(line, flush=True)
     run = report(compose, env, cfg, None if finished_before else a.replicas)
     if run.get("status") != "finished":
         raise SystemExit(f"compose-cpu: the run ended with status {run.get('status')!r}, not finished")
+    if killed:
+        check_after_kills(compose, env, run, killed, a.max_updates)
     sh([*compose, "stop"], env=env, capture=True)
     say(f"{'run was finished already' if finished_before else 'run finished'} in "
         f"{time.monotonic() - t0:.0f} s; volumes kept (make compose-clean removes them)")  # fmt: skip

@@ -448,6 +448,26 @@ def test_tracker_is_replicated_and_ready_on_readyz():
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
+def test_a_killed_container_of_any_long_lived_kind_is_restarted_in_place():
+    """Supervision under Kubernetes is the kubelet's: Deployments and the StatefulSet restart a
+    dead container always (their only allowed policy, unset or Always), the learner's Job on
+    failure (not after its clean exit 0 at max_updates) and from its newest checkpoint; a wedged
+    process is restarted too, through its liveness probe."""
+    for kind in ("Deployment", "StatefulSet"):
+        for name, obj in objects(kind).items():
+            assert obj["spec"]["template"]["spec"].get("restartPolicy", "Always") == "Always", (
+                f"{kind}/{name}"
+            )
+    learner = objects("Job")["learner"]["spec"]
+    assert learner["template"]["spec"]["restartPolicy"] == "OnFailure" and learner["backoffLimit"] >= 10
+    assert "--resume" in " ".join(
+        container("Job/learner", "learner")["command"] + container("Job/learner", "learner").get("args", [])
+    )
+    for where in ("Deployment/tracker", "Deployment/rollout", "Deployment/evaluator"):
+        assert container(where, where.split("/")[1])["livenessProbe"]["httpGet"]["path"] == "/healthz", where
+    assert "exec" in container("Job/learner", "learner")["livenessProbe"]  # index-aware (see below)
+
+
 def test_rollout_replicas_request_one_gpu_each():
     rollout = objects("Deployment")["rollout"]
     assert rollout["spec"]["replicas"] >= 1
