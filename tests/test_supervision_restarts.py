@@ -161,9 +161,9 @@ def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["budget", "supervision-off"])
 def test_a_process_that_dies_on_every_start_stops_the_run_with_its_restarts_spent_no_orphan(
-    toy,
+    toy,  # noqa: F811
     tmp_path,
-    enabled,  # noqa: F811
+    enabled,
 ):
     """rollout-0 is killed each time it appears (as a replica that crashes at once would die):
     with a budget of 2 restarts the third death ends the run, naming the process, its deaths,
