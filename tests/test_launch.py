@@ -373,25 +373,6 @@ def test_prior_file_reaches_the_tracker_and_may_not_change(toy, tmp_path):
     assert "a task already there with another prior" in r.stdout
 
 
-def test_a_replica_that_exits_0_while_the_run_goes_on_fails_it(toy, tmp_path):
-    """A replica's exit 0 is normal only once the run is finished at the tracker (the learner
-    marks it so after its last update; the launches above end that way). Stopped by someone else
-    (SIGTERM: it exits 0) while the run goes on, it fails the run."""
-    path = config(toy, tmp_path, updates=1000, evaluator={"enabled": False})
-    log = tmp_path / "launch.log"
-    proc = _start(path, log)
-    try:
-        _wait_for(log, "every process is up", proc)
-        (replica,) = [c for c in _descendants(proc.pid) if "rollout" in c.cmdline()[3:5]]
-        replica.send_signal(signal.SIGTERM)  # its exit code reaches only the launcher, its parent
-        assert proc.wait(120) == 1, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "run spopp-s0 failed: rollout-0 exited with code 0" in log.read_text()
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
-
-
 def _wandb_history(run_file: Path) -> list[dict]:
     """The history rows of an offline W&B run file (records of wandb's log format: 7-byte file
     header, 32 KiB blocks, each chunk with a 7-byte header: crc32, length, kind)."""

@@ -99,3 +99,28 @@ def test_run_json_keeps_restarts_per_process_and_refuses_a_bad_count():
     assert RunRecord.model_validate({"arm": "spopp", "seed": 0}).restarts == {}
     with pytest.raises(ValidationError):
         RunRecord.model_validate({"arm": "spopp", "seed": 0, "restarts": {"tracker": -1.5}})
+
+
+@pytest.mark.parametrize(
+    "text,slots,expect",
+    [
+        ("3\n", 0, 3),
+        (" 1 ", 0, 1),
+        ("0", 0, "replicas must be 1..256, got 0"),
+        ("257", 0, "replicas must be 1..256, got 257"),
+        ("-2", 0, "replicas must be 1..256, got -2"),
+        ("2.5", 0, "expected a whole number of replicas, got '2.5'"),
+        ("", 0, "expected a whole number of replicas, got ''"),
+        ("3", 2, "gpus.rollout has devices for 2 replicas, not 3"),
+        ("2", 2, 2),
+    ],
+)
+def test_a_scale_file_holds_a_whole_count_within_bounds_and_the_gpus_given(text, slots, expect):
+    from services.launch.run import parse_replicas
+
+    if isinstance(expect, int):
+        assert parse_replicas(text, slots) == expect
+    else:
+        with pytest.raises(ValueError) as err:
+            parse_replicas(text, slots)
+        assert str(err.value) == expect

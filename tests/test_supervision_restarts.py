@@ -79,6 +79,7 @@ def no_orphans(watcher: Watcher) -> None:
         raise AssertionError([p.cmdline() for p in watcher.left()]) from None
 
 
+@pytest.mark.slow
 def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(toy, tmp_path):  # noqa: F811
     budget = 24
     path = config(
