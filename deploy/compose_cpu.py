@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -161,7 +162,7 @@ def containers(compose: list[str], env: dict) -> list[dict]:
         labels = c["Config"]["Labels"] or {}
         out.append({"service": labels.get("com.docker.compose.service", "?"), "name": c["Name"].lstrip("/"),
                     "status": c["State"]["Status"], "exit": c["State"]["ExitCode"],
-                    "restarts": c.get("RestartCount", 0)})  # fmt: skip
+                    "restarts": c.get("RestartCount", 0), "pid": c["State"].get("Pid", 0)})  # fmt: skip
     return out
 
 
@@ -218,15 +219,17 @@ RESTART_GRACE_S = 60.0
 
 
 def kill_containers(compose: list[str], env: dict, services: list[str]) -> dict[str, str]:
-    """SIGKILL one container of each service (as an OOM kill or a crash would end it); answers
-    service -> container name. Docker's restart policy (on-failure) brings each back."""
+    """SIGKILL the main process of one container of each service, from the host, as the kernel's
+    OOM killer or a crash would end it; answers service -> container name. Docker's restart
+    policy (on-failure) brings each back. (`docker kill` would not do: Docker counts it as a
+    stop by hand and leaves the container down.)"""
     rows = containers(compose, env)
     killed = {}
     for service in services:
         running = [r for r in rows if r["service"] == service and r["status"] == "running"]
         if not running:
             raise SystemExit(f"compose-cpu: no running {service} container to kill")
-        sh(["docker", "kill", "--signal", "KILL", running[0]["name"]], capture=True)
+        os.kill(running[0]["pid"], signal.SIGKILL)
         killed[service] = running[0]["name"]
     say("killed (SIGKILL) mid-run: " + ", ".join(f"{s} ({n})" for s, n in killed.items()))
     return killed
