@@ -175,7 +175,11 @@ def make_run(client, run_name):
 # The longest tests, started first: the suite cannot end before its longest test does, so that one
 # must not start last. (`make test` uses xdist's worksteal: the first worker starts on these while
 # the others take the rest, stealing from its queue's far end when theirs runs dry.)
-LONGEST_FIRST = ("test_learning.py", "test_demo.py", "test_demo_alfworld.py", "test_kill_under_load.py")
+LONGEST_FIRST = (
+    "test_learning.py", "test_demo.py", "test_demo_alfworld.py", "test_learner_resume.py",
+    "test_supervision_restarts.py", "test_kill_under_load.py", "test_rollout_outages.py", "test_tracker_soak.py",
+    "test_launch.py",
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,5 @@
-"""`spopp launch`: bad configs refused before anything starts; Ctrl-C, resume, finished; a SIGKILLed
-launcher takes every child with it. Real processes: tracker with embedded Redis, a transformers
+"""`spopp launch`: bad configs refused before anything starts; replicas scaled while it runs
+(`spopp scale`); Ctrl-C, resume, finished; a SIGKILLed launcher takes every child with it. Real processes: tracker with embedded Redis, a transformers
 replica, the DeepSpeed learner and the evaluator, on an untrained toy model (toy-calc)."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from services.launch import gpus
 from services.launch.cli import resolve
 from services.launch.compare import arm_settings
 from services.launch.config import LaunchSettings
+from spopp.client import TrackerClient
 from spopp.priors import build_prior, read_prior, write_prior
 from spopp.settings import SettingsError, environ_without_settings
 from spopp.wait import ProcessExited, WaitTimeout, wait_until
@@ -251,6 +252,62 @@ def _all_gone(procs: list[psutil.Process], timeout: float = 20) -> list[psutil.P
     return alive
 
 
+def child(launcher: int, name: str) -> psutil.Process | None:
+    """The launcher's child `name` (started with --config <run_dir>/config/<name>.yaml)."""
+    for p in psutil.Process(launcher).children():
+        try:
+            if any(arg.endswith(f"/config/{name}.yaml") for arg in p.cmdline()):
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def updates(run_dir: Path) -> int:
+    path = run_dir / "learner" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _scale(run_dir: Path, n: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cli("scale", str(run_dir), n),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environ_without_settings(),
+    )
+
+
+def _replicas_join_and_leave(proc: subprocess.Popen, log: Path, run_dir: Path) -> None:
+    """`spopp scale RUN_DIR N` on the running launch: a new replica (rollout-1) starts and reports
+    outcomes; a bad count changes nothing and says why; scaled back down, rollout-1 stops (exit 0,
+    not a failure) and the run goes on with rollout-0."""
+    port = yaml.safe_load((run_dir / "config" / "tracker.yaml").read_text())["port"]
+    tracker = TrackerClient(f"http://127.0.0.1:{port}")
+
+    def outcomes(worker: str) -> int:
+        w = tracker.get_run("spopp-s0").workers.get(worker)
+        return w.outcomes if w is not None else 0
+
+    r = _scale(run_dir, "0")  # refused by the command: nothing written
+    assert r.returncode == 2 and "replicas must be 1..256, got 0" in r.stderr
+    assert not (run_dir / "replicas").exists()
+    r = _scale(run_dir, "2")
+    assert r.returncode == 0 and "run spopp-s0: 2 rollout replica(s)" in r.stdout, r.stdout + r.stderr
+    _wait_for(log, "started rollout-1", proc)
+    wait_until(lambda: outcomes("rollout-1") > 0, 120, "outcomes from rollout-1", proc=proc)
+    (run_dir / "replicas").write_text("lots\n")  # refused by the launcher: nothing changes
+    _wait_for(log, "expected a whole number of replicas, got 'lots'; the run keeps its 2 replica(s)", proc)
+    assert child(proc.pid, "rollout-1") is not None
+    r = _scale(run_dir, "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    _wait_for(log, "replicas 2 -> 1", proc)
+    assert child(proc.pid, "rollout-1") is None
+    mark, before = updates(run_dir), outcomes("rollout-0")
+    wait_until(lambda: updates(run_dir) > mark + 1, 120, "updates after the scale-down", proc=proc)
+    assert outcomes("rollout-0") > before and proc.poll() is None
+
+
 def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy, tmp_path):
     path = config(toy, tmp_path, updates=1000)
     log = tmp_path / "launch1.log"
@@ -265,6 +322,7 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
             assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
             time.sleep(0.2)
+        _replicas_join_and_leave(proc, log, tmp_path / "run")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 130, log.read_text()
     finally:
@@ -274,7 +332,9 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
     out = log.read_text()
     assert "SIGINT: stopping every process" in out
     state = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert state["status"] == "stopped" and state["arm"] == "spopp"
+    assert state["status"] == "stopped" and state["arm"] == "spopp" and state["replicas"] == 1
+    r = _scale(tmp_path / "run", "2")
+    assert r.returncode == 1 and "is stopped, not running" in r.stderr
     stopped_at = state["updates_done"]
     assert 2 <= stopped_at < 1000
     budget = stopped_at + 4 + stopped_at % 2  # a multiple of evaluator.every (2)
@@ -283,6 +343,11 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
     again = launch(str(path), "--set", f"updates={budget}", timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming run spopp-s0" in again.stdout and f"from update {stopped_at}" in again.stdout
+    # The count `spopp scale` set lasted for that launch; this one starts from its config's.
+    assert (
+        f"removed {tmp_path / 'run' / 'replicas'} of an earlier launch: replicas start at rollout.replicas (1)"
+        in again.stdout
+    )
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, budget + 1))  # each update once, none lost, none repeated
     evals = [

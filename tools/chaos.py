@@ -134,7 +134,7 @@ def unleash(launch: Launch, victims: list[str], rng: random.Random, run_dir: Pat
         wait(launch, 0.5)
     made = []
     for victim in victims:
-        wait(launch, rng.uniform(4.0, 12.0))
+        wait(launch, rng.uniform(6.0, 24.0))  # spread over the run (about 3 minutes here)
         target = None
         while launch.proc.poll() is None and len(steps(run_dir)) < budget:
             target = launch.child(victim)  # absent while it is being restarted: wait for it
@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds_killed = {"rollout" if k["victim"].startswith("rollout") else k["victim"] for k in kills}
     restarts = sum(result["restarts"].values())
     say(
-        "time lost per restart (launcher: death seen to health route answering), by kind: "
+        "outage per restart (launcher: death seen until its health route answers again; a kill that "
+        "lands while the process is still coming back extends the same outage), by kind: "
         + "; ".join(
             f"{k} {', '.join(f'{s:.1f}' for s in v)} s" for k, v in sorted(result["downtime_seconds"].items())
         )
