@@ -191,6 +191,29 @@ def check(run_dir: Path, budget: int, out_text: str) -> dict:
     }  # fmt: skip
 
 
+def training_lost(records: list[dict], kills: list[dict]) -> list[dict]:
+    """Per kill, the training time it cost: the gap between the updates on either side of it less
+    the run's median gap. Kills that land in one gap share its stall, which is put on the first
+    of them (the others are `during` it)."""
+    times = [r["time"] for r in records]
+    gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+    median = gaps[len(gaps) // 2] if gaps else 0.0
+    out, seen = [], {}
+    for k in kills:
+        i = next((j for j, t in enumerate(times) if t > k["time"]), None)
+        if i is None or i == 0:
+            out.append({"victim": k["victim"], "lost_seconds": None})
+            continue
+        if i in seen:
+            out.append({"victim": k["victim"], "lost_seconds": 0.0, "during": seen[i]})
+            continue
+        seen[i] = k["victim"]
+        out.append(
+            {"victim": k["victim"], "lost_seconds": round(max(0.0, times[i] - times[i - 1] - median), 1)}
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("chaos-out"), help="folder of the run (made anew)")
@@ -236,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds=round(time.monotonic() - t0, 1),
         orphans=orphans,
         exit_code=launch.proc.returncode,
+        training_lost=training_lost(steps(run_dir), kills),
     )
     (a.out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
     kinds_killed = {"rollout" if k["victim"].startswith("rollout") else k["victim"] for k in kills}
@@ -245,6 +269,13 @@ def main(argv: list[str] | None = None) -> int:
         "lands while the process is still coming back extends the same outage), by kind: "
         + "; ".join(
             f"{k} {', '.join(f'{s:.1f}' for s in v)} s" for k, v in sorted(result["downtime_seconds"].items())
+        )
+    )
+    say(
+        "training time lost per kill (the gap in updates around it less the median gap): "
+        + "; ".join(
+            f"{t['victim']} " + (f"within {t['during']}'s" if "during" in t else f"{t['lost_seconds']} s")
+            for t in result["training_lost"]
         )
     )
     print(
