@@ -1,8 +1,7 @@
 """The launcher's own /healthz and /metrics: restarts of its children, for the same scraper that
-reads the services' metrics.
+reads the services' metrics (whether each child is up is its own /healthz's to say).
 
     spopp_restarts_total{process="rollout-1"} 2
-    spopp_children_up{process="learner"} 1
 
 A counter starts from run.json's restarts when a run resumes, so the total is the run's, not one
 launch's. The server runs in a thread of the launcher on `metrics_port` (0: a free port), and
@@ -12,7 +11,7 @@ its URL is written to run.json as `metrics_url`.
 from __future__ import annotations
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
 
 from runtime.service.routes import add_service_routes
 from runtime.service.server import ThreadedServer
@@ -29,8 +28,6 @@ class LaunchMetrics:
             ["process"],
             registry=r,
         )
-        self.up = Gauge("spopp_children_up", "1 while the process runs and answers its health route",
-                        ["process"], registry=r)  # fmt: skip
         for name, n in restarts.items():
             self.restarts.labels(process=name).inc(n)
 

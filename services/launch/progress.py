@@ -97,16 +97,16 @@ class Progress:
         points = eval_points(p.run_dir / "eval" / "evals.jsonl")
         if points:
             parts.append(f"eval {points[-1][1]:.3f} @v{points[-1][0]}")
-        with contextlib.suppress(Exception):  # the line must never stop the run
-            if not self.tracker_up():
-                raise LookupError("the tracker is restarting")
-            run = self.client.get_run(s.run)
-            parts[0] += f" v{run.policy_version}"
-            self.rate.append((now, run.counts.outcomes))
-            self.rate = self.rate[-6:]
-            if len(self.rate) > 1 and self.rate[-1][0] > self.rate[0][0]:
-                (t_a, n_a), (t_b, n_b) = self.rate[0], self.rate[-1]
-                parts.append(f"{(n_b - n_a) / (t_b - t_a):.1f} episodes/s")
+        # Not while supervision restarts the tracker; and the line must never stop the run.
+        with contextlib.suppress(Exception):
+            run = self.client.get_run(s.run) if self.tracker_up() else None
+            if run is not None:
+                parts[0] += f" v{run.policy_version}"
+                self.rate.append((now, run.counts.outcomes))
+                self.rate = self.rate[-6:]
+                if len(self.rate) > 1 and self.rate[-1][0] > self.rate[0][0]:
+                    (t_a, n_a), (t_b, n_b) = self.rate[0], self.rate[-1]
+                    parts.append(f"{(n_b - n_a) / (t_b - t_a):.1f} episodes/s")
         if self.restarts:
             parts.append("restarts " + ", ".join(f"{k} {v}" for k, v in sorted(self.restarts.items())))
         elapsed = now - self.t0

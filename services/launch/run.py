@@ -322,8 +322,12 @@ class Launcher:
         update: dict[str, Any] = {"status": status, "updates_done": self._finished_updates(p)}
         if status == "finished":
             update["finished"] = time.time()
-        # Validated again (model_copy would not): the record on disk is always one that reads back.
-        self.record = RunRecord.model_validate({**self.record.model_dump(exclude_unset=True), **update})
+        self._update_record(p, **update)
+
+    def _update_record(self, p: Plan, **changes: Any) -> None:
+        """run.json with `changes`, validated again (model_copy would not): the record on disk is
+        always one that reads back."""
+        self.record = RunRecord.model_validate({**self.record.model_dump(exclude_unset=True), **changes})
         _write_record(p.run_dir / "run.json", self.record)
 
     def _child_settings(self, p: Plan) -> dict[str, Any]:
@@ -438,7 +442,6 @@ class Launcher:
                     self._check_started(p, name, now)
                 continue
             self.starting.pop(name, None)
-            self.metrics.up.labels(process=name).set(0)
             if (name == "learner" and code == 0) or self._normal_exit(p, name, code):
                 self.done.add(name)
             elif code == 0:  # stopped by someone (SIGTERM) while the run goes on: not a crash
@@ -451,7 +454,6 @@ class Launcher:
         url = self._health_url(p, name)
         if _answers(url):
             del self.starting[name]
-            self.metrics.up.labels(process=name).set(1)
             if name in self.down_since:
                 down = now - self.down_since.pop(name)
                 self.echo(f"{name} is up again (pid {self.children[name].pid}; down {down:.1f} s)")
@@ -486,10 +488,7 @@ class Launcher:
         child = self._spawn(p, name, service, command, extra)
         self.restarts[name] = self.restarts.get(name, 0) + 1
         self.metrics.restarts.labels(process=name).inc()
-        self.record = RunRecord.model_validate(
-            {**self.record.model_dump(exclude_unset=True), "restarts": dict(self.restarts)}
-        )
-        _write_record(p.run_dir / "run.json", self.record)
+        self._update_record(p, restarts=dict(self.restarts))
         self.starting[name] = time.monotonic() + self.s.start_seconds
         self.echo(f"restarted {name} (pid {child.pid}; restart {self.restarts[name]} of it in this run)")
 
@@ -520,10 +519,7 @@ class Launcher:
             p.rollouts.remove(r)
         if want != have:
             self.echo(f"replicas {have} -> {want} ({path})")
-        self.record = RunRecord.model_validate(
-            {**self.record.model_dump(exclude_unset=True), "replicas": want}
-        )
-        _write_record(p.run_dir / "run.json", self.record)
+        self._update_record(p, replicas=want)
 
     def _add_replica(self, p: Plan, i: int) -> None:
         taken = {p.tracker.port, p.learner.port, *(r.port for r in p.rollouts)}
@@ -610,11 +606,11 @@ class Launcher:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         os.replace(tmp, p.run_dir / "export.jsonl")
-        self.record = RunRecord.model_validate({
-            **self.record.model_dump(exclude_unset=True),
-            "tracker_counts": run.counts.model_dump(mode="json"),
-            "workers": {k: v.model_dump(mode="json") for k, v in run.workers.items()},
-        })  # fmt: skip
+        self._update_record(
+            p,
+            tracker_counts=run.counts.model_dump(mode="json"),
+            workers={k: v.model_dump(mode="json") for k, v in run.workers.items()},
+        )
 
     def _stop_all(self) -> None:
         # Replicas and the evaluator first (they report to the tracker), the learner, the tracker last.
