@@ -27,6 +27,7 @@ from spopp.client import TrackerClient
 from spopp.priors import build_prior, read_prior, write_prior
 from spopp.settings import SettingsError, environ_without_settings
 from spopp.wait import ProcessExited, WaitTimeout, wait_until
+from tools.chaos import launched_child
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
@@ -252,17 +253,6 @@ def _all_gone(procs: list[psutil.Process], timeout: float = 20) -> list[psutil.P
     return alive
 
 
-def child(launcher: int, name: str) -> psutil.Process | None:
-    """The launcher's child `name` (started with --config <run_dir>/config/<name>.yaml)."""
-    for p in psutil.Process(launcher).children():
-        try:
-            if any(arg.endswith(f"/config/{name}.yaml") for arg in p.cmdline()):
-                return p
-        except psutil.NoSuchProcess:
-            continue
-    return None
-
-
 def updates(run_dir: Path) -> int:
     path = run_dir / "learner" / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.is_file() else 0
@@ -298,11 +288,11 @@ def _replicas_join_and_leave(proc: subprocess.Popen, log: Path, run_dir: Path) -
     wait_until(lambda: outcomes("rollout-1") > 0, 120, "outcomes from rollout-1", proc=proc)
     (run_dir / "replicas").write_text("lots\n")  # refused by the launcher: nothing changes
     _wait_for(log, "expected a whole number of replicas, got 'lots'; the run keeps its 2 replica(s)", proc)
-    assert child(proc.pid, "rollout-1") is not None
+    assert launched_child(proc.pid, "rollout-1") is not None
     r = _scale(run_dir, "1")
     assert r.returncode == 0, r.stdout + r.stderr
     _wait_for(log, "replicas 2 -> 1", proc)
-    assert child(proc.pid, "rollout-1") is None
+    assert launched_child(proc.pid, "rollout-1") is None
     mark, before = updates(run_dir), outcomes("rollout-0")
     wait_until(lambda: updates(run_dir) > mark + 1, 120, "updates after the scale-down", proc=proc)
     assert outcomes("rollout-0") > before and proc.poll() is None

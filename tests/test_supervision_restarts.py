@@ -9,56 +9,39 @@ replicas, the DeepSpeed learner and the evaluator on the toy model (tests/test_l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
-import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from test_launch import _start, _wait_for, child, config, toy, updates  # noqa: F401  (toy: the module's fixture)
+from test_launch import _start, _wait_for, config, toy, updates  # noqa: F401  (toy: the module's fixture)
 
-from spopp.wait import WaitTimeout, wait_until
+from spopp.wait import wait_until
+from tools.chaos import Descendants, check, launched_child
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
 FAST = {"backoff_seconds": 0.5, "max_backoff_seconds": 2}
 
 
-class Watcher(threading.Thread):
-    """Every pid the launcher ever had below it, sampled until stopped (for the orphan check)."""
-
-    def __init__(self, pid: int) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.seen, self.halt = pid, set(), threading.Event()
-
-    def run(self) -> None:
-        while not self.halt.is_set():
-            try:
-                self.seen |= {p.pid for p in psutil.Process(self.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                return
-            time.sleep(0.1)
-
-    def left(self) -> list[psutil.Process]:
-        alive = []
-        for pid in self.seen:
-            try:
-                p = psutil.Process(pid)
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        return alive
-
-
-def no_orphans(watcher: Watcher) -> None:
-    watcher.halt.set()
+@contextlib.contextmanager
+def launched(path: Path, log: Path):
+    """`spopp launch path` for the block; afterwards (the block passed) no process it ever had
+    below it is still running."""
+    proc = _start(path, log)
+    below = Descendants(proc.pid)
+    below.start()
     try:
-        wait_until(lambda: not watcher.left(), 20, "every process of the run to be gone")
-    except WaitTimeout:
-        raise AssertionError([p.cmdline() for p in watcher.left()]) from None
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = below.gone(20)
+    assert not left, [p.cmdline() for p in left]
 
 
 @pytest.mark.slow
@@ -70,17 +53,16 @@ def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(
     )  # fmt: skip
     run_dir = tmp_path / "run"
     log = tmp_path / "launch.log"
-    proc = _start(path, log)
-    watcher = Watcher(proc.pid)
-    watcher.start()
     killed: list[tuple[str, int]] = []
-    try:
+    with launched(path, log) as proc:
         _wait_for(log, "every process is up", proc)
         wait_until(lambda: updates(run_dir) >= 1, 120, "the first update", proc=proc)
         # One of each kind at the same moment (a node's hiccup): the replica, the tracker (and with
         # it its embedded Redis), the evaluator and the learner. Training stops until the learner
         # and the tracker are back, so the run is mid-way whatever the machine's speed.
-        targets = {name: child(proc.pid, name) for name in ("rollout-1", "tracker", "evaluator", "learner")}
+        targets = {
+            name: launched_child(proc.pid, name) for name in ("rollout-1", "tracker", "evaluator", "learner")
+        }
         assert None not in targets.values(), log.read_text()[-3000:]
         assert updates(run_dir) < budget
         for name, target in targets.items():
@@ -96,10 +78,6 @@ def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(
         for name in targets:
             _wait_for(log, f"{name} is up again", proc)
         assert proc.wait(400) == 0, log.read_text()[-5000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    no_orphans(watcher)
 
     out = log.read_text()
     for victim, pid in killed:
@@ -109,25 +87,19 @@ def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(
     assert state["restarts"] == {"rollout-1": 1, "tracker": 1, "learner": 1, "evaluator": 1}
     assert "restarts by supervision over this run: evaluator 1, learner 1, rollout-1 1, tracker 1" in out
 
-    # Each update once and each version published once (a resumed learner re-announces only a
-    # version whose identical weights are on disk already).
-    records = [json.loads(x) for x in (run_dir / "learner" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, budget + 1))
-    assert [r["policy_version"] for r in records] == list(range(budget))
-    assert "already exists with other weights" not in (run_dir / "logs" / "learner.log").read_text()
-    evals = [
-        json.loads(x)["policy_version"] for x in (run_dir / "eval" / "evals.jsonl").read_text().splitlines()
-    ]
-    assert evals == sorted(set(evals)) and evals[-1] == budget
-
-    # Nothing lost or doubled at the tracker: every dispatch ended exactly one way, the evidence
-    # per task adds up to the outcomes counted, and so do the outcomes per worker.
-    counts = state["tracker_counts"]
-    ended = counts["outcomes"] + counts["releases"] + counts["expirations"] + counts["in_flight"]
-    assert counts["dispatches"] == ended, counts
-    export = [json.loads(x) for x in (run_dir / "export.jsonl").read_text().splitlines()]
-    assert sum(row["outcomes"] for row in export) == counts["outcomes"]
-    assert sum(w["outcomes"] for w in state["workers"].values()) == counts["outcomes"]
+    # Each update once, each version published once, evaluations increasing to the last; at the
+    # tracker every dispatch ended exactly one way and the per-task evidence and the per-replica
+    # outcomes add up to the outcomes counted: `make chaos`'s checks, on this run.
+    whole = check(run_dir, budget, out)
+    assert (whole["updates"], whole["lost"], whole["doubled"], whole["published_once"]) == (
+        budget,
+        0,
+        0,
+        True,
+    )
+    assert whole["counts"]["outcomes"] > 0 and whole["downtime_seconds"].keys() == {
+        "rollout", "tracker", "evaluator", "learner"
+    }  # fmt: skip
     assert set(state["workers"]) == {"rollout-0", "rollout-1"}
     # The restarted replica gave its old life's leases back at once.
     assert "gave back" in (run_dir / "logs" / "rollout-1.log").read_text()
@@ -149,20 +121,16 @@ def test_a_process_that_dies_on_every_start_stops_the_run_with_its_restarts_spen
         supervision={**FAST, "max_restarts": 2, "enabled": case != "supervision-off"},
     )  # fmt: skip
     log = tmp_path / "launch.log"
-    proc = _start(path, log)
-    watcher = Watcher(proc.pid)
-    watcher.start()
     kills = 0
-    try:
+    with launched(path, log) as proc:
         if case == "stopped-by-someone":
             _wait_for(log, "every process is up", proc)
-            child(proc.pid, "rollout-0").send_signal(
-                signal.SIGTERM
-            )  # its exit code reaches only the launcher
+            # Its exit code reaches only the launcher, its parent.
+            launched_child(proc.pid, "rollout-0").send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 240
         while proc.poll() is None and case != "stopped-by-someone":
             assert time.monotonic() < deadline, log.read_text()[-3000:]
-            target = child(proc.pid, "rollout-0")
+            target = launched_child(proc.pid, "rollout-0")
             if target is not None:
                 try:
                     target.send_signal(signal.SIGKILL)
@@ -172,10 +140,6 @@ def test_a_process_that_dies_on_every_start_stops_the_run_with_its_restarts_spen
                     pass
             time.sleep(0.05)
         assert proc.wait(120) == 1, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    no_orphans(watcher)
     out = log.read_text()
     state = json.loads((tmp_path / "run" / "run.json").read_text())
     assert state["status"] == "failed"

@@ -30,6 +30,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -68,6 +69,56 @@ def prepare(out: Path, replicas: int, updates: int) -> Path:
     return path
 
 
+def launched_child(launcher: int, name: str) -> psutil.Process | None:
+    """The launcher's child `name` (started with --config <run_dir>/config/<name>.yaml), or None
+    while it has none (a child being restarted)."""
+    try:
+        children = psutil.Process(launcher).children()
+    except psutil.NoSuchProcess:
+        return None
+    for p in children:
+        try:
+            if any(arg.endswith(f"/config/{name}.yaml") for arg in p.cmdline()):
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+class Descendants(threading.Thread):
+    """Every pid ever below `pid`, sampled every 0.1 s until the process is gone or `halt` is set;
+    `left()` answers those still running (not zombies): a run's orphans, once it is over."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.seen, self.halt = pid, set(), threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                self.seen |= {p.pid for p in psutil.Process(self.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                return
+            time.sleep(0.1)
+
+    def left(self) -> list[psutil.Process]:
+        alive = []
+        for pid in self.seen:
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def gone(self, timeout: float) -> list[psutil.Process]:
+        """Stop sampling and wait up to `timeout` s for every one to exit; answers those left."""
+        self.halt.set()
+        psutil.wait_procs(self.left(), timeout=timeout)
+        return self.left()
+
+
 class Launch:
     """`spopp launch` in a child process, its output kept in a file and echoed as it comes."""
 
@@ -77,15 +128,12 @@ class Launch:
             [sys.executable, "-m", "services.cli", "launch", str(config)],
             stdout=log.open("w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
-        self.seen: set[int] = set()
+        self.descendants = Descendants(self.proc.pid)
+        self.descendants.start()
         self._echoed = 0
 
     def tick(self) -> None:
-        """Remember every pid below the launcher (for the orphan check) and echo new output."""
-        try:
-            self.seen |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
+        """Echo new output."""
         text = self.log_path.read_text(errors="replace")
         for line in text[self._echoed :].splitlines(keepends=True):
             if not line.endswith("\n"):
@@ -94,13 +142,7 @@ class Launch:
             self._echoed += len(line)
 
     def child(self, name: str) -> psutil.Process | None:
-        try:
-            for p in psutil.Process(self.proc.pid).children():
-                if any(arg.endswith(f"/config/{name}.yaml") for arg in p.cmdline()):
-                    return p
-        except psutil.NoSuchProcess:
-            pass
-        return None
+        return launched_child(self.proc.pid, name)
 
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -249,10 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if launch.proc.poll() is None:
             launch.proc.send_signal(signal.SIGINT)
             launch.proc.wait(120)
-    psutil.wait_procs([psutil.Process(pid) for pid in launch.seen if psutil.pid_exists(pid)], timeout=20)
-    orphans = [
-        pid for pid in launch.seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
-    ]
+    orphans = [p.pid for p in launch.descendants.gone(20)]
     result = check(run_dir, a.updates, launch.text())
     result.update(
         kills=kills,
