@@ -49,6 +49,7 @@ MAX_SNAPSHOT_CHARS = 4096
 MAX_WORKERS_PER_RUN = 4096  # workers a run keeps stats of (the tracker's default bound)
 MAX_COUNT = 2**53 - 1  # a worker's reported counts: exact in a double, as Lua keeps them
 MAX_REASON_CHARS = 200
+MAX_STALENESS = 64  # policy versions a trajectory may lag the learner (a bound, not a target)
 
 Prior = Annotated[float, Field(ge=MIN_PRIOR, le=MAX_PRIOR, allow_inf_nan=False)]
 
@@ -108,12 +109,29 @@ class RunConfig(_Body):
     )
     rho_min: float = Field(0.875, ge=MIN_RHO, le=1.0, description="SPO's smallest retention, in [1e-6, 1]")
     rho_max: float = Field(0.96, ge=MIN_RHO, le=1.0, description="SPO's largest retention, in [1e-6, 1]")
+    max_staleness: StrictInt = Field(
+        0,
+        ge=0,
+        le=MAX_STALENESS,
+        description="k: the learner trains on trajectories up to k policy versions older than its own "
+        "(0: only the current version's, the paper's protocol); replicas keep generating across a "
+        "swap when k > 0",
+    )
 
     @model_validator(mode="after")
     def _rho_order(self) -> RunConfig:
         if self.rho_min > self.rho_max:
             raise ValueError("rho_min must be <= rho_max")
         return self
+
+    def canonical(self) -> dict:
+        """The config as the tracker stores and compares it (PUT of an existing run must match).
+        max_staleness 0 is left out, so that a run stored before the field existed and the same
+        run PUT again by a newer client compare equal; reading it back fills the default in."""
+        out = self.model_dump(mode="json")
+        if not out["max_staleness"]:
+            del out["max_staleness"]
+        return out
 
 
 class RunCounts(BaseModel):

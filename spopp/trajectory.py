@@ -2,7 +2,9 @@
 
 One flat token sequence per episode: `action_mask` is 1 exactly on tokens the policy generated
 and `rollout_logprobs` holds the engine's log-probs there (0.0 elsewhere), so the learner can
-recompute its own log-probs on the same positions and form importance weights. Position 0 is
+recompute its own log-probs on the same positions and form importance weights. Under bounded
+staleness a replica may swap weights between the turns of an episode; `token_versions` then says
+which policy version generated each token, so the learner corrects exactly the stale ones. Position 0 is
 never an action token: it has no prefix to be predicted from, so no loss can train on it.
 
 The record checks what holds for every learner; what depends on the model (vocabulary, context)
@@ -17,7 +19,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from .tracker_api import Id
+from .tracker_api import MAX_VERSION, Id
 
 MAX_TOKENS = 1 << 20
 # The learner's intake routes (rank 0): one record, and many in one call.
@@ -48,6 +50,10 @@ class Trajectory(BaseModel):
     token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_TOKENS)
     action_mask: list[Annotated[int, Field(ge=0, le=1)]]
     rollout_logprobs: list[Annotated[float, Field(allow_inf_nan=False)]]
+    # The policy version that generated each token, where a swap fell inside the episode (bounded
+    # staleness): same length as token_ids, each >= policy_version (the dispatch's). None: every
+    # token is of policy_version.
+    token_versions: list[Annotated[int, Field(ge=0, le=MAX_VERSION)]] | None = None
     reward: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
     value: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     # reward - value with both in [0, 1]; anything outside is a broken sender, not a big signal.
@@ -86,6 +92,22 @@ class Trajectory(BaseModel):
                 if m and lp > 0.0:
                     raise ValueError(f"rollout_logprobs[{i}] = {lp!r} is not a log-probability (> 0)")
         return logprobs
+
+    @field_validator("token_versions")
+    @classmethod
+    def _versions_fit(cls, versions: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if versions is None:
+            return None
+        ids, dispatched = info.data.get("token_ids"), info.data.get("policy_version")
+        if ids is not None and len(versions) != len(ids):
+            raise ValueError(f"token_versions has {len(versions)} entries for {len(ids)} token_ids")
+        if dispatched is not None and versions and min(versions) < dispatched:
+            i = next(i for i, v in enumerate(versions) if v < dispatched)
+            raise ValueError(
+                f"token_versions[{i}] = {versions[i]} is older than the dispatch's policy_version "
+                f"{dispatched}: no token is generated before its request is dispatched"
+            )
+        return versions
 
     @property
     def action_tokens(self) -> int:

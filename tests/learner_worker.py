@@ -90,7 +90,8 @@ def run_task(
 
     task keys: cfg (dict), grads (bool: capture per-mini-batch full gradients), master (bool: the
     optimizer's fp32 master weights after the update, where ZeRO keeps them apart from the model's
-    bf16 weights), publish (dict of publish_snapshot keyword arguments root/version/keep, or absent).
+    bf16 weights), publish (dict of publish_snapshot keyword arguments root/version/keep, or absent),
+    version (the policy version being trained, which marks older tokens stale; absent: None).
     """
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -113,7 +114,14 @@ def run_task(
             }
         )
 
-    stats = run_update(engine, trajs, advantages, cfg, before_step=capture if task.get("grads") else None)
+    stats = run_update(
+        engine,
+        trajs,
+        advantages,
+        cfg,
+        before_step=capture if task.get("grads") else None,
+        version=task.get("version"),
+    )
     master = None
     if task.get("master"):
         # A collective under ZeRO-3, like safe_get_full_grad.

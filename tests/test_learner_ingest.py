@@ -65,7 +65,7 @@ def test_other_version_is_409_and_advance_drops_leftovers(intake):
     r = post(url, traj(1, version=1))
     assert r.status_code == 409 and r.json()["detail"] == {
         "code": "stale_policy",
-        "message": "trajectory of another policy version",
+        "message": "trajectory of policy version 1; this learner takes version 0 (max_staleness 0)",
         "policy_version": 0,
     }
     buffer.advance(1)

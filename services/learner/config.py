@@ -14,6 +14,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from spopp.settings import Settings
+from spopp.tracker_api import MAX_STALENESS
 
 
 class LearnerSettings(Settings):
@@ -72,6 +73,30 @@ class LearnerSettings(Settings):
     )
     is_cap: float = Field(2.0, gt=0.0, le=1000.0, description="cap of the rollout importance weight")
     max_updates: int | None = Field(None, ge=1, description="stop after this many updates; unset: never")
+
+    # -- staleness -----------------------------------------------------------------------------
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=MAX_STALENESS,
+        description="k: train on trajectories dispatched up to k policy versions before the one being "
+        "trained (0: the current version's only, the paper's protocol); must match the tracker run's "
+        "max_staleness",
+    )
+    off_policy: Literal["decoupled", "tis"] = Field(
+        "decoupled",
+        description="correction of tokens an older policy version generated (k > 0): decoupled "
+        "(PPO clip around the learner's proximal log-probs, behaviour weight prox/behaviour, tokens "
+        "whose weight exceeds behaviour_cap dropped) or tis (the same weight truncated at "
+        "behaviour_cap); current-version tokens keep is_cap's truncation either way",
+    )
+    behaviour_cap: float = Field(
+        2.0,
+        gt=1.0,
+        le=1000.0,
+        description="cap of the behaviour weight of tokens from an older policy version: decoupled "
+        "drops tokens above it, tis truncates them to it",
+    )
 
     # -- optimization --------------------------------------------------------------------------
     lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW learning rate (constant)")

@@ -8,7 +8,9 @@ is admitted as the single route would and gets that route's status in the answer
 The learner trains on the *first* trajectories of each policy version, in arrival order: the
 buffer accepts `capacity` (B × updates per publish) of them and refuses the rest. A trajectory of
 another version is refused with 409 (the rollout counts it as drained), one of another run or
-that fails a check with 422; a repeated request_id answers as before and counts once.
+that fails a check with 422; a repeated request_id answers as before and counts once. With
+bounded staleness (max_staleness k > 0) the versions within k of the current one are taken, and
+the buffer is a queue of at most `capacity` waiting trajectories (see TrajectoryBuffer).
 
 Checks at the door, in this order, and nothing refused is ever buffered: the bearer token (401,
 when one is configured; /healthz and /metrics stay open), the body size (413), the record's own
@@ -103,14 +105,26 @@ class IntakeLimits:
 
 
 class TrajectoryBuffer:
-    """Thread-safe: the HTTP server adds, the training loop takes."""
+    """Thread-safe: the HTTP server adds, the training loop takes.
 
-    def __init__(self, run: str, capacity: int, version: int = 0) -> None:
+    With max_staleness k = 0 (the paper's protocol) it takes the first `capacity` trajectories of
+    the current version and refuses the rest (409 batch_full) until the next version: what would
+    arrive later could only be dropped at the swap. With k > 0 it is a queue of at most `capacity`
+    waiting trajectories whose versions lie within k of the current one: what arrives while an
+    update runs waits for the next, and at a swap only those now more than k versions old go.
+    Request ids are remembered for every version in the window, so a delivery retried after its
+    trajectory was trained on answers as before and is never trained on twice.
+    """
+
+    def __init__(self, run: str, capacity: int, version: int = 0, max_staleness: int = 0) -> None:
         self.run = run
         self.capacity = capacity
         self.version = version
+        self.max_staleness = max_staleness
         self._items: list[Trajectory] = []
-        self._seen: dict[str, int] = {}  # request_id -> position in this version's stream
+        # request_id -> (its policy version, its position in the stream of the version it came in)
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._count = 0  # accepted since the current version began (k > 0: plus those carried over)
         self._taken = 0
         self._cond = threading.Condition()
         self.refused = {"stale": 0, "full": 0}
@@ -119,33 +133,48 @@ class TrajectoryBuffer:
         if t.run != self.run:
             raise Refused(422, "unknown_run", f"this learner trains run {self.run!r}", run=t.run)
 
+    def _stale(self, t: Trajectory) -> Refused:
+        k = self.max_staleness
+        window = f"version {self.version}" if k == 0 else f"versions {max(0, self.version - k)}..{self.version}"
+        return Refused(
+            409,
+            "stale_policy",
+            f"trajectory of policy version {t.policy_version}; this learner takes {window} "
+            f"(max_staleness {k})",
+            policy_version=self.version,
+        )
+
+    def _full(self) -> bool:
+        if self.max_staleness == 0:
+            return self._count >= self.capacity
+        return len(self._items) >= self.capacity
+
     def admit(self, t: Trajectory) -> tuple[int, bool]:
         """Queue `t`: (its position in this version's stream, whether it is new) or Refused."""
         self.check_run(t)
         with self._cond:
-            if t.policy_version != self.version:
+            if not 0 <= self.version - t.policy_version <= self.max_staleness:
                 self.refused["stale"] += 1
-                raise Refused(
-                    409, "stale_policy", "trajectory of another policy version", policy_version=self.version
-                )
+                raise self._stale(t)
             if t.request_id in self._seen:
-                return self._seen[t.request_id], False
-            if len(self._seen) >= self.capacity:
+                return self._seen[t.request_id][1], False
+            if self._full():
                 self.refused["full"] += 1
                 raise Refused(
                     409, "batch_full", "this version's batches are complete", policy_version=self.version
                 )
             self._items.append(t)
-            self._seen[t.request_id] = len(self._seen)
+            self._seen[t.request_id] = (t.policy_version, self._count)
+            self._count += 1
             self._cond.notify_all()
-            return self._seen[t.request_id], True
+            return self._seen[t.request_id][1], True
 
     def add(self, t: Trajectory) -> int:
         """Queue `t`; answers its position in this version's stream or raises Refused."""
         return self.admit(t)[0]
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory] | None:
-        """The next n trajectories of the current version, in arrival order (None on timeout)."""
+        """The next n trajectories of the window, in arrival order (None on timeout)."""
         with self._cond:
             if not self._cond.wait_for(lambda: len(self._items) >= n, timeout):
                 return None
@@ -167,21 +196,27 @@ class TrajectoryBuffer:
             gone = set(request_ids)
             self._items = [t for t in self._items if t.request_id not in gone]
             for rid in gone:
-                self._seen.pop(rid, None)
+                if self._seen.pop(rid, None) is not None:
+                    self._count -= 1
 
     def advance(self, version: int) -> None:
-        """A new policy version is out: what was left of the old one is dropped."""
+        """A new policy version is out: what is now more than max_staleness versions old goes."""
         with self._cond:
             self.version = version
-            self._items, self._seen, self._taken = [], {}, 0
+            floor = version - self.max_staleness
+            self._items = [t for t in self._items if t.policy_version >= floor]
+            self._seen = {rid: vp for rid, vp in self._seen.items() if vp[0] >= floor}
+            self._count, self._taken = len(self._items), 0
+            self._cond.notify_all()
 
     def state(self) -> dict:
-        """What a checkpoint keeps: the current version's trajectories not yet trained on."""
+        """What a checkpoint keeps: the window's trajectories not yet trained on, and its ids."""
         with self._cond:
             return {
                 "version": self.version,
                 "pending": [t.model_dump(mode="json") for t in self._items],
-                "seen": dict(self._seen),
+                "seen": {rid: list(vp) for rid, vp in self._seen.items()},
+                "count": self._count,
                 "taken": self._taken,
             }
 
@@ -189,15 +224,21 @@ class TrajectoryBuffer:
         with self._cond:
             self.version = state["version"]
             self._items = [Trajectory.model_validate(x) for x in state["pending"]]
-            self._seen = dict(state["seen"])
+            # A checkpoint written before the window existed keeps {request_id: position}, all of
+            # its own version.
+            self._seen = {
+                rid: (int(vp[0]), int(vp[1])) if isinstance(vp, list) else (self.version, int(vp))
+                for rid, vp in state["seen"].items()
+            }
+            self._count = int(state.get("count", len(self._seen)))
             self._taken = state["taken"]
             self._cond.notify_all()
 
     @property
     def accepted(self) -> int:
-        """Trajectories accepted for the current version, trained on or waiting (<= capacity)."""
+        """Trajectories accepted for the current version, trained on or waiting (k = 0: <= capacity)."""
         with self._cond:
-            return len(self._seen)
+            return self._count
 
     def __len__(self) -> int:
         with self._cond:

@@ -32,7 +32,7 @@ from .logs import MetricsLog
 from .metrics import LearnerMetrics
 from .snapshot import discard_unannounced, publish_snapshot
 from .spo import SpoDriftCache
-from .update import run_update
+from .update import run_update, staleness_stats
 
 log = logging.getLogger("spopp.learner")
 _WAIT = "wait"  # broadcast while rank 0 still waits for a batch, so other ranks' collectives stay alive
@@ -70,7 +70,9 @@ class Learner:
         self.engine, self.tokenizer = build_engine(cfg, cfg.model)
         self.step = 0
         self.spo = SpoDriftCache() if cfg.recipe == "spo" else None
-        self.buffer = TrajectoryBuffer(cfg.run, capacity=cfg.batch_size * cfg.updates_per_publish)
+        self.buffer = TrajectoryBuffer(
+            cfg.run, capacity=cfg.batch_size * cfg.updates_per_publish, max_staleness=cfg.max_staleness
+        )
         self.prometheus = LearnerMetrics()  # /metrics beside the intake (rank 0)
         self.tracker = self.server = self.metrics = None
         self.snapshot: str | None = None  # folder of the newest published version (rank 0)
@@ -82,6 +84,12 @@ class Learner:
                 raise ValueError(
                     f"run {cfg.run!r} is a {run.config.recipe} run; this learner is configured for "
                     f"{cfg.recipe}"
+                )
+            if run.config.max_staleness != cfg.max_staleness:
+                raise ValueError(
+                    f"run {cfg.run!r} takes trajectories up to max_staleness {run.config.max_staleness} "
+                    f"versions old; this learner is configured for {cfg.max_staleness}: set the same k "
+                    "in both (spopp launch's top-level max_staleness does)"
                 )
             version = run.policy_version
             self.metrics = MetricsLog(cfg.log_dir, total=cfg.max_updates)
@@ -260,7 +268,7 @@ class Learner:
         adv = normalize_advantages(
             torch.tensor(raw, dtype=torch.float64), torch.tensor(lengths), measure=self.cfg.normalization
         )
-        stats = run_update(self.engine, batch, adv.tolist(), self.cfg)
+        stats = run_update(self.engine, batch, adv.tolist(), self.cfg, version=self.version)
         self.prometheus.observe_update(stats)
         if self.spo is not None:
             drifts = self.spo.after_update(batch, self._logprobs)
@@ -285,6 +293,7 @@ class Learner:
             response_tokens_mean=sum(lengths) / len(lengths),
             advantage_raw_mean=sum(raw) / len(raw),
             batch_wait_s=waited,
+            **staleness_stats([self.version - t.policy_version for t in batch], self.cfg.max_staleness),
         )
         if self.step % self.cfg.updates_per_publish == 0:
             stats.update(self.publish(record={"step": self.step, "time": time.time(), **stats}))

@@ -37,6 +37,8 @@ from .logprobs import token_logprobs
 
 # Token-weighted statistics of policy_loss that are averaged over the whole update.
 _MEAN_STATS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "is_weight_mean", "is_capped_fraction")
+# The same over stale tokens only (weighted by stale_tokens; 0 in an update without any).
+_STALE_STATS = ("behaviour_weight_mean", "behaviour_cut_fraction")
 
 # Called with (engine, mini-batch index) on every rank after the mini-batch's last backward and
 # before its optimizer step, when the reduced gradients are in place (tests read them here).
@@ -77,6 +79,7 @@ def run_update(
     cfg: LearnerSettings,
     *,
     before_step: BeforeStep | None = None,
+    version: int | None = None,
 ) -> dict[str, float]:
     """Run one update (cfg.mini_batches optimizer steps) on `trajs`; every rank calls it alike.
 
@@ -84,7 +87,9 @@ def run_update(
     Returns stats identical on every rank: loss (mean over mini-batches of the mini-batch loss),
     clip_fraction, dual_clip_fraction, approx_kl, is_weight_mean, is_capped_fraction (token
     means over the update), is_weight_max, grad_norm (pre-clip, mean over mini-batches), lr,
-    tokens, tokens_per_s, update_seconds.
+    tokens, tokens_per_s, update_seconds; and stale_tokens, behaviour_weight_mean,
+    behaviour_cut_fraction, behaviour_weight_max over the tokens that a policy version older than
+    `version` (the one being trained; None: none is older) generated.
     """
     import torch.distributed as dist
 
@@ -96,7 +101,7 @@ def run_update(
     gas = int(engine.gradient_accumulation_steps())
     plan = _plan(len(trajs), cfg, rank, world, gas)
     engine.train()
-    batches = _collate_with_old_logp(engine, trajs, adv, plan)
+    batches = _collate_with_old_logp(engine, trajs, adv, plan, version)
     tally = _Tally()
     grad_norms: list[float] = []
     # Undo DeepSpeed's mean over accumulation steps (engine.backward) and over ranks (reduction).
@@ -112,7 +117,11 @@ def run_update(
 
 
 def _collate_with_old_logp(
-    engine: Any, trajs: Sequence[TrajectoryLike], adv: torch.Tensor, plan: list[tuple[slice, list[slice]]]
+    engine: Any,
+    trajs: Sequence[TrajectoryLike],
+    adv: torch.Tensor,
+    plan: list[tuple[slice, list[slice]]],
+    version: int | None,
 ) -> list[list[tuple[Batch, torch.Tensor]]]:
     """This rank's micro-batches, collated once, each with old_logp: the weights as they are
     before any step, on the very padding the training pass will see."""
@@ -121,7 +130,7 @@ def _collate_with_old_logp(
         for _, micro in plan:
             row = []
             for s in micro:
-                b = collate(trajs[s], adv[s]).to(engine.device)
+                b = collate(trajs[s], adv[s], version=version).to(engine.device)
                 row.append((b, token_logprobs(engine, b.input_ids, b.attention_mask)))
             batches.append(row)
     return batches
@@ -132,15 +141,19 @@ class _Tally:
     the largest rollout weight; summed (and maximized) over the ranks at the end."""
 
     def __init__(self) -> None:
-        self.sums = torch.zeros(2 + len(_MEAN_STATS), dtype=torch.float64)
-        self.w_max = torch.zeros(1, dtype=torch.float64)
+        self.sums = torch.zeros(3 + len(_MEAN_STATS) + len(_STALE_STATS), dtype=torch.float64)
+        self.w_max = torch.zeros(2, dtype=torch.float64)
 
     def add(self, loss: torch.Tensor, st: dict[str, float]) -> None:
         self.sums[0] += float(loss.detach())
         self.sums[1] += st["tokens"]
+        self.sums[2] += st["stale_tokens"]
         for k, name in enumerate(_MEAN_STATS):
-            self.sums[2 + k] += st[name] * st["tokens"]
+            self.sums[3 + k] += st[name] * st["tokens"]
+        for k, name in enumerate(_STALE_STATS):
+            self.sums[3 + len(_MEAN_STATS) + k] += st[name] * st["stale_tokens"]
         self.w_max[0] = max(float(self.w_max[0]), st["is_weight_max"])
+        self.w_max[1] = max(float(self.w_max[1]), st["behaviour_weight_max"])
 
     def reduce(self, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
         import torch.distributed as dist
@@ -178,6 +191,9 @@ def _mini_batch_step(
             dual_clip=cfg.dual_clip,
             is_cap=cfg.is_cap,
             token_count=denom,
+            stale=b.stale,
+            off_policy=cfg.off_policy,
+            behaviour_cap=cfg.behaviour_cap,
         )
         engine.backward(loss * scale)
         tally.add(loss, st)
@@ -201,14 +217,30 @@ def _update_stats(
     """Statistics over all ranks: sums add up, the maximum is a maximum."""
     sums, w_max = tally.reduce(engine.device)
     elapsed = time.perf_counter() - started
-    tokens = float(sums[1])
+    tokens, stale = float(sums[1]), float(sums[2])
     stats = {"loss": float(sums[0]) / n_mini}
     for k, name in enumerate(_MEAN_STATS):
-        stats[name] = float(sums[2 + k]) / tokens if tokens else 0.0
+        stats[name] = float(sums[3 + k]) / tokens if tokens else 0.0
     stats["is_weight_max"] = float(w_max[0])
+    stats["stale_tokens"] = stale
+    for k, name in enumerate(_STALE_STATS):
+        stats[name] = float(sums[3 + len(_MEAN_STATS) + k]) / stale if stale else 0.0
+    stats["behaviour_weight_max"] = float(w_max[1])
     stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
     stats["lr"] = float(engine.get_lr()[0])
     stats["tokens"] = tokens
     stats["update_seconds"] = elapsed
     stats["tokens_per_s"] = tokens / elapsed if elapsed > 0 else math.nan
     return stats
+
+
+def staleness_stats(lags: Sequence[int], max_staleness: int) -> dict[str, float]:
+    """The batch's staleness: how many versions each trajectory was dispatched before the one
+    trained, as a mean, a maximum and a histogram (staleness_0 ... staleness_k: trajectories)."""
+    out: dict[str, float] = {
+        "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+        "staleness_max": float(max(lags, default=0)),
+    }
+    for lag in range(max_staleness + 1):
+        out[f"staleness_{lag}"] = float(sum(1 for x in lags if x == lag))
+    return out

@@ -115,7 +115,7 @@ class Store:
             "snapshot": cfg.base_snapshot or "",
         }
         flat = [x for kv in fields.items() for x in kv]
-        canonical = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+        canonical = json.dumps(cfg.canonical(), sort_keys=True)
         out = await self._call("put_run", run, run, canonical, *flat)
         return bool(out["created"])
 
