@@ -41,6 +41,9 @@ class Episode:
     prompt_tokens: int
     info: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # Per token, the policy version that generated it (None: the engine does not say; tokens
+    # the engine did not generate carry the version of the last generation before them).
+    token_versions: list[int | None] = field(default_factory=list)
 
     @property
     def generated_tokens(self) -> int:
@@ -52,11 +55,16 @@ class _Sequence:
         self.ids: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[int | None] = []
+        self._version: int | None = None
 
-    def add(self, ids: list[int], logprobs: list[float] | None = None) -> None:
+    def add(self, ids: list[int], logprobs: list[float] | None = None, version: int | None = None) -> None:
+        if logprobs is not None:
+            self._version = version
         self.ids += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.versions += [self._version] * len(ids)
 
 
 def reserve_env_threads(episodes: int) -> None:
@@ -136,7 +144,7 @@ async def _play_turn(
     gen = await engine.generate(seq.ids, replace(sampling, max_tokens=per_turn, stop=stop))
     progress.gen_s += time.perf_counter() - s
     progress.turns += 1
-    seq.add(gen.token_ids, gen.logprobs)
+    seq.add(gen.token_ids, gen.logprobs, gen.version)
     if gen.finish_reason == "length":
         cut_by_turn = per_turn == budget.max_tokens_per_turn
         progress.finish = "max_tokens_per_turn" if cut_by_turn else "max_total_tokens"
@@ -189,6 +197,7 @@ async def run_episode(
         finish_reason=progress.finish,
         prompt_tokens=prompt_tokens,
         info=progress.info,
+        token_versions=seq.versions,
         timings={
             "generate_s": progress.gen_s,
             "env_s": progress.env_s,

@@ -39,6 +39,9 @@ class Generation:
     text: str = ""
     # Engine-side timings in seconds, for metrics.
     timings: dict[str, float] = field(default_factory=dict)
+    # The policy version of the weights that generated it, where the caller tracks versions
+    # (services/rollout/swap.py); None elsewhere.
+    version: int | None = None
 
 
 class Engine(ABC):

@@ -196,7 +196,7 @@ scale_command = click.Command(
 
 
 def _ablate(config: Path, sets: tuple[str, ...], seeds: str, arms: str, out: Path) -> None:
-    from .compare import ARMS, compare
+    from .compare import ARMS, compare, parse_arm
     from .run import LaunchError
 
     try:
@@ -207,9 +207,17 @@ def _ablate(config: Path, sets: tuple[str, ...], seeds: str, arms: str, out: Pat
     except ValueError:
         raise click.UsageError(f"--seeds {seeds!r}: expected integers separated by commas") from None
     arm_list = [a.strip() for a in arms.split(",") if a.strip()]
-    unknown = [a for a in arm_list if a not in ARMS]
+    unknown = []
+    for a in arm_list:
+        try:
+            parse_arm(a)
+        except ValueError:
+            unknown.append(a)
     if unknown or not arm_list or not seed_list:
-        raise click.UsageError(f"--arms: choose from {', '.join(ARMS)}; --seeds: at least one")
+        raise click.UsageError(
+            f"--arms: choose from {', '.join(ARMS)}, each optionally with -k<N> (max_staleness N, "
+            "e.g. spopp-k1); --seeds: at least one"
+        )
     try:
         code = compare(base, arm_list, seed_list, out, echo=click.echo)
     except (LaunchError, ValueError) as exc:
@@ -228,7 +236,8 @@ ablate_command = click.Command(
             ["--arms"],
             default="spo,spopp-trajnorm,spopp",
             show_default=True,
-            help="arms, comma-separated: spo, spopp, spopp-trajnorm (spo,spopp is the paired comparison)",
+            help="arms, comma-separated: spo, spopp, spopp-trajnorm (spo,spopp is the paired comparison), "
+            "each optionally with -k<N> for max_staleness N (spopp,spopp-k1 pairs k = 0 against k = 1)",
         ),  # fmt: skip
         click.Option(
             ["--out"],

@@ -7,6 +7,10 @@ decoding, budget and optimizer):
     spopp           recipe spopp: event-time evidence, action-token normalization, Dual-Clip 2
     spopp-trajnorm  SPO++ with trajectory normalization (Table 2's middle arm)
 
+Any arm with a `-k<N>` suffix (spopp-k1, spo-k2) is that arm under bounded staleness
+max_staleness N; without one, an arm keeps the base config's max_staleness. `--arms spopp,spopp-k1`
+pairs the paper's protocol against one version of staleness on the same seeds.
+
 Runs go one after another (each uses the whole machine) into `<out>/runs/<arm>-s<seed>/`, and
 the report (report.json, report.md, curves.png) into `<out>`; an
 interrupted comparison resumes where it stopped, since each finished run says so and each
@@ -31,19 +35,33 @@ ARMS: dict[str, dict[str, Any]] = {
 ARM_FIELDS = ("normalization", "dual_clip")
 
 
-def arm_settings(base: LaunchSettings, arm: str, seed: int, out: Path) -> LaunchSettings:
+def parse_arm(arm: str) -> tuple[str, int | None]:
+    """(the recipe arm, its max_staleness or None for the base config's) of e.g. spopp-k1."""
+    recipe, sep, k = arm.rpartition("-k")
+    if sep and recipe in ARMS and k.isdigit():
+        return recipe, int(k)
     if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
+        raise ValueError(
+            f"unknown arm {arm!r}: choose from {', '.join(ARMS)}, each optionally with -k<N> "
+            "(max_staleness N), e.g. spopp-k1"
+        )
+    return arm, None
+
+
+def arm_settings(base: LaunchSettings, arm: str, seed: int, out: Path) -> LaunchSettings:
+    recipe_arm, staleness = parse_arm(arm)
     fixed = [k for k in ARM_FIELDS if k in base.learner]
     if fixed:
         raise ValueError(
             f"learner.{', learner.'.join(fixed)} is set in the base config, but each arm sets it (its "
             "recipe's value): remove it to compare recipes"
         )
-    spec = ARMS[arm]
+    spec = ARMS[recipe_arm]
     name = f"{arm}-s{seed}"
     values = base.model_dump(exclude={"run", "run_dir"})
     values.update(recipe=spec["recipe"], seed=seed, run=name, run_dir=out / "runs" / name)
+    if staleness is not None:
+        values["max_staleness"] = staleness
     values["learner"] = {**base.learner.model_dump(), **spec["learner"]}  # the section as given
     return LaunchSettings.model_validate(values)
 

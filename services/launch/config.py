@@ -10,6 +10,7 @@
     heldout: data/heldout.jsonl  # the evaluator's tasks; unset: no evaluator
     env: toy-calc
     updates: 40              # the budget: learner updates
+    max_staleness: 0         # k: trajectories up to k policy versions old train (0: the paper's protocol)
     run_config: {retention: 0.875, lease_seconds: 900}   # the tracker run's other fields
     tracker:   {...}         # TrackerSettings fields
     rollout:   {replicas: 2, concurrency: 8, ...}         # RolloutSettings fields
@@ -52,7 +53,7 @@ from services.learner.config import LearnerSettings
 from services.rollout.config import RolloutSettings
 from services.tracker.config import TrackerSettings
 from spopp.settings import Settings, SettingsError
-from spopp.tracker_api import RunConfig
+from spopp.tracker_api import MAX_STALENESS, RunConfig
 
 from .gpus import GpuPlan
 from .supervise import SupervisionSettings
@@ -98,6 +99,7 @@ OWNED: dict[str, dict[str, str]] = {
         "recipe": "use the top-level recipe",
         "max_updates": "use the top-level updates",
         "seed": "use the top-level seed",
+        "max_staleness": "use the top-level max_staleness (the tracker run's too)",
     },
     "evaluator": {
         "log_format": _LOGS,
@@ -242,6 +244,13 @@ class LaunchSettings(Settings):
         description="the environment's arguments for every replica, the evaluator and the prior, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
     )
     updates: int = Field(100, ge=1, le=10_000_000, description="budget: learner updates")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=MAX_STALENESS,
+        description="k: train on trajectories up to k policy versions old (the tracker run's and the "
+        "learner's); 0: the current version only, the paper's protocol",
+    )
     api_token: str | None = Field(
         None, min_length=16, description="bearer token of every service (prefer SPOPP_API_TOKEN)"
     )
@@ -331,16 +340,21 @@ class Plan:
             "tasks": str(Path(s.tasks).resolve()),
             "prior": str(Path(s.prior).resolve()) if s.prior else None,
             "env": s.env,
-            "run_config": self.run_config.model_dump(mode="json"),
+            # As the tracker compares it: a run launched before max_staleness existed still resumes.
+            "run_config": self.run_config.canonical(),
             # Only when set, so that runs launched before env_options existed still resume.
             **({"env_options": s.env_options} if s.env_options else {}),
         }
 
     def arm(self) -> str:
-        """The comparison arm: spo, spopp, or spopp-trajnorm (SPO++ with trajectory normalization)."""
+        """The comparison arm: spo, spopp, or spopp-trajnorm (SPO++ with trajectory normalization),
+        with -k<N> under bounded staleness max_staleness N > 0."""
         if self.launch.recipe == "spo":
-            return "spo"
-        return "spopp" if self.learner.normalization == "token" else "spopp-trajnorm"
+            arm = "spo"
+        else:
+            arm = "spopp" if self.learner.normalization == "token" else "spopp-trajnorm"
+        k = self.launch.max_staleness
+        return f"{arm}-k{k}" if k else arm
 
 
 def _build(cls: type[Settings], section: str, values: dict) -> Settings:
@@ -360,13 +374,19 @@ def _build(cls: type[Settings], section: str, values: dict) -> Settings:
 
 def _run_config(s: LaunchSettings) -> RunConfig:
     """The tracker run's config: the file's run_config and the top-level recipe, seed and model."""
-    for key in ("recipe", "seed", "base_snapshot"):
+    for key in ("recipe", "seed", "base_snapshot", "max_staleness"):
         if key in s.run_config:
             raise SettingsError(f"run_config.{key} is set by spopp launch (from the top-level settings)")
     base = str(Path(s.model).resolve())
     try:
         return RunConfig.model_validate(
-            {**s.run_config, "recipe": s.recipe, "seed": s.seed, "base_snapshot": base}
+            {
+                **s.run_config,
+                "recipe": s.recipe,
+                "seed": s.seed,
+                "base_snapshot": base,
+                "max_staleness": s.max_staleness,
+            }  # fmt: skip
         )
     except ValidationError as exc:
         raise SettingsError(
@@ -388,7 +408,7 @@ def _learner(s: LaunchSettings, run_dir: Path, tracker_url: str, port: int) -> t
         run=s.run, tracker=tracker_url, api_token=s.api_token, model=Path(s.model).resolve(),
         snapshots=run_dir / "snapshots", checkpoints=run_dir / "checkpoints", log_dir=run_dir / "learner",
         recipe=s.recipe, max_updates=s.updates, seed=s.seed, port=port, host="127.0.0.1",
-        log_format=s.log_format,
+        log_format=s.log_format, max_staleness=s.max_staleness,
     )  # fmt: skip
     learner = _build(LearnerSettings, "learner", values)
     # One rank per learner GPU unless said otherwise; on a CPU machine, one rank.

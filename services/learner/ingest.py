@@ -135,7 +135,9 @@ class TrajectoryBuffer:
 
     def _stale(self, t: Trajectory) -> Refused:
         k = self.max_staleness
-        window = f"version {self.version}" if k == 0 else f"versions {max(0, self.version - k)}..{self.version}"
+        window = (
+            f"version {self.version}" if k == 0 else f"versions {max(0, self.version - k)}..{self.version}"
+        )
         return Refused(
             409,
             "stale_policy",

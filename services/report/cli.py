@@ -64,6 +64,15 @@ DEFAULT_TITLE = "SPO++ vs SPO: held-out evaluation reward"
     "(Table 1 only; default: each pair at its common length)",
 )
 @click.option("--title", default=DEFAULT_TITLE, show_default=True, help="title of report.md and curves.png")
+@click.option(
+    "--x",
+    "x_axis",
+    type=click.Choice(["version", "time"]),
+    default="version",
+    show_default=True,
+    help="curves.png's x axis: policy version, or wall-clock time (minutes from the learner's start "
+    "to each version's publication), to see whether a faster clock (bounded staleness) pays",
+)
 def command(
     run_dirs: tuple[Path, ...],
     out: Path | None,
@@ -72,6 +81,7 @@ def command(
     kind: str,
     budget: int | None,
     title: str,
+    x_axis: str,
 ) -> None:
     from .runs import RunError, read_runs
     from .tables import build, to_json, to_markdown
@@ -86,13 +96,15 @@ def command(
     click.echo(text_json if fmt == "json" else text_md, nl=fmt == "json")
     if out is None:
         return
-    written = _write(out, runs, text_json, text_md, title, metric)
+    written = _write(out, runs, text_json, text_md, title, metric, x_axis)
     # With --format json, stdout stays one JSON document; the file list goes to stderr.
     for path in written:
         click.echo(f"wrote {path}", err=fmt == "json")
 
 
-def _write(out: Path, runs: list[Run], text_json: str, text_md: str, title: str, metric: str) -> list[Path]:
+def _write(
+    out: Path, runs: list[Run], text_json: str, text_md: str, title: str, metric: str, x_axis: str = "version"
+) -> list[Path]:
     try:
         out.mkdir(parents=True, exist_ok=True)
         paths = [out / "report.json", out / "report.md", out / "curves.png"]
@@ -103,11 +115,13 @@ def _write(out: Path, runs: list[Run], text_json: str, text_md: str, title: str,
     from .plot import draw
 
     try:
-        draw(runs, paths[2], title, metric)
+        draw(runs, paths[2], title, metric, x_axis)
     except ImportError as exc:  # matplotlib is an extra: the tables are written, the figure is not
         raise click.ClickException(
             f"curves.png needs matplotlib ({exc}); install it with pip install 'spopp[report]'"
         ) from None
+    except ValueError as exc:  # --x time on a run without the learner's times
+        raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"{paths[2]}: cannot write: {exc.strerror or exc}") from None
     return paths

@@ -47,8 +47,20 @@ def mean_band(curves: list[tuple[list[float], list[float]]]) -> tuple[list[float
     return grid, means, errors
 
 
-def draw(runs: list[Run], path: Path, title: str, metric: str) -> None:
-    """Write the figure of every run (paired or not) to `path` as a PNG."""
+def _xs(run: Run, x: str) -> list[float]:
+    if x == "version":
+        return [float(v) for v in run.versions]
+    if any(s is None for s in run.seconds):
+        raise ValueError(
+            f"run {run.label}: --x time needs the learner's metrics.jsonl with each scored version's "
+            "publication; it is missing or incomplete"
+        )
+    return [s / 60.0 for s in run.seconds]
+
+
+def draw(runs: list[Run], path: Path, title: str, metric: str, x: str = "version") -> None:
+    """Write the figure of every run (paired or not) to `path` as a PNG; `x` is "version" or
+    "time" (minutes from the learner's start to each version's publication)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -60,7 +72,7 @@ def draw(runs: list[Run], path: Path, title: str, metric: str) -> None:
     for arm in arms:
         color = COLORS.get(arm) or next(others)
         replicates = [r for r in runs if r.arm == arm]
-        curves = [([float(v) for v in r.versions], trailing_mean(r.rewards, SMOOTHING)) for r in replicates]
+        curves = [(_xs(r, x), trailing_mean(r.rewards, SMOOTHING)) for r in replicates]
         for xs, ys in curves:
             ax.plot(xs, ys, color=color, linewidth=0.8, alpha=0.35)
         grid, means, errors = mean_band(curves)
@@ -74,7 +86,7 @@ def draw(runs: list[Run], path: Path, title: str, metric: str) -> None:
                 linewidth=0,
             )
         ax.plot(grid, means, color=color, linewidth=2.2, label=f"{arm_name(arm)} (n={len(replicates)})")
-    ax.set_xlabel("policy version")
+    ax.set_xlabel("policy version" if x == "version" else "wall-clock minutes since the learner started")
     ax.set_ylabel(f"evaluation reward ({metric})")
     ax.set_title(title, fontsize=11)
     ax.grid(True, alpha=0.3)

@@ -20,6 +20,9 @@ from spopp.records import EvalRecord, RunRecord
 
 RUN_FILE = "run.json"
 EVALS_FILE = Path("eval") / "evals.jsonl"
+LEARNER_FILE = Path("learner") / "metrics.jsonl"
+# The parts of an update record that together are the learner's time for it.
+_UPDATE_PARTS = ("batch_wait_s", "update_seconds", "publish_s", "checkpoint_s")
 
 
 class RunError(ValueError):
@@ -37,6 +40,9 @@ class Run:
     steps: list[int | None] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
+    # Seconds from the learner's start to the publication of each scored version (None where the
+    # learner's log does not say); `--x time` draws against them.
+    seconds: list[float | None] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -53,6 +59,7 @@ class Run:
             "steps": self.steps,
             "rewards": self.rewards,
             "skipped_versions": self.skipped,
+            "seconds": self.seconds,
         }
 
 
@@ -134,7 +141,35 @@ def read_run(folder: Path, metric: str, warnings: list[str]) -> Run:
         warnings.append(f"run {run.label}: skipped versions left out of its curve: {listed}")
     if not run.rewards:
         raise RunError(f"{path}: no scored evaluation points (run {run.name})")
+    published = publication_seconds(folder / LEARNER_FILE)
+    run.seconds = [published.get(v) for v in run.versions]
     return run
+
+
+def publication_seconds(path: Path) -> dict[int, float]:
+    """{policy version: seconds from the learner's start to its publication}, from the learner's
+    metrics.jsonl (version 0 at 0); {} without the file. The start is the first record's time less
+    what that update took (its wait for a batch included); a line that does not parse is skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            records.append((float(record["time"]), int(record["policy_version"]), record))
+        except (ValueError, KeyError, TypeError):
+            continue
+    if not records:
+        return {}
+    first = records[0][2]
+    start = records[0][0] - sum(float(first.get(k) or 0.0) for k in _UPDATE_PARTS)
+    out = {0: 0.0}
+    for when, version, record in records:
+        if "publish_s" in record:  # this update published version + 1
+            out[version + 1] = when - start
+    return out
 
 
 def _add_line(run: Run, path: Path, n: int, data: Any, metric: str) -> None:

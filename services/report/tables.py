@@ -1,4 +1,6 @@
-"""The paired results: Table 1 (SPO++ vs SPO by seed), Table 2 (the normalization ablation by C10).
+"""The paired results: Table 1 (SPO++ vs SPO by seed), Table 2 (the normalization ablation by C10),
+Table 3 (an arm under bounded staleness, e.g. spopp-k1, against its k = 0 arm: by version and by
+wall-clock time).
 
 Runs pair by seed across arms. Each pair is cut to its common number of points before anything
 is computed, so that a run that stopped early is not scored against the other's longer, usually
@@ -27,8 +29,56 @@ ABLATION_ROWS = (
 )
 
 
+def staleness_arm(arm: str) -> tuple[str, int] | None:
+    """(the k = 0 arm, k) of an arm under bounded staleness (spopp-k1 -> (spopp, 1)), else None."""
+    base, sep, k = arm.rpartition("-k")
+    return (base, int(k)) if sep and base in ARM_NAMES and k.isdigit() and int(k) > 0 else None
+
+
 def arm_name(arm: str) -> str:
+    if (stale := staleness_arm(arm)) is not None:
+        return f"{ARM_NAMES[stale[0]]} (k = {stale[1]})"
     return ARM_NAMES.get(arm, arm)
+
+
+def staleness_pairs(runs: list[Run], kind: str, warnings: list[str]) -> list[dict[str, Any]]:
+    """Each run under bounded staleness beside its k = 0 arm of the same seed, at their common
+    points: the curve by version (area, end) and the wall-clock time to get there, so a reader
+    sees whether the faster clock pays for the staleness."""
+    out = []
+    for seed, arms in sorted(_by_seed(runs).items()):
+        for arm, run in sorted(arms.items()):
+            stale = staleness_arm(arm)
+            if stale is None:
+                continue
+            base = arms.get(stale[0])
+            if base is None:
+                warnings.append(
+                    f"run {run.label} (arm {arm}, seed {seed}) has no {stale[0]} partner: no Table 3 row"
+                )
+                continue
+            points = min(len(base.rewards), len(run.rewards))
+            entry: dict[str, Any] = {
+                "seed": seed,
+                "arm": arm,
+                "base": stale[0],
+                "k": stale[1],
+                "points": points,
+            }
+            for key, r in (("k0", base), ("k", run)):
+                curve = r.rewards[:points]
+                entry[key] = {
+                    "area": area(curve, kind),
+                    "end": end_reward(curve),
+                    "version": r.versions[points - 1],
+                    "seconds": r.seconds[points - 1] if r.seconds else None,
+                }
+            entry["d_area"] = POINTS * (entry["k"]["area"] - entry["k0"]["area"])
+            entry["d_end"] = POINTS * (entry["k"]["end"] - entry["k0"]["end"])
+            s0, s1 = entry["k0"]["seconds"], entry["k"]["seconds"]
+            entry["speedup"] = s0 / s1 if s0 and s1 else None
+            out.append(entry)
+    return out
 
 
 def _by_seed(runs: list[Run]) -> dict[int, dict[str, Run]]:
@@ -161,7 +211,7 @@ def build(
 ) -> dict[str, Any]:
     """The whole report as one JSON-ready dict (see the module docstring)."""
     for run in runs:
-        if run.arm not in ARM_NAMES:
+        if run.arm not in ARM_NAMES and staleness_arm(run.arm) is None:
             warnings.append(
                 f"run {run.label}: arm {run.arm!r} is none of {', '.join(ARM_NAMES)}: drawn, in no table"
             )
@@ -183,6 +233,7 @@ def build(
         "pairs": pairs,
         "table": main_table(pairs),
         "ablation": ablation(runs, warnings),
+        "staleness": staleness_pairs(runs, kind, warnings),
         "warnings": list(warnings),
     }
 
@@ -261,6 +312,27 @@ def to_markdown(report: dict[str, Any]) -> str:
             out.append("")
             out += ["| comparison | Δ C10 (points) |", "|---|---|"]
             out += [f"| {name} | {row['text']} |" for name, row in ablation_["rows"].items()]
+    if report.get("staleness"):
+        out += ["", "## Table 3: bounded staleness against k = 0", ""]
+        out.append(
+            "Each pair at its common points. Time: seconds from the learner's start to the "
+            "publication of the last common version; speed-up = the k = 0 run's time over the "
+            "other's. Δ in percentage points (other − k = 0)."
+        )
+        out.append("")
+        out.append(
+            "| seed | arms | points | area k=0 | area | Δ area | end k=0 | end | Δ end | time k=0 | time | speed-up |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for p in report["staleness"]:
+            a, b = p["k0"], p["k"]
+            t0 = "n/a" if a["seconds"] is None else f"{a['seconds']:.0f} s"
+            t1 = "n/a" if b["seconds"] is None else f"{b['seconds']:.0f} s"
+            up = "n/a" if p["speedup"] is None else f"{p['speedup']:.2f}x"
+            out.append(
+                f"| {p['seed']} | {p['arm']} vs {p['base']} | {p['points']} | {a['area']:.3f} | {b['area']:.3f} "
+                f"| {p['d_area']:+.1f} | {a['end']:.3f} | {b['end']:.3f} | {p['d_end']:+.1f} | {t0} | {t1} | {up} |"
+            )
     if report["warnings"]:
         out += ["", "## Warnings", ""]
         out += [f"- {_cell(w)}" for w in report["warnings"]]

@@ -49,7 +49,14 @@ class RolloutSettings(ClaimSettings):
         "instead of waiting for a dispatch; unset: a quarter of concurrency (at least 1)",
     )
     drain: Literal["finish", "abort"] = Field(
-        "finish", description="on a new policy: let in-flight episodes finish, or release their leases"
+        "finish",
+        description="on a new policy: let in-flight episodes finish, or release their leases (with "
+        "the run's max_staleness k > 0, only episodes more than k versions old are drained)",
+    )
+    swap: Literal["turn", "episode"] = Field(
+        "turn",
+        description="with the run's max_staleness k > 0, when new weights come in: between the turns "
+        "of running episodes (each token's version is recorded), or once running episodes end",
     )
     max_turns: int = Field(8, ge=1, le=1000, description="model turns per episode")
     max_tokens_per_turn: int = Field(1024, ge=1, description="tokens per model turn")

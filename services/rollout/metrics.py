@@ -22,6 +22,11 @@ class RolloutMetrics:
             registry=r,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
+        self.mixed_episodes = Counter(
+            "spopp_rollout_mixed_episodes",
+            "episodes whose weights changed between turns (bounded staleness, swap: turn)",
+            registry=r,
+        )
         self.drained = Counter(
             "spopp_rollout_drained_episodes", "old-version episodes the learner refused", registry=r
         )

@@ -9,6 +9,10 @@ deliveries.py): those that finish while a call is on its way leave together in t
 When the tracker answers a dispatch with 409, a newer policy is out: the worker releases the
 leases it holds ready, stops dispatching, drains (`finish`: in-flight episodes complete and
 report; `abort`: their leases are released), swaps in the new snapshot's weights and goes on.
+Under bounded staleness (the run's max_staleness k > 0) nothing that may still train waits: the
+weights change between turns (services/rollout/swap.py records each token's version) or at
+episode ends (`swap`), ready leases within k versions are kept, and only episodes now more than
+k versions old are drained.
 Leases of long episodes are renewed. The replica keeps nothing the system needs: killed at any
 moment, its leases expire at the tracker.
 
@@ -53,6 +57,7 @@ from .config import RolloutSettings
 from .deliveries import TrajectoryBatcher, Undelivered
 from .metrics import RolloutMetrics
 from .outcomes import OutcomeBatcher
+from .swap import VersionedEngine
 
 log = logging.getLogger("spopp.rollout")
 
@@ -93,7 +98,8 @@ class Worker:
         metrics: RolloutMetrics | None = None,
     ) -> None:
         self.s = settings
-        self.engine = engine
+        # Behind the swap gate: every generation carries the policy version that made it.
+        self.engine = VersionedEngine(engine)
         self.make_env = make_env
         self.tasks = tasks
         self.metrics = metrics or RolloutMetrics()
@@ -135,6 +141,7 @@ class Worker:
         self.stopping = asyncio.Event()
         self.fatal: Exception | None = None
         self.lease_seconds = 900.0
+        self.max_staleness = 0  # the run's k, read at start
         self._episodes = 0
         # This replica's counts for its heartbeats: trajectories the learner accepted, episodes
         # played to the end; `counted` is what the tracker had of this worker id at start.
@@ -175,12 +182,46 @@ class Worker:
             return
         if snapshot and version > 0:
             t0 = time.perf_counter()
-            await self.engine.load_weights(snapshot_path(snapshot))
-            self.metrics.reload_seconds.observe(time.perf_counter() - t0)
+            waited = await self.engine.swap(snapshot_path(snapshot), version)
+            if self.max_staleness:  # episodes went on: the swap waited for their running turns only
+                self.metrics.drain_seconds.observe(waited)
+            self.metrics.reload_seconds.observe(time.perf_counter() - t0 - waited)
             self.metrics.reloads.inc()
             log.info("policy v%d loaded from %s in %.2f s", version, snapshot, time.perf_counter() - t0)
+        else:
+            await self.engine.swap(None, version)
         self.version, self.snapshot = version, snapshot
         self.metrics.policy_version.set(version)
+
+    async def _new_policy(self, version: int, snapshot: str | None) -> None:
+        """A newer policy is out (a dispatch said so): drain (k = 0), or keep going (k > 0), then
+        load it."""
+        if self.max_staleness == 0:
+            await self._drain()
+        else:
+            await self._keep_going(version)
+        await self._follow(version, snapshot)
+
+    async def _keep_going(self, version: int) -> None:
+        """Bounded staleness: episodes dispatched within k versions of `version` may still train,
+        so they go on (`swap: turn`: under the new weights from their next turn; `episode`: to
+        their end under the old ones, new episodes waiting). Those older than that can only feed
+        the tracker's evidence now: `drain` says whether they finish (and report) or are released."""
+        floor = version - self.max_staleness
+        late = [lease for lease in self.ready if lease.policy_version < floor]
+        if late:
+            self.ready = [lease for lease in self.ready if lease.policy_version >= floor]
+            self.metrics.prefetched.set(len(self.ready))
+            await asyncio.gather(*(self._release(lease) for lease in late))
+        if self.s.drain == "abort":
+            for task, lease in list(self.inflight.items()):
+                if lease.policy_version < floor:
+                    task.cancel()
+        if self.s.swap == "episode" and self.inflight:
+            t0 = time.perf_counter()
+            log.info("swap at episode ends: %d episodes finish under the old weights", len(self.inflight))
+            await asyncio.gather(*self.inflight, return_exceptions=True)
+            self.metrics.drain_seconds.observe(time.perf_counter() - t0)
 
     async def _drain(self) -> None:
         t0 = time.perf_counter()
@@ -261,6 +302,7 @@ class Worker:
         run = await self.tracker.get_run(self.s.run)
         # A run's configuration never changes: read its lease length once, not per episode.
         self.lease_seconds = run.config.lease_seconds
+        self.max_staleness = run.config.max_staleness
         if run.status == "finished":
             raise _finished(run)
         # A restarted replica counts on from what the tracker has of it, so its counts add up.
@@ -343,8 +385,7 @@ class Worker:
                 self.tracker.dispatch(self.s.run, self.s.worker_id, self.version, want)
             )
         except StalePolicy as stale:
-            await self._drain()
-            await self._follow(stale.policy_version, stale.snapshot)
+            await self._new_policy(stale.policy_version, stale.snapshot)
             return None
         except RunFinished:
             raise
@@ -542,6 +583,9 @@ class Worker:
                 log.warning("renewal of %s failed: %s", lease.request_id, exc)
 
     async def _post(self, lease: Lease, ep: Episode, value: float, advantage: float | None) -> None:
+        versions = token_versions(lease, ep)
+        if versions is not None:
+            self.metrics.mixed_episodes.inc()
         body = Trajectory(
             run=self.s.run,
             request_id=lease.request_id,
@@ -550,6 +594,7 @@ class Worker:
             token_ids=ep.token_ids,
             action_mask=ep.action_mask,
             rollout_logprobs=ep.rollout_logprobs,
+            token_versions=versions,
             reward=ep.reward,
             value=value,
             advantage=advantage,
@@ -580,6 +625,15 @@ class Worker:
         elif d.status >= 400:
             log.error("learner refused %s: %s %s %s", lease.request_id, d.status, d.code, d.message)
         self.metrics.posted.labels(str(d.status)).inc()
+
+
+def token_versions(lease: Lease, ep: Episode) -> list[int] | None:
+    """The version of every token where a swap fell inside the episode, else None (all of them
+    are the dispatch's version: the record stays as small as before)."""
+    if len(ep.token_versions) != len(ep.token_ids):
+        return None  # an engine outside the gate: versions unknown, the dispatch's stands
+    versions = [lease.policy_version if v is None else v for v in ep.token_versions]
+    return versions if any(v != lease.policy_version for v in versions) else None
 
 
 def _finished(run: Run) -> RunFinished:
