@@ -78,20 +78,26 @@ class Scraper(threading.Thread):
             self.stop.wait(self.period)
 
 
-def profile(demo: Path) -> dict:
+STALENESS = (0, 1, 2)  # max_staleness of the runs behind the staleness line
+
+
+def profile(demo: Path, max_staleness: int = 0) -> dict:
     if not (demo / "prior.json").is_file() or not (demo / "launch.yaml").is_file():
         _progress(f"{demo} has no demo yet: running python -m tools.demo --out {demo} --seeds 0")
         subprocess.run([sys.executable, "-m", "tools.demo", "--out", str(demo), "--seeds", "0"], check=True)
-    run_dir = demo / "profile" / "spopp-s9"
+    name = "spopp-s9" + (f"-k{max_staleness}" if max_staleness else "")
+    run_dir = demo / "profile" / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
+    _progress(f"profile run {name} (max_staleness {max_staleness})")
     scraper = Scraper(run_dir / "config" / "rollout-0.yaml")
     scraper.start()
     env = environ_without_settings()
     t0 = time.monotonic()
     subprocess.run(
         [sys.executable, "-m", "services.cli", "launch", str(demo / "launch.yaml"), "--set", "recipe=spopp",
-         "--set", "seed=9", "--set", "run=profile-spopp-s9", "--set", f"run_dir={run_dir}"],
+         "--set", "seed=9", "--set", f"run=profile-{name}", "--set", f"run_dir={run_dir}",
+         "--set", f"max_staleness={max_staleness}"],
         check=True, env=env,
     )  # fmt: skip
     wall = time.monotonic() - t0
@@ -123,10 +129,17 @@ def profile(demo: Path) -> dict:
         "drains": delta("spopp_rollout_drain_seconds_count"), "swaps": delta("spopp_rollout_weight_reloads_total"),
         "in_flight": sum(scraper.in_flight) / max(1, len(scraper.in_flight)),
         "concurrency": launch["rollout"]["concurrency"], "batch": launch["learner"]["batch_size"],
+        "staleness_mean": sum(s.get("staleness_mean", 0.0) for s in steps) / len(steps),
     }  # fmt: skip
 
 
-def markdown(r: dict, command: str) -> str:
+def staleness_line(rates: dict[int, float]) -> str:
+    """`staleness: updates/h s0 X, s1 Y, s2 Z (s1/s0 R)` from {k: updates per hour}."""
+    listed = ", ".join(f"s{k} {rate:,.0f}" for k, rate in sorted(rates.items()))
+    return f"staleness: updates/h {listed} (s1/s0 {rates[1] / rates[0]:.2f})"
+
+
+def markdown(r: dict, command: str, stale: dict[int, dict] | None = None) -> str:
     sh = r["learner"]
     return "\n".join([
         HEAD, "",
@@ -151,7 +164,28 @@ def markdown(r: dict, command: str) -> str:
         "version per update, so each batch is collected under the newest weights); the replica drains at every new "
         "policy, and with one replica on a shared CPU the two mostly take turns.",
         "",
+        *(_staleness_section(stale) if stale else []),
     ])  # fmt: skip
+
+
+def _staleness_section(stale: dict[int, dict]) -> list[str]:
+    """The same configuration at max_staleness k = 0, 1, 2 (runs one after another, same seed)."""
+    rows = [
+        f"| {k} | {r['updates_per_hour']:,.0f} | {r['updates_per_hour'] / stale[0]['updates_per_hour']:.2f} "
+        f"| {r['learner']['batch_wait_s']:.2f} | {r['staleness_mean']:.2f} | {r['drain']:.2f} | {r['launch_wall']:.1f} s |"
+        for k, r in sorted(stale.items())
+    ]
+    return [
+        "### Bounded staleness: the same run at max_staleness k = 0, 1, 2", "",
+        "`" + staleness_line({k: r["updates_per_hour"] for k, r in stale.items()}) + "`", "",
+        "| k | updates per hour | vs k = 0 | learner waiting | mean staleness of a batch (versions) "
+        "| replica waiting at swaps | launch wall |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *rows, "",
+        "With k = 0 each batch is generated after the previous update's publication, so the learner and the "
+        "replica take turns; with k >= 1 the replica's episodes during an update count for the next one "
+        "(corrected as stale where an older version generated them), and the two overlap.", "",
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -159,9 +193,10 @@ def main() -> None:
     ap.add_argument("--demo", type=Path, default=Path("demo-out"), help="the demo folder (make demo's)")
     ap.add_argument("--out", type=Path, help="write the section into this markdown file")
     args = ap.parse_args()
-    r = profile(args.demo.resolve())
-    section = markdown(r, "make profile")
+    stale = {k: profile(args.demo.resolve(), k) for k in STALENESS}
+    section = markdown(stale[0], "make profile", stale)
     print(section)
+    print(staleness_line({k: r["updates_per_hour"] for k, r in stale.items()}))
     if args.out:
         write_section(args.out, section, HEAD)
 
