@@ -222,3 +222,21 @@ def test_staleness_stats_histogram():
     assert st == {"staleness_mean": 5 / 6, "staleness_max": 2.0, "staleness_0": 2.0, "staleness_1": 3.0,
                   "staleness_2": 1.0}  # fmt: skip
     assert staleness_stats([0, 0], 0) == {"staleness_mean": 0.0, "staleness_max": 0.0, "staleness_0": 2.0}
+
+
+def test_staleness_diagnostics_reach_prometheus():
+    from prometheus_client import generate_latest
+
+    from services.learner.metrics import LearnerMetrics
+
+    m = LearnerMetrics()
+    stats = {"tokens": 10.0, "tokens_per_s": 5.0, "clip_fraction": 0.25, "behaviour_weight_mean": 0.9,
+             "behaviour_cut_fraction": 0.1}  # fmt: skip
+    m.observe_update(stats, lags=[0, 1, 1, 2])
+    text = generate_latest(m.registry).decode()
+    assert 'spopp_learner_trajectory_staleness_bucket{le="0.0"} 1.0' in text
+    assert 'spopp_learner_trajectory_staleness_bucket{le="1.0"} 3.0' in text
+    assert "spopp_learner_trajectory_staleness_sum 4.0" in text
+    assert "spopp_learner_behaviour_weight_mean 0.9" in text
+    assert "spopp_learner_behaviour_cut_fraction 0.1" in text
+    assert "spopp_learner_clip_fraction 0.25" in text

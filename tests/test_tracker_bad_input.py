@@ -208,6 +208,10 @@ CASES = [
     ("run conflict", "PUT", "", {"recipe": "spo"}, 409, "run_conflict"),
     ("unknown recipe", "PUT", "", {"recipe": "grpo"}, 422, "invalid"),
     ("retention 1", "PUT", "", {"recipe": "spopp", "retention": 1.0}, 422, "invalid"),
+    ("max_staleness 65", "PUT", "", {"recipe": "spopp", "max_staleness": 65}, 422, "invalid"),
+    ("max_staleness negative", "PUT", "", {"recipe": "spopp", "max_staleness": -1}, 422, "invalid"),
+    ("max_staleness fractional", "PUT", "", {"recipe": "spopp", "max_staleness": 1.5}, 422, "invalid"),
+    ("max_staleness string", "PUT", "", {"recipe": "spopp", "max_staleness": "1"}, 422, "invalid"),
     ("dispatch worker id of 129", "POST", "/dispatch", {"worker_id": "w" * 129, "policy_version": 0, "max_requests": 1}, 422, "invalid"),
     # Finishing a run: only at its current version (0 here), with a short printable reason.
     ("finish another version", "POST", "/finish", {"version": 3}, 409, "version_mismatch"),

@@ -65,6 +65,25 @@ class LearnerMetrics:
         self.policy_version = Gauge(
             "spopp_learner_policy_version", "policy version the intake accepts", registry=r
         )
+        self.staleness = Histogram(
+            "spopp_learner_trajectory_staleness",
+            "policy versions between a trained trajectory's dispatch and the version trained",
+            registry=r,
+            buckets=(0, 1, 2, 3, 4, 8, 16, 64),
+        )
+        self.clip_fraction = Gauge(
+            "spopp_learner_clip_fraction", "share of the last update's tokens where a clip bound", registry=r
+        )
+        self.behaviour_weight = Gauge(
+            "spopp_learner_behaviour_weight_mean",
+            "mean off-policy weight of the last update's stale tokens (0: none was stale)",
+            registry=r,
+        )
+        self.behaviour_cut = Gauge(
+            "spopp_learner_behaviour_cut_fraction",
+            "share of the last update's stale tokens whose weight passed behaviour_cap",
+            registry=r,
+        )
         self.publish_seconds = Histogram(
             "spopp_learner_publish_seconds", "snapshot + tracker publish time", registry=r, buckets=_SLOW
         )
@@ -82,7 +101,13 @@ class LearnerMetrics:
     def refuse(self, reason: str) -> None:
         self.refused.labels(reason).inc()
 
-    def observe_update(self, stats: dict) -> None:
+    def observe_update(self, stats: dict, lags: list[int] = ()) -> None:
+        """One update's statistics and its trajectories' staleness (versions behind, each)."""
         self.updates.inc()
         self.trained_tokens.inc(stats["tokens"])
         self.tokens_per_s.set(stats["tokens_per_s"])
+        self.clip_fraction.set(stats["clip_fraction"])
+        self.behaviour_weight.set(stats.get("behaviour_weight_mean", 0.0))
+        self.behaviour_cut.set(stats.get("behaviour_cut_fraction", 0.0))
+        for lag in lags:
+            self.staleness.observe(lag)

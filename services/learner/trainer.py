@@ -269,7 +269,8 @@ class Learner:
             torch.tensor(raw, dtype=torch.float64), torch.tensor(lengths), measure=self.cfg.normalization
         )
         stats = run_update(self.engine, batch, adv.tolist(), self.cfg, version=self.version)
-        self.prometheus.observe_update(stats)
+        lags = [self.version - t.policy_version for t in batch]
+        self.prometheus.observe_update(stats, lags)
         if self.spo is not None:
             drifts = self.spo.after_update(batch, self._logprobs)
             if self.rank == 0:
@@ -293,7 +294,7 @@ class Learner:
             response_tokens_mean=sum(lengths) / len(lengths),
             advantage_raw_mean=sum(raw) / len(raw),
             batch_wait_s=waited,
-            **staleness_stats([self.version - t.policy_version for t in batch], self.cfg.max_staleness),
+            **staleness_stats(lags, self.cfg.max_staleness),
         )
         if self.step % self.cfg.updates_per_publish == 0:
             stats.update(self.publish(record={"step": self.step, "time": time.time(), **stats}))
