@@ -29,7 +29,10 @@ class RunRecord(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     run: str | None = Field(None, description="the run's name at the tracker")
-    arm: str = Field(min_length=1, description="the comparison arm: spo, spopp, spopp-trajnorm")
+    arm: str = Field(
+        min_length=1,
+        description="the comparison arm: spo, spopp, spopp-trajnorm; -k<N> under max_staleness N",
+    )
     recipe: str | None = Field(None, description="spopp or spo")
     normalization: str | None = Field(None, description="the learner's advantage normalization")
     seed: StrictInt = Field(description="the run's seed")

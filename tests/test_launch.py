@@ -102,6 +102,9 @@ def _refused(toy, tmp_path, expect: str, **over) -> None:
         ),
         ({"run_config": {"retention": 1.5}}, "run_config.retention"),
         ({"run_config": {"recipe": "spo"}}, "run_config.recipe is set by spopp launch"),
+        ({"run_config": {"max_staleness": 1}}, "run_config.max_staleness is set by spopp launch"),
+        ({"learner": {"max_staleness": 1}}, "learner: max_staleness is set by spopp launch"),
+        ({"max_staleness": 65}, "max_staleness"),
         ({"evaluator": {"enabled": "maybe"}}, "evaluator.enabled: Input should be a valid boolean"),
         ({"rollout": {"replicas": 0}}, "rollout.replicas: Input should be greater than or equal to 1"),
         ({"rollout": {"concurrency": "many"}}, "rollout.concurrency: Input should be a valid integer"),
@@ -184,6 +187,25 @@ def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
     with pytest.raises(ValueError, match="each arm sets it"):
         arm_settings(LaunchSettings.model_validate({**base.model_dump(), "learner": {"dual_clip": 3.0}}),
                      "spo", 0, tmp_path)  # fmt: skip
+
+
+def test_staleness_arms_set_k_for_the_tracker_run_and_the_learner_alike(toy, tmp_path):
+    from services.launch.compare import parse_arm
+    from services.launch.config import plan, port_requests
+
+    base = resolve(config(toy, tmp_path))
+    for arm, k in (("spopp", 0), ("spopp-k1", 1), ("spo-k2", 2)):
+        s = arm_settings(base, arm, 4, tmp_path)
+        p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
+        assert (s.max_staleness, p.run_config.max_staleness, p.learner.max_staleness) == (k, k, k)
+        assert p.arm() == arm and s.run == f"{arm}-s4"
+    # Without a suffix an arm keeps the base's k.
+    kept = LaunchSettings.model_validate({**base.model_dump(), "max_staleness": 2})
+    assert arm_settings(kept, "spopp", 0, tmp_path).max_staleness == 2
+    assert parse_arm("spopp-trajnorm-k3") == ("spopp-trajnorm", 3)
+    for bad in ("spopp-kx", "grpo-k1", "spopp-k"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            parse_arm(bad)
 
 
 def test_the_example_config_is_valid_on_a_five_gpu_node():

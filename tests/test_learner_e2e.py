@@ -2,7 +2,10 @@
 
 For both recipes (SPO++ with token normalization, SPO with trajectory normalization) the learner
 trains on the replica's trajectories, publishes snapshots that the tracker announces and the
-replica reloads; SPO's evidence moves only through /consume.
+replica reloads; SPO's evidence moves only through /consume. The one-rank SPO++ run is under
+bounded staleness (max_staleness 1): the replica keeps generating across swaps and the learner
+trains on trajectories of the previous version too (k = 0 runs end to end in the other two, in the
+launch, supervision and demo tests).
 """
 
 import json
@@ -21,20 +24,24 @@ N_TASKS = 12
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "recipe,measure,dual_clip,nproc",
-    [("spopp", "token", 2.0, 1), ("spo", "trajectory", 10.0, 1), ("spopp", "token", 2.0, 2)],
+    "recipe,measure,dual_clip,nproc,k",
+    [("spopp", "token", 2.0, 1, 1), ("spo", "trajectory", 10.0, 1, 0), ("spopp", "token", 2.0, 2, 0)],
+    ids=["spopp-staleness-k1", "spo", "spopp-2ranks"],
 )
 def test_three_services_train_publish_and_reload(
-    tiny_model, tracker, client, run_name, tmp_path, recipe, measure, dual_clip, nproc
+    tiny_model, tracker, client, run_name, tmp_path, recipe, measure, dual_clip, nproc, k
 ):
     tasks = generate_arithmetic_tasks(N_TASKS, seed=0)  # the replica's --generated-tasks
-    client.put_run(run_name, {"recipe": recipe, "lease_seconds": 30, "base_snapshot": str(tiny_model)})
+    client.put_run(
+        run_name,
+        {"recipe": recipe, "lease_seconds": 30, "base_snapshot": str(tiny_model), "max_staleness": k},
+    )
     client.put_tasks(run_name, [{"task_id": t.task_id, "outcomes": [1, 0, 0, 0, 1, 0, 0, 0]} for t in tasks])
     updates = 3
     # No evaluator runs: the learner trains and prunes without one.
     config, learner_port = learner_config(
         tmp_path, tracker.url, tiny_model, run_name, recipe=recipe, normalization=measure, dual_clip=dual_clip,
-        lr=1e-4, max_updates=updates,
+        lr=1e-4, max_updates=updates, max_staleness=k,
     )  # fmt: skip
     replica_port = free_port()
     # nproc 2: the CLI relaunches itself under torchrun; rank 0 serves the intake.
@@ -79,6 +86,14 @@ def test_three_services_train_publish_and_reload(
     )  # fmt: skip
     for key in logged:
         assert all(key in r for r in records), key
+    # Each batch's staleness histogram covers it; with k = 1 the episodes generated during an
+    # update train in the next one (one version old), corrected as stale tokens.
+    assert all(sum(r[f"staleness_{i}"] for i in range(k + 1)) == 8 for r in records)
+    if k:
+        assert sum(r["staleness_1"] for r in records) > 0 and sum(r["stale_tokens"] for r in records) > 0
+        assert all(r["behaviour_weight_max"] > 0 for r in records if r["stale_tokens"])
+    else:
+        assert all(r["staleness_max"] == 0 and r["stale_tokens"] == 0 for r in records)
     snaps = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
     assert snaps == ["v000002", "v000003"]  # keep_snapshots = 2, no hold
     manifest = json.loads((tmp_path / "snapshots" / "v000003" / "manifest.json").read_text())

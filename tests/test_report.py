@@ -509,3 +509,53 @@ def test_spopp_report_from_a_subprocess(runs_root, tmp_path):
     md = (out_dir / "report.md").read_text()
     assert "| Δ area (points) |" in md and "| pairs won (area) | 2/3 |" in md
     assert md in proc.stdout
+
+
+def write_learner_log(folder: Path, seconds_per_version: float) -> None:
+    """The learner's metrics.jsonl of a run whose versions come every `seconds_per_version`: the
+    first update (waiting 2 s for its batch) starts the clock."""
+    (folder / "learner").mkdir()
+    lines = []
+    for step in range(1, 9):
+        when = 1.7e9 + step * seconds_per_version
+        lines.append({"step": step, "time": when, "policy_version": step - 1, "publish_s": 0.1,
+                      "batch_wait_s": 2.0 if step == 1 else 0.5, "update_seconds": seconds_per_version - 2.1})  # fmt: skip
+    (folder / "learner" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_staleness_table_pairs_k_against_k0_by_version_and_by_time(tmp_path):
+    """Table 3: spopp-k1 against spopp of the same seed: areas and ends by hand, and the seconds
+    to the last common version from the learners' logs (version v published v * T after a start
+    that is T before the first record, with T = 10 s at k = 0 and 5 s at k = 1)."""
+    root = tmp_path / "runs"
+    for arm, rewards, period in (("spopp", [0.0, 0.2, 0.4], 10.0), ("spopp-k1", [0.0, 0.4, 0.4, 0.6], 5.0)):
+        write_learner_log(write_run(root, arm, 0, rewards), period)
+    code, report, _ = invoke(root, "--format", "json")
+    assert code == 0
+    [row] = report["staleness"]
+    assert (row["arm"], row["base"], row["k"], row["points"]) == ("spopp-k1", "spopp", 1, 3)
+    assert row["k0"]["area"] == pytest.approx((0.1 + 0.3) / 2) and row["stale"]["area"] == pytest.approx(
+        (0.2 + 0.4) / 2
+    )
+    assert row["d_area"] == pytest.approx(10.0)
+    # Points at versions 0, 2, 4: version 4 published at 4 * T after the start (first record T - T).
+    assert row["k0"]["seconds"] == pytest.approx(40.0) and row["stale"]["seconds"] == pytest.approx(20.0)
+    assert row["speedup"] == pytest.approx(2.0)
+    assert not any("in no table" in w for w in report["warnings"])
+    _, md, _ = invoke(root)
+    assert "## Table 3: bounded staleness against k = 0" in md and "| 0 | spopp-k1 vs spopp | 3 |" in md
+    assert "2.00x" in md
+
+
+def test_x_time_draws_against_minutes_and_needs_the_learners_log(tmp_path):
+    root = tmp_path / "runs"
+    write_learner_log(write_run(root, "spopp", 0, [0.0, 0.2, 0.4]), 10.0)
+    bare = write_run(tmp_path / "other", "spopp-k1", 0, [0.0, 0.3])
+    out = tmp_path / "report"
+    code, _, _ = invoke(root, "--out", out, "--x", "time")
+    assert code == 0 and (out / "curves.png").read_bytes()[:8] == PNG_MAGIC
+    result = CliRunner().invoke(command, [str(root), str(bare), "--out", str(out), "--x", "time"])
+    assert result.exit_code != 0 and "--x time needs the learner's metrics.jsonl" in result.output
+    # Table 3 without times still compares by version, and says n/a for the clock.
+    _, md, _ = invoke(root, bare)
+    assert "| n/a | n/a |" in md

@@ -91,7 +91,9 @@ def test_staleness_outcomes_k_versions_late_are_receipt_order_invariant(client, 
         for version in range(6):
             if version:
                 client.publish(run, version, f"s{version}")
-            held[version] = [(r, float(rnd.random() < 0.5)) for r in client.dispatch(run, "w", version, 4).requests]
+            held[version] = [
+                (r, float(rnd.random() < 0.5)) for r in client.dispatch(run, "w", version, 4).requests
+            ]
             late = held.pop(version - k, [])  # dispatched k versions ago: reported now
             if order == "reversed":
                 late = late[::-1]

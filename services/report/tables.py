@@ -65,7 +65,7 @@ def staleness_pairs(runs: list[Run], kind: str, warnings: list[str]) -> list[dic
                 "k": stale[1],
                 "points": points,
             }
-            for key, r in (("k0", base), ("k", run)):
+            for key, r in (("k0", base), ("stale", run)):
                 curve = r.rewards[:points]
                 entry[key] = {
                     "area": area(curve, kind),
@@ -73,9 +73,9 @@ def staleness_pairs(runs: list[Run], kind: str, warnings: list[str]) -> list[dic
                     "version": r.versions[points - 1],
                     "seconds": r.seconds[points - 1] if r.seconds else None,
                 }
-            entry["d_area"] = POINTS * (entry["k"]["area"] - entry["k0"]["area"])
-            entry["d_end"] = POINTS * (entry["k"]["end"] - entry["k0"]["end"])
-            s0, s1 = entry["k0"]["seconds"], entry["k"]["seconds"]
+            entry["d_area"] = POINTS * (entry["stale"]["area"] - entry["k0"]["area"])
+            entry["d_end"] = POINTS * (entry["stale"]["end"] - entry["k0"]["end"])
+            s0, s1 = entry["k0"]["seconds"], entry["stale"]["seconds"]
             entry["speedup"] = s0 / s1 if s0 and s1 else None
             out.append(entry)
     return out
@@ -325,7 +325,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         )
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for p in report["staleness"]:
-            a, b = p["k0"], p["k"]
+            a, b = p["k0"], p["stale"]
             t0 = "n/a" if a["seconds"] is None else f"{a['seconds']:.0f} s"
             t1 = "n/a" if b["seconds"] is None else f"{b['seconds']:.0f} s"
             up = "n/a" if p["speedup"] is None else f"{p['speedup']:.2f}x"
