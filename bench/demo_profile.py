@@ -1,8 +1,10 @@
 """Where the time of a demo run goes: updates per hour, the learner waiting for data, the
-replicas draining and swapping weights.
+replicas draining and swapping weights; and what bounded staleness buys.
 
-One extra run of `make demo`'s configuration (SPO++, seed 9) through `spopp launch`, in the demo
-folder's `profile/`. The learner's own records give its side (metrics.jsonl: per update the wait
+Runs of `make demo`'s configuration (SPO++, seed 9) through `spopp launch`, in the demo folder's
+`profile/`: one at max_staleness 0 (the paper's protocol), whose breakdown is the table, then the
+same at k = 1 and 2, which give the line `staleness: updates/h s0 X, s1 Y, s2 Z (s1/s0 R)` (the
+baseline is the k = 0 run of the same invocation, on the same machine). The learner's own records give its side (metrics.jsonl: per update the wait
 for a full batch, the update, the publication and the checkpoint); the replica's `/metrics`,
 read every half second while it runs, give its side (time spent draining for a new policy and
 swapping weights, episodes in flight). The demo's data, cold start and prior are reused; where

@@ -58,7 +58,9 @@ def adamw(params, cfg: dict) -> torch.optim.AdamW:
     )
 
 
-def reference_update(model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype = torch.float32) -> dict:
+def reference_update(
+    model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype = torch.float32, version: int | None = None
+) -> dict:
     """The update in plain PyTorch: gradients and pre-clip norms per step, final weights, stats.
 
     dtype=torch.bfloat16 follows DeepSpeed's bf16 mode as ZeRO 1-3 implement it (deepspeed 0.19.8,
@@ -68,6 +70,9 @@ def reference_update(model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype
     trajectories' contributions in bf16); at the step they become fp32, the norm and the clipping
     are fp32, AdamW steps an fp32 master copy of the weights (made from the bf16 weights), and the
     master is rounded back into the bf16 weights. The log-softmax runs in fp32, as in the learner.
+
+    `version`: the policy version trained; tokens an older one generated (token_versions, else the
+    trajectory's policy_version) are stale and get cfg's off_policy correction.
     """
     from transformers import AutoModelForCausalLM
 
@@ -90,7 +95,13 @@ def reference_update(model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype
     per = len(trajs) // cfg["mini_batches"]
     grads, norms, losses = [], [], []
     sums = {"clip_fraction": 0.0, "approx_kl": 0.0, "is_weight_mean": 0.0, "is_capped_fraction": 0.0}
-    tokens = 0.0
+    stale_sums = {"behaviour_weight_mean": 0.0, "behaviour_cut_fraction": 0.0}
+    tokens = stale_tokens = 0.0
+
+    def stale_of(t):
+        versions = t.token_versions or [t.policy_version] * len(t.token_ids)
+        return torch.tensor([v < version for v in versions[1:]]) if version is not None else None
+
     for m in range(cfg["mini_batches"]):
         idx = range(m * per, (m + 1) * per)
         cat = lambda xs: torch.cat(list(xs))  # noqa: E731
@@ -104,6 +115,9 @@ def reference_update(model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype
             clip_high=0.28,
             dual_clip=cfg["dual_clip"],
             is_cap=2.0,
+            stale=cat(stale_of(trajs[i]) for i in idx) if version is not None else None,
+            off_policy=cfg.get("off_policy", "decoupled"),
+            behaviour_cap=cfg.get("behaviour_cap", 2.0),
         )
         for p in params.values():
             p.grad = None
@@ -120,9 +134,14 @@ def reference_update(model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype
                     p.copy_(master[n])  # round to nearest, as DeepSpeed's copy_ into the bf16 weights
         losses.append(float(loss.detach()))
         tokens += st["tokens"]
+        stale_tokens += st["stale_tokens"]
         for k in sums:
             sums[k] += st[k] * st["tokens"]
+        for k in stale_sums:
+            stale_sums[k] += st[k] * st["stale_tokens"]
     stats = {k: v / tokens for k, v in sums.items()}
+    stats.update({k: v / stale_tokens if stale_tokens else 0.0 for k, v in stale_sums.items()})
+    stats["stale_tokens"] = stale_tokens
     stats.update(loss=sum(losses) / len(losses), tokens=tokens, grad_norm=sum(norms) / len(norms))
     return {
         "grads": grads,
@@ -197,6 +216,55 @@ def check_against_reference(result: dict, ref: dict, initial: dict) -> None:
     for k in ("loss", "clip_fraction", "approx_kl", "is_weight_mean", "is_capped_fraction"):
         assert s[k] == pytest.approx(r[k], rel=1e-4, abs=1e-7), k
     assert s["lr"] == BASE["lr"]
+
+
+def stale_batch(trajs: list) -> list:
+    """The batch under bounded staleness, trained at version 1: trajectories 0-3 were dispatched at
+    version 0, and 2 and 3 swapped to version 1 halfway through; 4-7 are of version 1."""
+    out = []
+    for i, t in enumerate(trajs):
+        if i >= 4:
+            out.append(t.model_copy(update={"policy_version": 1}))
+        elif i >= 2:
+            half = len(t.token_ids) // 2
+            versions = [0] * half + [1] * (len(t.token_ids) - half)
+            out.append(t.model_copy(update={"token_versions": versions}))
+        else:
+            out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("off_policy", ["decoupled", "tis"])
+def test_stale_tokens_are_corrected_as_the_reference_corrects_them(tiny_model, batch, initial, off_policy):
+    trajs, adv = batch
+    stale = stale_batch(trajs)
+    # A cap of 1.2 cuts a good share of the noisy rollout weights, so the two corrections differ.
+    cfg = {**_cfg(1, 2, 2), "off_policy": off_policy, "behaviour_cap": 1.2, "max_staleness": 1}
+    ref = reference_update(tiny_model, stale, adv, cfg, version=1)
+    result = run_task(tiny_model, stale, adv, {"cfg": cfg, "grads": True, "version": 1})
+    check_against_reference(result, ref, initial)
+    s, r = result["stats"], ref["stats"]
+    assert s["stale_tokens"] == r["stale_tokens"] > 0
+    assert s["stale_tokens"] < s["tokens"]  # versions 1's tokens (and the swapped halves) are current
+    assert 0 < r["behaviour_cut_fraction"] < 1
+    for k in ("behaviour_weight_mean", "behaviour_cut_fraction"):
+        assert s[k] == pytest.approx(r[k], rel=1e-5), k
+
+
+def test_at_k0_the_update_is_exactly_todays(tiny_model, batch):
+    """Nothing stale (every trajectory of the version trained): the update with versions known is
+    the update without them, bit for bit, gradients and statistics."""
+    trajs, adv = batch
+    cfg = {**_cfg(1, 2, 2), "off_policy": "decoupled", "behaviour_cap": 1.01}
+    plain = run_task(tiny_model, trajs, adv, {"cfg": cfg, "grads": True})
+    versioned = run_task(tiny_model, trajs, adv, {"cfg": cfg, "grads": True, "version": 0})
+    for a, b in zip(plain["grads"], versioned["grads"], strict=True):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    drop = ("update_seconds", "tokens_per_s")
+    assert {k: v for k, v in plain["stats"].items() if k not in drop} == {
+        k: v for k, v in versioned["stats"].items() if k not in drop
+    }
+    assert versioned["stats"]["stale_tokens"] == 0.0
 
 
 def test_reference_is_a_meaningful_target(references, batch):
