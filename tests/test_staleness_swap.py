@@ -124,3 +124,45 @@ def test_an_episode_across_a_swap_records_each_tokens_version(engine, tiny_model
     )
     ep.token_versions = [None if v is None else 6 for v in ep.token_versions]
     assert token_versions(same, ep) is None
+
+
+@pytest.mark.parametrize(
+    "swap,drain,waits,cancelled",
+    [("turn", "finish", False, set()), ("episode", "finish", True, set()), ("turn", "abort", False, {"r1"})],
+)
+def test_a_new_policy_under_staleness_keeps_what_may_still_train(
+    engine, tiny_model, runner, swap, drain, waits, cancelled
+):
+    """k = 1 and a new version 3 (floor 2): the ready lease of version 0 is given back, those of 2
+    and 3 are kept; running episodes go on (turn), are waited for (episode), and with `drain:
+    abort` the one that can no longer train (version 1) is cancelled. No tracker answers here: the
+    release is logged as failed, which is what a replica does when the tracker is away."""
+    from services.rollout.config import RolloutSettings
+    from services.rollout.worker import Worker
+
+    s = RolloutSettings(
+        run="r", model=tiny_model, tracker="http://127.0.0.1:9", learner="http://127.0.0.1:9", retry_seconds=0,
+        swap=swap, drain=drain,
+    )  # fmt: skip
+
+    def lease(rid: str, version: int) -> Lease:
+        return Lease(request_id=rid, task_id="t", value=0.5, policy_version=version, lease_expires_at="x")
+
+    async def scenario():
+        worker = Worker(s, engine, make_env=lambda: None, tasks={})
+        worker.max_staleness = 1
+        worker.ready = [lease("q0", 0), lease("q2", 2), lease("q3", 3)]
+        episodes = {"r1": lease("r1", 1), "r2": lease("r2", 2)}
+        tasks = {rid: asyncio.create_task(asyncio.sleep(0.3)) for rid in episodes}
+        worker.inflight = {tasks[rid]: episodes[rid] for rid in episodes}
+        t0 = asyncio.get_running_loop().time()
+        await worker._keep_going(3)
+        took = asyncio.get_running_loop().time() - t0
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await worker.close()
+        return worker, took, {rid for rid, t in tasks.items() if t.cancelled()}
+
+    worker, took, gone = runner.run(scenario())
+    assert [x.request_id for x in worker.ready] == ["q2", "q3"]
+    assert (took >= 0.3) == waits
+    assert gone == cancelled
