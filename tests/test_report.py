@@ -542,7 +542,13 @@ def test_staleness_table_pairs_k_against_k0_by_version_and_by_time(tmp_path):
     assert row["k0"]["seconds"] == pytest.approx(40.0) and row["stale"]["seconds"] == pytest.approx(20.0)
     assert row["speedup"] == pytest.approx(2.0)
     assert not any("in no table" in w for w in report["warnings"])
+    # Staleness arms alone: no run is missing an SPO partner, so nothing is warned about that.
+    assert not any("partner" in w or "SPO/SPO++" in w for w in report["warnings"])
+    agg = report["staleness_summary"]["spopp-k1"]
+    assert agg["pairs"] == 1 and agg["won_area"] == 1 and agg["speedup"]["mean"] == pytest.approx(2.0)
+    assert agg["d_area"] == {"mean": pytest.approx(10.0), "sd": None, "n": 1}
     _, md, _ = invoke(root)
+    assert "spopp-k1 over 1 seeds: Δ area +10.0, Δ end" in md and "speed-up to the same version 2.00x." in md
     assert "## Table 3: bounded staleness against k = 0" in md and "| 0 | spopp-k1 vs spopp | 3 |" in md
     assert "2.00x" in md
 
