@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system test test-fast bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos
+.PHONY: setup system test test-fast bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map
 
 setup: $(STAMP) system
 
@@ -89,6 +89,11 @@ demo: setup
 demo-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --quick --out demo-quick-out $(if $(SEEDS),--seeds "$(SEEDS)")
 
+# When does SPO++ beat SPO? The demo's setting over a coupling x latency grid (tools/map.py):
+# SPO, SPO++ (trajectory norm.) and SPO++ on every seed of every cell; resumable. SEEDS="0 1 2 3".
+map: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.map --out map-out $(if $(SEEDS),--seeds "$(shell echo $(SEEDS) | tr ' ' ',')")
+
 # The same protocol on ALFWorld's engine with generated games (small rooms, at most 12 interactions):
 # data, cold start of a tiny word-level model, prior, paired SPO / SPO++ runs, report. About 19.5 minutes
 # on 2 cores shared with another job (README). SEEDS and ABLATE as for `demo`. Output: demo-alfworld-out/.
@@ -120,4 +125,4 @@ compose-clean:
 	python3 deploy/compose_cpu.py --clean
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-alfworld-out demo-alfworld-quick-out
+	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-alfworld-out demo-alfworld-quick-out map-out

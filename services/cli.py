@@ -23,6 +23,7 @@ def build() -> click.Group:
     from services.launch.cli import ablate_command as ablate
     from services.launch.cli import init_command as init
     from services.launch.cli import launch_command as launch
+    from services.launch.cli import map_command as map_
     from services.launch.cli import scale_command as scale
     from services.learner.cli import group as learner
     from services.report.cli import command as report
@@ -47,6 +48,7 @@ def build() -> click.Group:
         prior,
         report,
         ablate,
+        map_,
         alfworld,
     ):
         app.add_command(command)

@@ -140,6 +140,8 @@ class RunCounts(BaseModel):
     in_flight: int
     dispatches: int
     outcomes: int
+    # Outcomes reported after a newer policy version than their dispatch's was published.
+    late_outcomes: int = 0
     releases: int
     expirations: int
     consumed_updates: int

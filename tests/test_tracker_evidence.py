@@ -48,8 +48,15 @@ def test_spopp_late_outcome_lands_at_its_own_version(client, make_run):
     old = client.dispatch(run, "w", 0, 1).requests[0]
     for v in range(1, 4):
         client.publish(run, v, f"s{v}")
+    fresh = client.dispatch(run, "w", 3, 1).requests
+    assert fresh == []  # the only task is in flight
     [res] = client.outcomes(run, [(old.request_id, 1.0)])
     assert res.value == 0.5  # the value frozen at dispatch, not a later one
+    # Reported after versions 1..3 were published: counted as late (the map's reordering measure).
+    assert client.get_run(run).counts.late_outcomes == 1
+    now = client.dispatch(run, "w", 3, 1).requests[0]
+    client.outcomes(run, [(now.request_id, 0.0)])
+    assert client.get_run(run).counts.late_outcomes == 1  # on time: not late
     _, _, v = event_time_value(1.0, 1.0, 0.0, [(0.0, 1.0)], 3 * LAM)
     t = client.get_task(run, "q")
     assert t.value == pytest.approx(v) == pytest.approx(2 / 3)

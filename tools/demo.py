@@ -145,6 +145,26 @@ def run_and_report(out: Path, config: dict, *, seeds: str, ablate: bool, updates
     return 0
 
 
+def prepare(out: Path, size: dict, data_seed: int) -> None:
+    """Stages 1-3, each skipped when its output is there: the tasks, the cold start, the prior."""
+    from runtime.envs.toy_calc import write_toy_calc_tasks
+
+    _say(f"1/5 data: {size['n_train']} training and {size['n_heldout']} held-out toy-calc tasks")
+    if not (out / "data" / "heldout.jsonl").is_file():
+        write_toy_calc_tasks(
+            out / "data", seed=data_seed, n_train=size["n_train"], n_heldout=size["n_heldout"]
+        )
+
+    _say(f"2/5 cold start: {size['cold_start_steps']} supervised steps on imperfect teacher traces")
+    if not (out / "cold-start" / "cold_start.json").is_file():
+        _run([sys.executable, "-m", "tools.cold_start", "--out", str(out / "cold-start"), "--seed", str(data_seed),
+              "--steps", str(size["cold_start_steps"]), "--eval-tasks", "0", "--log-every", "250"])  # fmt: skip
+
+    _say("3/5 prior: 8 rollouts per training task with the cold-start policy, Jeffreys mass 8")
+    if not (out / "prior.json").is_file():
+        make_prior(out, env="toy-calc", rollouts=8, concurrency=64, seed=data_seed, budget=BUDGET)
+
+
 def finish(out: Path, t0: float) -> None:
     _say(f"done in {time.monotonic() - t0:.0f} s")
     print(f"demo output: {out}")
@@ -161,23 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from runtime.envs.toy_calc import write_toy_calc_tasks
-
-    _say(f"1/5 data: {size['n_train']} training and {size['n_heldout']} held-out toy-calc tasks")
-    if not (out / "data" / "heldout.jsonl").is_file():
-        write_toy_calc_tasks(
-            out / "data", seed=a.data_seed, n_train=size["n_train"], n_heldout=size["n_heldout"]
-        )
-
-    _say(f"2/5 cold start: {size['cold_start_steps']} supervised steps on imperfect teacher traces")
-    if not (out / "cold-start" / "cold_start.json").is_file():
-        _run([sys.executable, "-m", "tools.cold_start", "--out", str(out / "cold-start"), "--seed", str(a.data_seed),
-              "--steps", str(size["cold_start_steps"]), "--eval-tasks", "0", "--log-every", "250"])  # fmt: skip
-
-    _say("3/5 prior: 8 rollouts per training task with the cold-start policy, Jeffreys mass 8")
-    if not (out / "prior.json").is_file():
-        make_prior(out, env="toy-calc", rollouts=8, concurrency=64, seed=a.data_seed, budget=BUDGET)
-
+    prepare(out, size, a.data_seed)
     code = run_and_report(out, base_config(out, size, a.wandb), seeds=seeds, ablate=a.ablate,
                           updates=size["updates"])  # fmt: skip
     if code == 0:

@@ -13,6 +13,20 @@ Anything else (text around a block, an unclosed block, two blocks) ends the epis
 beyond `max_tool_calls` end it with reward 0 (`finish == "tool_budget"`). Stop strings `</code>` and
 `</ans>` end a turn right after its block, so the model never writes the tool output itself.
 
+Two knobs for `spopp map` (env_options; both off by default, and nothing else changes with them):
+
+* `coupling` in [-1, 1] couples a response's length with its success, signed like the correlation
+  it makes: below 0 failures are longer, as in ALFWorld, where failures run on to the interaction
+  cap; above 0 successes are. Once an episode's reward is decided (an answer, a malformed turn,
+  the tool budget), an episode on the coupled side (failures for coupling < 0, successes for > 0)
+  is not ended yet: the environment answers `<out>again</out>` for round(|coupling| * extra_turns)
+  more turns, whatever the model writes, then ends with the reward already decided. Those turns
+  are the model's own tokens, so failures (or successes) carry more action tokens. A padded turn
+  that a budget cuts ends the episode as any cut does.
+* `latency_sigma` > 0 delays every environment step by a lognormal time (median
+  `latency_median_s`, log-s.d. latency_sigma), slept in the step's thread: a heavy tail of slow
+  episodes whose outcomes come back after newer policies were published.
+
 Tasks: `generate_toy_calc_tasks(n, seed, split)`. The split is a function of the expression (a hash),
 not of the seed, so train and held-out sets are disjoint for every pair of seeds; the same
 (n, seed, split) gives the same tasks. `write_toy_calc_tasks` writes both as JSONL for `load_tasks`.
@@ -21,8 +35,10 @@ not of the seed, so train and held-out sets are disjoint for every pair of seeds
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,33 +171,75 @@ class ToyCalcEnv(Environment):
     name = "toy-calc"
     stop = ("</code>", "</ans>")
 
-    def __init__(self, *, max_tool_calls: int = 2, system_prompt: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_tool_calls: int = 2,
+        system_prompt: str | None = None,
+        coupling: float = 0.0,
+        extra_turns: int = 3,
+        latency_sigma: float = 0.0,
+        latency_median_s: float = 0.02,
+    ) -> None:
+        if not -1.0 <= coupling <= 1.0:
+            raise ValueError(f"coupling must lie in [-1, 1], got {coupling!r}")
+        if not 0 <= extra_turns <= 16:
+            raise ValueError(f"extra_turns must lie in 0..16, got {extra_turns!r}")
+        if not 0.0 <= latency_sigma <= 4.0:
+            raise ValueError(f"latency_sigma must lie in [0, 4], got {latency_sigma!r}")
+        if not 0.0 < latency_median_s <= 10.0:
+            raise ValueError(f"latency_median_s must lie in (0, 10], got {latency_median_s!r}")
         self.max_tool_calls = max_tool_calls
         self.system_prompt = system_prompt
+        self.coupling = coupling
+        self.padding = round(abs(coupling) * extra_turns)
+        self.latency_sigma = latency_sigma
+        self.latency_median_s = latency_median_s
+        self._rng = random.Random()
         self.task: Task | None = None
         self.tool_calls = 0
         self.tool_errors = 0
         self.turns = 0
         self.done = False
+        self._decided: tuple[float, str] | None = None  # (reward, finish) while padding
+        self._padded = 0
 
     def reset(self, task: Task) -> list[dict]:
         self.task = task
-        self.tool_calls = self.tool_errors = self.turns = 0
+        self.tool_calls = self.tool_errors = self.turns = self._padded = 0
         self.done = False
+        self._decided = None
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return messages + [{"role": "user", "content": task.prompt}]
 
     def _info(self, **extra: Any) -> dict[str, Any]:
-        return {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "turns": self.turns, **extra}
+        return {
+            "tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "turns": self.turns,
+            "padded_turns": self._padded, **extra,
+        }  # fmt: skip
 
     def _end(self, reward: float, finish: str) -> StepResult:
+        coupled = (self.coupling < 0 and reward == 0.0) or (self.coupling > 0 and reward > 0.0)
+        if coupled and self._padded < self.padding:
+            # The reward is decided; the episode goes on for the coupled side's extra turns.
+            self._decided = (reward, finish)
+            return StepResult([{"role": "tool", "content": "<out>again</out>"}], done=False, reward=0.0,
+                              info=self._info())  # fmt: skip
         self.done = True
         return StepResult([], done=True, reward=reward, info=self._info(finish=finish))
+
+    def _delay(self) -> None:
+        if self.latency_sigma > 0:
+            time.sleep(self.latency_median_s * math.exp(self.latency_sigma * self._rng.gauss(0.0, 1.0)))
 
     def step(self, action: str) -> StepResult:
         if self.task is None or self.done:
             raise RuntimeError("step() needs a reset() first, and the episode is over")
         self.turns += 1
+        self._delay()
+        if self._decided is not None:  # a padded turn: whatever the model wrote, one more
+            self._padded += 1
+            return self._end(*self._decided)
         text = action.strip()
         ans = _ANS_RE.fullmatch(text)
         if ans is not None and "<" not in ans.group(1):

@@ -277,3 +277,82 @@ def _init_command() -> click.Command:
 
 
 init_command = _init_command()
+
+
+def _numbers(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.UsageError(f"--{what} {text!r}: expected numbers separated by commas") from None
+    if not values or len(set(values)) != len(values):
+        raise click.UsageError(f"--{what} {text!r}: give distinct values, at least one")
+    return values
+
+
+def _map(
+    config: Path, sets: tuple[str, ...], seeds: str, arms: str, coupling: str, latency: str, out: Path
+) -> None:
+    from .compare import parse_arm
+    from .map import run_map
+    from .run import LaunchError
+
+    try:
+        base = resolve(config, sets)
+        seed_list = [int(x) for x in seeds.split(",") if x.strip()]
+    except SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
+    except ValueError:
+        raise click.UsageError(f"--seeds {seeds!r}: expected integers separated by commas") from None
+    arm_list = [a.strip() for a in arms.split(",") if a.strip()]
+    try:
+        for a in arm_list:
+            parse_arm(a)
+    except ValueError as exc:
+        raise click.UsageError(f"--arms: {exc}") from None
+    if not seed_list or not arm_list:
+        raise click.UsageError("--seeds and --arms: at least one each")
+    couplings, latencies = _numbers(coupling, "coupling"), _numbers(latency, "latency")
+    try:
+        code = run_map(base, couplings, latencies, arm_list, seed_list, out, echo=click.echo)
+    except (LaunchError, ValueError) as exc:
+        _fail(str(exc))
+    raise SystemExit(code)
+
+
+map_command = click.Command(
+    "map",
+    callback=_map,
+    params=[
+        _CONFIG,
+        _SET,
+        click.Option(["--seeds"], default="0,1,2", show_default=True, help="seeds, comma-separated"),
+        click.Option(
+            ["--arms"],
+            default="spo,spopp-trajnorm,spopp",
+            show_default=True,
+            help="arms, comma-separated (as spopp ablate takes them)",
+        ),  # fmt: skip
+        click.Option(
+            ["--coupling"],
+            default="-1,0,1",
+            show_default=True,
+            help="toy-calc's coupling levels: -1 failures longer (as in ALFWorld), 0 none, +1 successes longer",
+        ),  # fmt: skip
+        click.Option(
+            ["--latency"],
+            default="0,1.5",
+            show_default=True,
+            help="toy-calc's latency_sigma levels: 0 none, else a lognormal delay of that log-s.d.",
+        ),  # fmt: skip
+        click.Option(
+            ["--out"],
+            type=click.Path(file_okay=False, path_type=Path),
+            required=True,
+            help="folder of the runs (cells/<cell>/runs/<arm>-s<seed>/) and map.json, map.md, map.png",
+        ),  # fmt: skip
+    ],
+    help="When does SPO++ beat SPO? Paired runs of every arm on every seed in each cell of a grid over "
+    "toy-calc's two knobs (length-advantage coupling, outcome latency), then map.json, map.md and the "
+    "heatmap map.png: area per arm, each paired difference with its standard error, pairs won, C10, and "
+    "what each knob measurably did. Resumes where it stopped.",
+)

@@ -32,7 +32,7 @@ from .logs import MetricsLog
 from .metrics import LearnerMetrics
 from .snapshot import discard_unannounced, publish_snapshot
 from .spo import SpoDriftCache
-from .update import run_update, staleness_stats
+from .update import length_advantage_corr, run_update, staleness_stats
 
 log = logging.getLogger("spopp.learner")
 _WAIT = "wait"  # broadcast while rank 0 still waits for a batch, so other ranks' collectives stay alive
@@ -293,6 +293,7 @@ class Learner:
             success_rate=sum(r >= 1.0 for r in rewards) / len(rewards),
             response_tokens_mean=sum(lengths) / len(lengths),
             advantage_raw_mean=sum(raw) / len(raw),
+            length_advantage_corr=length_advantage_corr(lengths, raw),
             batch_wait_s=waited,
             **staleness_stats(lags, self.cfg.max_staleness),
         )

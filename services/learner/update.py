@@ -244,3 +244,17 @@ def staleness_stats(lags: Sequence[int], max_staleness: int) -> dict[str, float]
     for lag in range(max_staleness + 1):
         out[f"staleness_{lag}"] = float(sum(1 for x in lags if x == lag))
     return out
+
+
+def length_advantage_corr(lengths: Sequence[int], advantages: Sequence[float]) -> float:
+    """Pearson correlation of the batch's action-token counts and raw advantages: how strongly a
+    response's length co-varies with its advantage, which is where the action-token measure and
+    the trajectory measure differ (the paper's eq. 5). 0.0 where either does not vary."""
+    n = len(lengths)
+    if n < 2:
+        return 0.0
+    ml, ma = sum(lengths) / n, sum(advantages) / n
+    cov = sum((x - ml) * (y - ma) for x, y in zip(lengths, advantages, strict=True))
+    vl = sum((x - ml) ** 2 for x in lengths)
+    va = sum((y - ma) ** 2 for y in advantages)
+    return cov / math.sqrt(vl * va) if vl > 0 and va > 0 else 0.0

@@ -139,6 +139,7 @@ class Store:
                 "in_flight": raw["in_flight"],
                 "dispatches": int(raw["dispatches"]),
                 "outcomes": int(raw["outcomes"]),
+                "late_outcomes": int(raw.get("late_outcomes", 0)),
                 "releases": int(raw["releases"]),
                 "expirations": int(raw["expirations"]),
                 "consumed_updates": int(raw["consumed"]),

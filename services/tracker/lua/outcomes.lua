@@ -44,7 +44,8 @@ if #not_live > 0 then
 end
 local spopp = redis.call('HGET', RUN, 'recipe') == 'spopp'
 local lam, clock, floor = hnum(RUN, 'lam'), hnum(RUN, 'clock'), hnum(RUN, 'floor')
-local applied, results = 0, {}
+local applied, late, results = 0, 0, {}
+local version = hnum(RUN, 'version')
 for i = 0, n - 1 do
   local rid, reward = ARGV[4 + 2 * i], tonumber(ARGV[5 + 2 * i])
   local req = reqs[rid]
@@ -76,10 +77,13 @@ for i = 0, n - 1 do
     make_idle(req.task, tonumber(req.E), clock, floor)
     req.state = 'reported'
     applied = applied + 1
+    -- Reported after a newer policy was published: the outcome came back late (reordering).
+    if tonumber(req.ver) < version then late = late + 1 end
   end
   local adv = ''
   if spopp then adv = fmt(reward - tonumber(req.value)) end
   table.insert(results, { request_id = rid, value = req.value, advantage = adv })
 end
 redis.call('HINCRBY', RUN, 'outcomes', applied)
+if late > 0 then redis.call('HINCRBY', RUN, 'late_outcomes', late) end
 return ok({ results = results })

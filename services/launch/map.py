@@ -1,0 +1,295 @@
+"""`spopp map CONFIG --out DIR`: when does SPO++ beat SPO? Paired runs over a grid of two knobs.
+
+The knobs are toy-calc's (runtime/envs/toy_calc.py): `coupling`, how a response's length
+co-varies with its success, and `latency_sigma`, a heavy-tailed environment delay that brings
+outcomes back after newer policies were published. Each cell of the grid is the base config with
+those two env_options set and nothing else changed; in each cell every arm (SPO, SPO++ with
+trajectory normalization, SPO++) runs on every seed from the same checkpoint, prior and budget,
+so SPO++'s two changes are seen apart: trajectory-normalized SPO++ against SPO is event-time
+evidence alone, SPO++ against it is the action-token measure alone.
+
+Runs go one after another into `<out>/cells/<cell>/runs/<arm>-s<seed>/`; a stopped map resumes
+(finished runs are skipped, an unfinished one resumes). Then, per cell: each arm's area and C10,
+the paired differences with their standard error over seeds, pairs won, and what each knob
+measurably did (the mean correlation of a batch's response lengths with its advantages, from the
+learners' logs; the share of outcomes reported after a newer policy, from the tracker's counts),
+into `map.json`, `map.md` and the heatmap `map.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from spopp.records import RunRecord
+
+from .compare import arm_settings
+from .config import LaunchSettings
+
+ARMS = ("spo", "spopp-trajnorm", "spopp")
+# (name, arm, against): SPO++ against SPO, and each of its two changes on its own.
+DIFFS = (
+    ("spopp-spo", "spopp", "spo"),
+    ("trajnorm-spo", "spopp-trajnorm", "spo"),
+    ("spopp-trajnorm", "spopp", "spopp-trajnorm"),
+)
+DIFF_TITLES = {
+    "spopp-spo": "SPO++ − SPO",
+    "trajnorm-spo": "event-time evidence alone (SPO++ traj. norm. − SPO)",
+    "spopp-trajnorm": "action-token measure alone (SPO++ − SPO++ traj. norm.)",
+}
+SE_TARGET = 1.5  # area points: the standard error each cell's paired difference should stay under
+
+
+def cell_name(coupling: float, latency: float) -> str:
+    return f"coupling{coupling:+g}-latency{latency:g}"
+
+
+def cell_settings(base: LaunchSettings, coupling: float, latency: float) -> LaunchSettings:
+    """The base config with the two knobs set in env_options, and nothing else changed."""
+    if base.env != "toy-calc":
+        raise ValueError(f"spopp map needs env toy-calc (its knobs), the base config has {base.env}")
+    values = base.model_dump()
+    values["env_options"] = {**base.env_options, "coupling": coupling, "latency_sigma": latency}
+    return LaunchSettings.model_validate(values)
+
+
+def plan_runs(
+    base: LaunchSettings,
+    couplings: list[float],
+    latencies: list[float],
+    arms: list[str],
+    seeds: list[int],
+    out: Path,
+) -> list[tuple[str, LaunchSettings]]:
+    """Every (cell, run settings), seed-major within a cell so a stopped map has whole pairs."""
+    runs = []
+    for latency in latencies:
+        for coupling in couplings:
+            name = cell_name(coupling, latency)
+            cell = cell_settings(base, coupling, latency)
+            for seed in seeds:
+                for arm in arms:
+                    runs.append((name, arm_settings(cell, arm, seed, out / "cells" / name)))
+    return runs
+
+
+def run_map(
+    base: LaunchSettings,
+    couplings: list[float],
+    latencies: list[float],
+    arms: list[str],
+    seeds: list[int],
+    out: Path,
+    echo: Callable[[str], None] = print,
+) -> int:
+    """Run (or resume) every run of the grid, then write the map; answers the exit code."""
+    from .run import Launcher, LaunchError
+
+    planned = plan_runs(base, couplings, latencies, arms, seeds, out)
+    launchers = []
+    for cell, s in planned:  # every run is checked before the first one starts
+        launcher = Launcher(s, echo=echo)
+        try:
+            launcher.prepare()
+        except LaunchError as exc:
+            raise LaunchError(f"{cell} {s.run}: {exc}") from None
+        launchers.append((cell, launcher))
+    t0, ran = time.monotonic(), 0
+    for n, (cell, launcher) in enumerate(launchers, 1):
+        done = _finished(Path(launcher.s.run_dir))
+        eta = ""
+        if ran:
+            eta = f", about {(time.monotonic() - t0) / ran * (len(launchers) - n + 1) / 60:.0f} min left"
+        echo(f"=== map run {n}/{len(launchers)}: {cell} {launcher.s.run}" + (" (finished)" if done else eta))
+        if done:
+            continue
+        code = launcher.run()
+        ran += 1
+        if code != 0:
+            echo(f"{launcher.s.run} ended with code {code}; the map stops here (run it again to resume)")
+            return code
+    result = summarize(out, couplings, latencies, arms, seeds)
+    write(out, result)
+    for path in ("map.json", "map.md", "map.png"):
+        echo(f"wrote {out / path}")
+    return 0
+
+
+def _finished(run_dir: Path) -> bool:
+    try:
+        return RunRecord.model_validate_json((run_dir / "run.json").read_text()).status == "finished"
+    except (OSError, ValueError):
+        return False
+
+
+# -- the summary ---------------------------------------------------------------------------------
+def _mean(xs: list[float]) -> float | None:
+    return math.fsum(xs) / len(xs) if xs else None
+
+
+def _diff_stats(values: list[float]) -> dict[str, Any]:
+    n = len(values)
+    mean = _mean(values)
+    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
+    return {
+        "mean": mean, "sd": sd, "se": sd / math.sqrt(n) if sd is not None else None, "n": n,
+        "won": sum(1 for v in values if v > 0), "per_seed": values,
+    }  # fmt: skip
+
+
+def _measured(run_dir: Path) -> dict[str, float | None]:
+    """What the knobs did in one run: mean length-advantage correlation over its updates, and the
+    share of its outcomes reported after a newer policy was published."""
+    corr = []
+    try:
+        for line in (run_dir / "learner" / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if "length_advantage_corr" in record:
+                corr.append(float(record["length_advantage_corr"]))
+    except (OSError, ValueError):
+        pass
+    late = None
+    try:
+        counts = RunRecord.model_validate_json((run_dir / "run.json").read_text()).tracker_counts or {}
+        if counts.get("outcomes"):
+            late = counts.get("late_outcomes", 0) / counts["outcomes"]
+    except (OSError, ValueError):
+        pass
+    return {"length_advantage_corr": _mean(corr), "late_fraction": late}
+
+
+def summarize(
+    out: Path, couplings: list[float], latencies: list[float], arms: list[str], seeds: list[int]
+) -> dict:
+    """map.json's content, from the run folders (what a finished map holds)."""
+    from services.report.runs import read_run
+    from services.report.summaries import area, c10
+
+    cells = []
+    for latency in latencies:
+        for coupling in couplings:
+            name = cell_name(coupling, latency)
+            warnings: list[str] = []
+            curves: dict[str, dict[int, list[float]]] = {arm: {} for arm in arms}
+            measured: dict[str, list[dict]] = {arm: [] for arm in arms}
+            for arm in arms:
+                for seed in seeds:
+                    run_dir = out / "cells" / name / "runs" / f"{arm}-s{seed}"
+                    curves[arm][seed] = read_run(run_dir, "eval/sampled/reward_mean", warnings).rewards
+                    measured[arm].append(_measured(run_dir))
+            points = min(len(c) for by_seed in curves.values() for c in by_seed.values())
+            per_arm = {
+                arm: {
+                    "area": _mean([area(curves[arm][s][:points]) for s in seeds]),
+                    "c10": _mean([c10(curves[arm][s][:points]) for s in seeds]),
+                    "length_advantage_corr": _mean([m["length_advantage_corr"] for m in measured[arm]
+                                                    if m["length_advantage_corr"] is not None]),
+                    "late_fraction": _mean([m["late_fraction"] for m in measured[arm] if m["late_fraction"] is not None]),
+                }
+                for arm in arms
+            }  # fmt: skip
+            diffs = {
+                key: _diff_stats(
+                    [100 * (area(curves[a][s][:points]) - area(curves[b][s][:points])) for s in seeds]
+                )
+                for key, a, b in DIFFS
+                if a in arms and b in arms
+            }
+            everything = [m for arm in arms for m in measured[arm]]
+            cells.append({
+                "cell": name, "coupling": coupling, "latency_sigma": latency, "points": points,
+                "arms": per_arm, "diffs": diffs, "warnings": warnings,
+                "measured": {
+                    "length_advantage_corr": _mean([m["length_advantage_corr"] for m in everything
+                                                    if m["length_advantage_corr"] is not None]),
+                    "late_fraction": _mean([m["late_fraction"] for m in everything if m["late_fraction"] is not None]),
+                },
+            })  # fmt: skip
+    worst = max((d["se"] for c in cells for d in c["diffs"].values() if d["se"] is not None), default=None)
+    return {
+        "couplings": couplings, "latencies": latencies, "arms": arms, "seeds": seeds, "metric": "area points",
+        "se_target": SE_TARGET, "largest_se": worst, "cells": cells,
+    }  # fmt: skip
+
+
+def _pm(d: dict) -> str:
+    if d["mean"] is None:
+        return "n/a"
+    return f"{d['mean']:+.1f}" + ("" if d["se"] is None else f" ± {d['se']:.1f}")
+
+
+def markdown(result: dict) -> str:
+    out = [
+        "# When does SPO++ beat SPO? coupling × latency", "",
+        f"Seeds {', '.join(map(str, result['seeds']))}; arms {', '.join(result['arms'])}. Area = mean held-out "
+        "reward over the common points (trapezoid); Δ in area points (100 × area difference), mean ± standard "
+        "error over the seeds' paired differences; C10 per arm; coupling = mean Pearson correlation of a batch's "
+        "response lengths with its advantages; late = share of outcomes reported after a newer policy.", "",
+        "| coupling | latency σ | measured coupling | late | SPO area | SPO++ area | Δ SPO++ − SPO | pairs won | "
+        "Δ event-time alone | Δ token measure alone | C10 SPO / traj. / SPO++ |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]  # fmt: skip
+    for c in result["cells"]:
+        a, d, m = c["arms"], c["diffs"], c["measured"]
+
+        def num(x: float | None, fmt: str = ".3f") -> str:
+            return "n/a" if x is None else format(x, fmt)
+
+        main = d.get("spopp-spo")
+        won = f"{main['won']}/{main['n']}" if main else "n/a"
+        c10s = " / ".join(num(a[arm]["c10"]) for arm in ARMS if arm in a)
+        out.append(
+            f"| {c['coupling']:+g} | {c['latency_sigma']:g} | {num(m['length_advantage_corr'], '+.2f')} "
+            f"| {num(m['late_fraction'], '.2f')} | {num(a.get('spo', {}).get('area'))} | {num(a.get('spopp', {}).get('area'))} "
+            f"| {_pm(main) if main else 'n/a'} | {won} "
+            f"| {_pm(d['trajnorm-spo']) if 'trajnorm-spo' in d else 'n/a'} "
+            f"| {_pm(d['spopp-trajnorm']) if 'spopp-trajnorm' in d else 'n/a'} | {c10s} |"
+        )
+    worst = result["largest_se"]
+    out += ["", f"Largest standard error of a paired difference: {worst:.2f} area points (target ≤ {SE_TARGET})."
+            if worst is not None else "One seed: no standard error."]  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+def heatmap(result: dict, path: Path) -> None:
+    """One panel per paired difference: Δ area over coupling (x) and latency (y), each cell
+    annotated with its mean ± standard error."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    keys = [k for k, _a, _b in DIFFS if any(k in c["diffs"] for c in result["cells"])]
+    xs, ys = result["couplings"], result["latencies"]
+    fig = Figure(figsize=(4.2 * max(1, len(keys)), 3.6), dpi=150)
+    FigureCanvasAgg(fig)
+    values = [c["diffs"][k]["mean"] for c in result["cells"] for k in keys if c["diffs"].get(k)]
+    lim = max([abs(v) for v in values if v is not None] + [1.0])
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(1, len(keys), i + 1)
+        grid = [[math.nan] * len(xs) for _ in ys]
+        for c in result["cells"]:
+            d = c["diffs"].get(key)
+            if d and d["mean"] is not None:
+                r, k = ys.index(c["latency_sigma"]), xs.index(c["coupling"])
+                grid[r][k] = d["mean"]
+                ax.text(k, r, _pm(d), ha="center", va="center", fontsize=8)
+        image = ax.imshow(grid, cmap="RdBu", vmin=-lim, vmax=lim, origin="lower", aspect="auto")
+        ax.set_xticks(range(len(xs)), [f"{x:+g}" for x in xs])
+        ax.set_yticks(range(len(ys)), [f"{y:g}" for y in ys])
+        ax.set_xlabel("coupling (−: failures longer, +: successes longer)")
+        ax.set_ylabel("latency σ")
+        ax.set_title(DIFF_TITLES[key], fontsize=8)
+        fig.colorbar(image, ax=ax, label="Δ area (points)")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+def write(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "map.json").write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    (out / "map.md").write_text(markdown(result))
+    heatmap(result, out / "map.png")
