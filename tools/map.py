@@ -22,15 +22,15 @@ from pathlib import Path
 
 import yaml
 
-from tools.demo import FULL, _say, base_config, prepare
+from tools.demo import FULL, TINY, _say, base_config, prepare
 
 # Room for the extra turns on the coupled side (toy-calc's extra_turns, 3 by default).
 MAP_BUDGET = {"max_turns": 6, "max_tokens_per_turn": 32, "max_total_tokens": 256}
 SEEDS = "0,1,2,3"
 
 
-def map_config(out: Path) -> dict:
-    config = base_config(out, FULL, wandb=False)
+def map_config(out: Path, size: dict) -> dict:
+    config = base_config(out, size, wandb=False)
     config["rollout"].update(MAP_BUDGET)
     config["evaluator"].update(MAP_BUDGET)
     # Under latency a drain waits for slow episodes; a progress line every 30 s is plenty.
@@ -45,17 +45,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--coupling", default="-1,0,1", help="coupling levels (default -1,0,1)")
     p.add_argument("--latency", default="0,1.5", help="latency sigma levels (default 0,1.5)")
     p.add_argument("--arms", default="spo,spopp-trajnorm,spopp", help="arms (default all three)")
-    p.add_argument("--updates", type=int, default=FULL["updates"], help="learner updates per run")
-    p.add_argument("--eval-every", type=int, default=FULL["eval_every"], help="versions between evaluations")
+    p.add_argument("--updates", type=int, default=None, help="learner updates per run (default 40)")
+    p.add_argument("--eval-every", type=int, default=None, help="versions between evaluations (default 4)")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
     a = p.parse_args(argv)
+    size = TINY if a.tiny else FULL
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
-    prepare(out, FULL, data_seed=0)
-    config = map_config(out)
-    config["updates"] = a.updates
-    config["evaluator"]["every"] = a.eval_every
+    prepare(out, size, data_seed=0)
+    config = map_config(out, size)
+    config["updates"] = a.updates or size["updates"]
+    config["evaluator"]["every"] = a.eval_every or size["eval_every"]
     path = out / "map.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     _say(f"4/5 map: arms {a.arms} x seeds {a.seeds} x coupling {a.coupling} x latency {a.latency}")
