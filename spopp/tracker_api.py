@@ -142,6 +142,8 @@ class RunCounts(BaseModel):
     outcomes: int
     # Outcomes reported after a newer policy version than their dispatch's was published.
     late_outcomes: int = 0
+    # Outcomes reported after the outcome of a request dispatched later (out of dispatch order).
+    overtaken_outcomes: int = 0
     releases: int
     expirations: int
     consumed_updates: int

@@ -47,21 +47,22 @@ def test_coupling_pads_the_coupled_side_and_keeps_the_reward(coupling, right_tur
     assert play(env, "no block")[:2] == (0.0, wrong_turns)
 
 
-def test_latency_is_a_heavy_tailed_delay_and_zero_is_none():
-    env = ToyCalcEnv(latency_sigma=1.5, latency_median_s=0.002)
-    env.reset(TASK)
-    delays = []
-    for _ in range(40):
-        t0 = time.perf_counter()
-        env.step("<code>1+1</code>") if env.tool_calls < env.max_tool_calls else env.reset(TASK)
-        delays.append(time.perf_counter() - t0)
-    delays = sorted(d for d in delays if d > 0.0005)
-    assert len(delays) >= 20 and delays[-1] > 8 * delays[len(delays) // 2]  # a heavy right tail
-    fast = ToyCalcEnv()
-    fast.reset(TASK)
+def test_latency_is_lognormal_with_the_given_median_and_sigma_and_zero_is_none():
+    import random
+    import statistics
+
+    env = ToyCalcEnv(latency_sigma=1.5, latency_median_s=0.02)
+    env._rng = random.Random(7)  # a fixed stream: the figures below are exact for it
+    logs = [math.log(env.latency()) for _ in range(4000)]
+    assert math.exp(statistics.median(logs)) == pytest.approx(0.02, rel=0.1)
+    assert statistics.stdev(logs) == pytest.approx(1.5, rel=0.05)
+    assert ToyCalcEnv().latency() == 0.0
+    # The step really waits: a median of 40 ms with a tiny spread.
+    slow = ToyCalcEnv(latency_sigma=0.01, latency_median_s=0.04)
+    slow.reset(TASK)
     t0 = time.perf_counter()
-    fast.step("<code>1+1</code>")
-    assert time.perf_counter() - t0 < 0.005
+    slow.step("<code>1+1</code>")
+    assert time.perf_counter() - t0 >= 0.035
 
 
 @pytest.mark.parametrize(
@@ -97,7 +98,8 @@ def write_run(
     (folder / "eval").mkdir(parents=True)
     (folder / "learner").mkdir()
     record = {"run": folder.name, "arm": arm, "recipe": "spo" if arm == "spo" else "spopp", "seed": seed,
-              "status": "finished", "tracker_counts": {"outcomes": 100, "late_outcomes": late}}  # fmt: skip
+              "status": "finished",
+              "tracker_counts": {"outcomes": 100, "late_outcomes": late, "overtaken_outcomes": 2 * late}}  # fmt: skip
     (folder / "run.json").write_text(json.dumps(record))
     evals = [{"policy_version": 2 * i, "step": 2 * i or None, "time": 1.7e9 + i, "eval/sampled/reward_mean": r}
              for i, r in enumerate(rewards)]  # fmt: skip
@@ -134,9 +136,13 @@ def test_summary_pairs_by_seed_with_standard_errors_by_hand(tmp_path):
     # Measured: the correlation averaged over every run's updates, late = late / outcomes.
     assert c["measured"]["length_advantage_corr"] == pytest.approx((2 * -0.4 + 4 * -0.2) / 6)
     assert c["measured"]["late_fraction"] == pytest.approx(0.15)  # 10/100 and 20/100 in every arm
+    assert c["measured"]["overtaken_fraction"] == pytest.approx(0.30)
     assert result["largest_se"] == pytest.approx(2.5)
     md = markdown(result)
-    assert "| -1 | 1.5 | -0.27 | 0.15 | 0.175 | 0.250 | +7.5 ± 2.5 | 2/2 | +2.5 ± 2.5 | +5.0 ± 0.0 |" in md
+    assert (
+        "| -1 | 1.5 | -0.27 | 0.15 | 0.30 | 0.175 | 0.250 | +7.5 ± 2.5 | 2/2 | +2.5 ± 2.5 | +5.0 ± 0.0 |"
+        in md
+    )
     assert "Largest standard error of a paired difference: 2.50 area points (target ≤ 1.5)." in md
     write(tmp_path / "out", result)
     assert json.loads((tmp_path / "out" / "map.json").read_text())["cells"][0]["cell"] == cell

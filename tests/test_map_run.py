@@ -1,7 +1,9 @@
 """`make map` at its smallest, end to end: a 2 x 2 grid (coupling -1 and +1, latency 0 and 1.5),
-SPO++ and SPO on one seed, every run through `spopp launch`; the knobs must do what they claim:
-the measured length-advantage correlation rises with coupling, and the share of outcomes that
-come back after a newer policy rises with latency."""
+SPO++ on one seed, every run through `spopp launch` (the pairing of arms is tested on known curves
+in tests/test_map.py); the knobs must do what they claim: the measured length-advantage
+correlation rises with coupling, and the share of outcomes that come back out of dispatch order
+rises with latency (the share after a newer policy is reported too, but under the paper's protocol
+drains bound it: see the README's map section)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ pytestmark = pytest.mark.process  # starts processes: the process tier (tests/co
 
 def test_the_smallest_map_runs_and_its_knobs_move_what_they_claim(tmp_path):
     out = tmp_path / "map"
-    args = [sys.executable, "-m", "tools.map", "--tiny", "--out", str(out), "--seeds", "0", "--arms", "spo,spopp",
-            "--coupling", "-1,1", "--latency", "0,1.5"]  # fmt: skip
+    args = [sys.executable, "-m", "tools.map", "--tiny", "--out", str(out), "--seeds", "0", "--arms", "spopp",
+            "--coupling=-1,1", "--latency=0,1.5"]  # fmt: skip
     env = {**environ_without_settings(), "OMP_NUM_THREADS": "1"}
     r = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -27,16 +29,15 @@ def test_the_smallest_map_runs_and_its_knobs_move_what_they_claim(tmp_path):
     cells = {(c["coupling"], c["latency_sigma"]): c for c in result["cells"]}
     assert sorted(cells) == [(-1.0, 0.0), (-1.0, 1.5), (1.0, 0.0), (1.0, 1.5)]
     corr = {k: c["measured"]["length_advantage_corr"] for k, c in cells.items()}
-    late = {k: c["measured"]["late_fraction"] for k, c in cells.items()}
+    overtaken = {k: c["measured"]["overtaken_fraction"] for k, c in cells.items()}
     for latency in (0.0, 1.5):  # failures longer: negative; successes longer: positive
         assert corr[(-1.0, latency)] < 0 < corr[(1.0, latency)], corr
     for coupling in (-1.0, 1.0):
-        assert late[(coupling, 1.5)] > late[(coupling, 0.0)], late
+        assert overtaken[(coupling, 1.5)] > overtaken[(coupling, 0.0)], overtaken
     for c in cells.values():
-        d = c["diffs"]["spopp-spo"]
-        assert d["n"] == 1 and d["se"] is None and len(d["per_seed"]) == 1
+        assert c["diffs"] == {} and c["points"] == 4  # one arm: nothing to pair; versions 0..3
     assert (out / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| -1 | 1.5 |" in (out / "map.md").read_text()
     # Resumable: again on the same folder, every run is found finished and the map is rewritten.
     again = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-    assert again.returncode == 0 and again.stdout.count("(finished)") == 8, again.stdout[-3000:]
+    assert again.returncode == 0 and again.stdout.count("(finished)") == 4, again.stdout[-3000:]

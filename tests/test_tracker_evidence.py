@@ -52,15 +52,26 @@ def test_spopp_late_outcome_lands_at_its_own_version(client, make_run):
     assert fresh == []  # the only task is in flight
     [res] = client.outcomes(run, [(old.request_id, 1.0)])
     assert res.value == 0.5  # the value frozen at dispatch, not a later one
+    _, _, v = event_time_value(1.0, 1.0, 0.0, [(0.0, 1.0)], 3 * LAM)
+    t = client.get_task(run, "q")
+    assert t.value == pytest.approx(v) == pytest.approx(2 / 3)
+    assert t.alpha == pytest.approx(2 * 0.875**3)
     # Reported after versions 1..3 were published: counted as late (the map's reordering measure).
     assert client.get_run(run).counts.late_outcomes == 1
     now = client.dispatch(run, "w", 3, 1).requests[0]
     client.outcomes(run, [(now.request_id, 0.0)])
     assert client.get_run(run).counts.late_outcomes == 1  # on time: not late
-    _, _, v = event_time_value(1.0, 1.0, 0.0, [(0.0, 1.0)], 3 * LAM)
-    t = client.get_task(run, "q")
-    assert t.value == pytest.approx(v) == pytest.approx(2 / 3)
-    assert t.alpha == pytest.approx(2 * 0.875**3)
+
+
+def test_outcomes_out_of_dispatch_order_are_counted_as_overtaken(client, make_run):
+    run = make_run(tasks=[{"task_id": f"q{i}", "alpha0": 1.0, "beta0": 1.0} for i in range(4)])
+    a, b, c, d = client.dispatch(run, "w", 0, 4).requests  # dispatched in this order
+    client.outcomes(run, [(b.request_id, 1.0)])
+    client.outcomes(run, [(a.request_id, 0.0), (d.request_id, 1.0)])  # a: overtaken by b
+    client.outcomes(run, [(c.request_id, 1.0)])  # c: overtaken by d
+    client.outcomes(run, [(c.request_id, 1.0)])  # a repeat changes nothing
+    counts = client.get_run(run).counts
+    assert (counts.outcomes, counts.overtaken_outcomes, counts.late_outcomes) == (4, 2, 0)
 
 
 def test_spo_consume_matches_receipt_order_reference(client, make_run):

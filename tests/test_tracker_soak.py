@@ -16,7 +16,7 @@ from spopp.client import TrackerClient
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
 TTL_SECONDS = 4  # the tracker's idempotency_ttl_seconds here: expiry shows within the test
-LOAD_SECONDS = 66
+LOAD_SECONDS = 45  # 12 s of warm-up, then thirds of 11 s: each near three TTLs
 SAMPLE_EVERY = 2.0
 WARM_UP = 12.0  # > TTL: by then as many records expire as are made
 ROUNDS_PER_SECOND = 75  # paced (4 leases a round: 300 leases/s), so the load is steady

@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--eval-tasks", type=int, default=128, help="held-out tasks scored after training (0: none)"
     )
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument(
+        "--max-positions", type=int, default=128,
+        help="the model's context (RoPE: no learned table, so a longer one changes nothing below 128)",
+    )  # fmt: skip
     a = p.parse_args(argv)
 
     import torch
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)  # one thread is the fastest for a model this small
     torch.manual_seed(a.seed)
-    model, tok = new_toy_model(a.seed)
+    model, tok = new_toy_model(a.seed, max_positions=a.max_positions)
     n_params = sum(x.numel() for x in model.parameters())
     print(f"toy model: {n_params} parameters, vocabulary {len(tok)}")
     teacher = TeacherConfig(a.p_skip, a.p_expr, a.p_result)

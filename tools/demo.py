@@ -145,8 +145,9 @@ def run_and_report(out: Path, config: dict, *, seeds: str, ablate: bool, updates
     return 0
 
 
-def prepare(out: Path, size: dict, data_seed: int) -> None:
-    """Stages 1-3, each skipped when its output is there: the tasks, the cold start, the prior."""
+def prepare(out: Path, size: dict, data_seed: int, max_positions: int = 128) -> None:
+    """Stages 1-3, each skipped when its output is there: the tasks, the cold start (with a context
+    of `max_positions`), the prior."""
     from runtime.envs.toy_calc import write_toy_calc_tasks
 
     _say(f"1/5 data: {size['n_train']} training and {size['n_heldout']} held-out toy-calc tasks")
@@ -158,7 +159,8 @@ def prepare(out: Path, size: dict, data_seed: int) -> None:
     _say(f"2/5 cold start: {size['cold_start_steps']} supervised steps on imperfect teacher traces")
     if not (out / "cold-start" / "cold_start.json").is_file():
         _run([sys.executable, "-m", "tools.cold_start", "--out", str(out / "cold-start"), "--seed", str(data_seed),
-              "--steps", str(size["cold_start_steps"]), "--eval-tasks", "0", "--log-every", "250"])  # fmt: skip
+              "--steps", str(size["cold_start_steps"]), "--eval-tasks", "0", "--log-every", "250",
+              "--max-positions", str(max_positions)])  # fmt: skip
 
     _say("3/5 prior: 8 rollouts per training task with the cold-start policy, Jeffreys mass 8")
     if not (out / "prior.json").is_file():

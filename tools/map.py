@@ -6,7 +6,9 @@
 3. map.json, map.md and map.png in --out.
 
 The budget leaves room for the coupled side's extra turns: 6 turns of at most 32 tokens, 256 in
-all, for the replicas and the evaluator alike, in every cell. A stopped map resumes.
+all, for the replicas and the evaluator alike, in every cell; the cold start is the demo's with a
+context of 256 positions (its rotary positions have no learned table: below 128 it is the same
+model). A stopped map resumes.
 
     python -m tools.map --out map-out [--seeds 0,1,2,3] [--coupling -1,0,1] [--latency 0,1.5]
 """
@@ -26,12 +28,18 @@ from tools.demo import FULL, TINY, _say, base_config, prepare
 
 # Room for the extra turns on the coupled side (toy-calc's extra_turns, 3 by default).
 MAP_BUDGET = {"max_turns": 6, "max_tokens_per_turn": 32, "max_total_tokens": 256}
+# The end-to-end test's size: the demo's tiny one, with a cold start long enough to succeed about
+# a third of the time (60 steps never do, and without successes no length can co-vary with them).
+MAP_TINY = {**TINY, "cold_start_steps": 250, "updates": 3, "eval_every": 1}
 SEEDS = "0,1,2,3"
 
 
 def map_config(out: Path, size: dict) -> dict:
     config = base_config(out, size, wandb=False)
     config["rollout"].update(MAP_BUDGET)
+    # One batch in flight, as in the demo (32 and 32): with more, the first-completed batch would
+    # be ever more of the quickest episodes, the coupled side's padding making it slower.
+    config["rollout"]["concurrency"] = size["batch_size"]
     config["evaluator"].update(MAP_BUDGET)
     # Under latency a drain waits for slow episodes; a progress line every 30 s is plenty.
     config["progress_seconds"] = 30
@@ -49,12 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=None, help="versions between evaluations (default 4)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
     a = p.parse_args(argv)
-    size = TINY if a.tiny else FULL
+    size = MAP_TINY if a.tiny else FULL
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
-    prepare(out, size, data_seed=0)
+    prepare(out, size, data_seed=0, max_positions=MAP_BUDGET["max_total_tokens"])
     config = map_config(out, size)
     config["updates"] = a.updates or size["updates"]
     config["evaluator"]["every"] = a.eval_every or size["eval_every"]
@@ -62,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     _say(f"4/5 map: arms {a.arms} x seeds {a.seeds} x coupling {a.coupling} x latency {a.latency}")
     code = subprocess.run([sys.executable, "-m", "services.cli", "map", str(path), "--seeds", a.seeds,
-                           "--arms", a.arms, "--coupling", a.coupling, "--latency", a.latency,
+                           "--arms", a.arms, f"--coupling={a.coupling}", f"--latency={a.latency}",
                            "--out", str(out)]).returncode  # fmt: skip
     if code != 0:
         _say(f"the map stopped with exit code {code}; run the same command again to resume")

@@ -228,9 +228,16 @@ class ToyCalcEnv(Environment):
         self.done = True
         return StepResult([], done=True, reward=reward, info=self._info(finish=finish))
 
+    def latency(self) -> float:
+        """The next step's delay in seconds: lognormal (median latency_median_s, log-s.d.
+        latency_sigma), 0 when latency_sigma is 0."""
+        if self.latency_sigma <= 0:
+            return 0.0
+        return self.latency_median_s * math.exp(self.latency_sigma * self._rng.gauss(0.0, 1.0))
+
     def _delay(self) -> None:
-        if self.latency_sigma > 0:
-            time.sleep(self.latency_median_s * math.exp(self.latency_sigma * self._rng.gauss(0.0, 1.0)))
+        if (seconds := self.latency()) > 0:
+            time.sleep(seconds)
 
     def step(self, action: str) -> StepResult:
         if self.task is None or self.done:

@@ -143,8 +143,9 @@ def _diff_stats(values: list[float]) -> dict[str, Any]:
 
 
 def _measured(run_dir: Path) -> dict[str, float | None]:
-    """What the knobs did in one run: mean length-advantage correlation over its updates, and the
-    share of its outcomes reported after a newer policy was published."""
+    """What the knobs did in one run: mean length-advantage correlation over its updates; the share
+    of its outcomes reported after a newer policy was published (late), and after the outcome of a
+    request dispatched later (overtaken: out of dispatch order)."""
     corr = []
     try:
         for line in (run_dir / "learner" / "metrics.jsonl").read_text().splitlines():
@@ -153,14 +154,15 @@ def _measured(run_dir: Path) -> dict[str, float | None]:
                 corr.append(float(record["length_advantage_corr"]))
     except (OSError, ValueError):
         pass
-    late = None
+    late = overtaken = None
     try:
         counts = RunRecord.model_validate_json((run_dir / "run.json").read_text()).tracker_counts or {}
         if counts.get("outcomes"):
             late = counts.get("late_outcomes", 0) / counts["outcomes"]
+            overtaken = counts.get("overtaken_outcomes", 0) / counts["outcomes"]
     except (OSError, ValueError):
         pass
-    return {"length_advantage_corr": _mean(corr), "late_fraction": late}
+    return {"length_advantage_corr": _mean(corr), "late_fraction": late, "overtaken_fraction": overtaken}
 
 
 def summarize(
@@ -205,9 +207,8 @@ def summarize(
                 "cell": name, "coupling": coupling, "latency_sigma": latency, "points": points,
                 "arms": per_arm, "diffs": diffs, "warnings": warnings,
                 "measured": {
-                    "length_advantage_corr": _mean([m["length_advantage_corr"] for m in everything
-                                                    if m["length_advantage_corr"] is not None]),
-                    "late_fraction": _mean([m["late_fraction"] for m in everything if m["late_fraction"] is not None]),
+                    key: _mean([m[key] for m in everything if m[key] is not None])
+                    for key in ("length_advantage_corr", "late_fraction", "overtaken_fraction")
                 },
             })  # fmt: skip
     worst = max((d["se"] for c in cells for d in c["diffs"].values() if d["se"] is not None), default=None)
@@ -229,10 +230,11 @@ def markdown(result: dict) -> str:
         f"Seeds {', '.join(map(str, result['seeds']))}; arms {', '.join(result['arms'])}. Area = mean held-out "
         "reward over the common points (trapezoid); Δ in area points (100 × area difference), mean ± standard "
         "error over the seeds' paired differences; C10 per arm; coupling = mean Pearson correlation of a batch's "
-        "response lengths with its advantages; late = share of outcomes reported after a newer policy.", "",
-        "| coupling | latency σ | measured coupling | late | SPO area | SPO++ area | Δ SPO++ − SPO | pairs won | "
-        "Δ event-time alone | Δ token measure alone | C10 SPO / traj. / SPO++ |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "response lengths with its advantages; late = share of outcomes reported after a newer policy; overtaken = "
+        "share reported after the outcome of a request dispatched later.", "",
+        "| coupling | latency σ | measured coupling | late | overtaken | SPO area | SPO++ area | Δ SPO++ − SPO "
+        "| pairs won | Δ event-time alone | Δ token measure alone | C10 SPO / traj. / SPO++ |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
     for c in result["cells"]:
         a, d, m = c["arms"], c["diffs"], c["measured"]
@@ -245,7 +247,8 @@ def markdown(result: dict) -> str:
         c10s = " / ".join(num(a[arm]["c10"]) for arm in ARMS if arm in a)
         out.append(
             f"| {c['coupling']:+g} | {c['latency_sigma']:g} | {num(m['length_advantage_corr'], '+.2f')} "
-            f"| {num(m['late_fraction'], '.2f')} | {num(a.get('spo', {}).get('area'))} | {num(a.get('spopp', {}).get('area'))} "
+            f"| {num(m['late_fraction'], '.2f')} | {num(m['overtaken_fraction'], '.2f')} "
+            f"| {num(a.get('spo', {}).get('area'))} | {num(a.get('spopp', {}).get('area'))} "
             f"| {_pm(main) if main else 'n/a'} | {won} "
             f"| {_pm(d['trajnorm-spo']) if 'trajnorm-spo' in d else 'n/a'} "
             f"| {_pm(d['spopp-trajnorm']) if 'spopp-trajnorm' in d else 'n/a'} | {c10s} |"

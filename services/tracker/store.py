@@ -140,6 +140,7 @@ class Store:
                 "dispatches": int(raw["dispatches"]),
                 "outcomes": int(raw["outcomes"]),
                 "late_outcomes": int(raw.get("late_outcomes", 0)),
+                "overtaken_outcomes": int(raw.get("overtaken_outcomes", 0)),
                 "releases": int(raw["releases"]),
                 "expirations": int(raw["expirations"]),
                 "consumed_updates": int(raw["consumed"]),
