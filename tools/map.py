@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--coupling", default="-1,0,1", help="coupling levels (default -1,0,1)")
     p.add_argument("--latency", default="0,1.5", help="latency sigma levels (default 0,1.5)")
     p.add_argument("--arms", default="spo,spopp-trajnorm,spopp", help="arms (default all three)")
+    p.add_argument(
+        "--latency-median", type=float, default=0.02, help="median of the delay, seconds (default 0.02)"
+    )
     p.add_argument("--updates", type=int, default=None, help="learner updates per run (default 40)")
     p.add_argument("--eval-every", type=int, default=None, help="versions between evaluations (default 4)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     config = map_config(out, size)
     config["updates"] = a.updates or size["updates"]
     config["evaluator"]["every"] = a.eval_every or size["eval_every"]
+    config["env_options"] = {"latency_median_s": a.latency_median}
     path = out / "map.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     _say(f"4/5 map: arms {a.arms} x seeds {a.seeds} x coupling {a.coupling} x latency {a.latency}")
