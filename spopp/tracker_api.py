@@ -142,8 +142,10 @@ class RunCounts(BaseModel):
     outcomes: int
     # Outcomes reported after a newer policy version than their dispatch's was published.
     late_outcomes: int = 0
-    # Outcomes reported after the outcome of a request dispatched later (out of dispatch order).
+    # Outcomes reported after the outcome of a request dispatched later (out of dispatch order),
+    # and the sum over them of how many dispatches the newest reported request was past each.
     overtaken_outcomes: int = 0
+    reorder_distance: int = 0
     releases: int
     expirations: int
     consumed_updates: int

@@ -99,7 +99,8 @@ def write_run(
     (folder / "learner").mkdir()
     record = {"run": folder.name, "arm": arm, "recipe": "spo" if arm == "spo" else "spopp", "seed": seed,
               "status": "finished",
-              "tracker_counts": {"outcomes": 100, "late_outcomes": late, "overtaken_outcomes": 2 * late}}  # fmt: skip
+              "tracker_counts": {"outcomes": 100, "late_outcomes": late, "overtaken_outcomes": 2 * late,
+                                 "reorder_distance": 5 * late}}  # fmt: skip
     (folder / "run.json").write_text(json.dumps(record))
     evals = [{"policy_version": 2 * i, "step": 2 * i or None, "time": 1.7e9 + i, "eval/sampled/reward_mean": r}
              for i, r in enumerate(rewards)]  # fmt: skip
@@ -137,10 +138,11 @@ def test_summary_pairs_by_seed_with_standard_errors_by_hand(tmp_path):
     assert c["measured"]["length_advantage_corr"] == pytest.approx((2 * -0.4 + 4 * -0.2) / 6)
     assert c["measured"]["late_fraction"] == pytest.approx(0.15)  # 10/100 and 20/100 in every arm
     assert c["measured"]["overtaken_fraction"] == pytest.approx(0.30)
+    assert c["measured"]["reorder_distance"] == pytest.approx(0.75)  # 50/100 and 100/100
     assert result["largest_se"] == pytest.approx(2.5)
     md = markdown(result)
     assert (
-        "| -1 | 1.5 | -0.27 | 0.15 | 0.30 | 0.175 | 0.250 | +7.5 ± 2.5 | 2/2 | +2.5 ± 2.5 | +5.0 ± 0.0 |"
+        "| -1 | 1.5 | -0.27 | 0.15 | 0.30 | 0.8 | 0.175 | 0.250 | +7.5 ± 2.5 | 2/2 | +2.5 ± 2.5 | +5.0 ± 0.0 |"
         in md
     )
     assert "Largest standard error of a paired difference: 2.50 area points (target ≤ 1.5)." in md

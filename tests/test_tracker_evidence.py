@@ -72,6 +72,7 @@ def test_outcomes_out_of_dispatch_order_are_counted_as_overtaken(client, make_ru
     client.outcomes(run, [(c.request_id, 1.0)])  # a repeat changes nothing
     counts = client.get_run(run).counts
     assert (counts.outcomes, counts.overtaken_outcomes, counts.late_outcomes) == (4, 2, 0)
+    assert counts.reorder_distance == 1 + 1  # a was 1 dispatch behind b; c 1 behind d
 
 
 def test_spo_consume_matches_receipt_order_reference(client, make_run):

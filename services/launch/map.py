@@ -154,15 +154,19 @@ def _measured(run_dir: Path) -> dict[str, float | None]:
                 corr.append(float(record["length_advantage_corr"]))
     except (OSError, ValueError):
         pass
-    late = overtaken = None
+    late = overtaken = distance = None
     try:
         counts = RunRecord.model_validate_json((run_dir / "run.json").read_text()).tracker_counts or {}
         if counts.get("outcomes"):
             late = counts.get("late_outcomes", 0) / counts["outcomes"]
             overtaken = counts.get("overtaken_outcomes", 0) / counts["outcomes"]
+            distance = counts.get("reorder_distance", 0) / counts["outcomes"]
     except (OSError, ValueError):
         pass
-    return {"length_advantage_corr": _mean(corr), "late_fraction": late, "overtaken_fraction": overtaken}
+    return {
+        "length_advantage_corr": _mean(corr), "late_fraction": late, "overtaken_fraction": overtaken,
+        "reorder_distance": distance,
+    }  # fmt: skip
 
 
 def summarize(
@@ -208,7 +212,7 @@ def summarize(
                 "arms": per_arm, "diffs": diffs, "warnings": warnings,
                 "measured": {
                     key: _mean([m[key] for m in everything if m[key] is not None])
-                    for key in ("length_advantage_corr", "late_fraction", "overtaken_fraction")
+                    for key in ("length_advantage_corr", "late_fraction", "overtaken_fraction", "reorder_distance")
                 },
             })  # fmt: skip
     worst = max((d["se"] for c in cells for d in c["diffs"].values() if d["se"] is not None), default=None)
@@ -231,10 +235,11 @@ def markdown(result: dict) -> str:
         "reward over the common points (trapezoid); Δ in area points (100 × area difference), mean ± standard "
         "error over the seeds' paired differences; C10 per arm; coupling = mean Pearson correlation of a batch's "
         "response lengths with its advantages; late = share of outcomes reported after a newer policy; overtaken = "
-        "share reported after the outcome of a request dispatched later.", "",
-        "| coupling | latency σ | measured coupling | late | overtaken | SPO area | SPO++ area | Δ SPO++ − SPO "
+        "share reported after the outcome of a request dispatched later; distance = mean over outcomes of how "
+        "many dispatches the newest reported request was past it.", "",
+        "| coupling | latency σ | measured coupling | late | overtaken | distance | SPO area | SPO++ area | Δ SPO++ − SPO "
         "| pairs won | Δ event-time alone | Δ token measure alone | C10 SPO / traj. / SPO++ |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
     for c in result["cells"]:
         a, d, m = c["arms"], c["diffs"], c["measured"]
@@ -248,6 +253,7 @@ def markdown(result: dict) -> str:
         out.append(
             f"| {c['coupling']:+g} | {c['latency_sigma']:g} | {num(m['length_advantage_corr'], '+.2f')} "
             f"| {num(m['late_fraction'], '.2f')} | {num(m['overtaken_fraction'], '.2f')} "
+            f"| {num(m['reorder_distance'], '.1f')} "
             f"| {num(a.get('spo', {}).get('area'))} | {num(a.get('spopp', {}).get('area'))} "
             f"| {_pm(main) if main else 'n/a'} | {won} "
             f"| {_pm(d['trajnorm-spo']) if 'trajnorm-spo' in d else 'n/a'} "

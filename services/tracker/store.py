@@ -141,6 +141,7 @@ class Store:
                 "outcomes": int(raw["outcomes"]),
                 "late_outcomes": int(raw.get("late_outcomes", 0)),
                 "overtaken_outcomes": int(raw.get("overtaken_outcomes", 0)),
+                "reorder_distance": int(raw.get("reorder_distance", 0)),
                 "releases": int(raw["releases"]),
                 "expirations": int(raw["expirations"]),
                 "consumed_updates": int(raw["consumed"]),

@@ -44,7 +44,7 @@ if #not_live > 0 then
 end
 local spopp = redis.call('HGET', RUN, 'recipe') == 'spopp'
 local lam, clock, floor = hnum(RUN, 'lam'), hnum(RUN, 'clock'), hnum(RUN, 'floor')
-local applied, late, overtaken, results = 0, 0, 0, {}
+local applied, late, overtaken, distance, results = 0, 0, 0, 0, {}
 local version = hnum(RUN, 'version')
 -- Request ids are 'r' .. the dispatch sequence: an outcome whose request was dispatched before
 -- one already reported was overtaken (outcomes come back out of dispatch order).
@@ -83,7 +83,12 @@ for i = 0, n - 1 do
     -- Reported after a newer policy was published: the outcome came back late.
     if tonumber(req.ver) < version then late = late + 1 end
     local seq = tonumber(string.sub(rid, 2)) or 0
-    if seq < newest then overtaken = overtaken + 1 else newest = seq end
+    -- Its distance: how far in dispatch order the newest reported request is past it.
+    if seq < newest then
+      overtaken, distance = overtaken + 1, distance + newest - seq
+    else
+      newest = seq
+    end
   end
   local adv = ''
   if spopp then adv = fmt(reward - tonumber(req.value)) end
@@ -91,6 +96,9 @@ for i = 0, n - 1 do
 end
 redis.call('HINCRBY', RUN, 'outcomes', applied)
 if late > 0 then redis.call('HINCRBY', RUN, 'late_outcomes', late) end
-if overtaken > 0 then redis.call('HINCRBY', RUN, 'overtaken_outcomes', overtaken) end
+if overtaken > 0 then
+  redis.call('HINCRBY', RUN, 'overtaken_outcomes', overtaken)
+  redis.call('HINCRBY', RUN, 'reorder_distance', distance)
+end
 if applied > 0 then redis.call('HSET', RUN, 'newest_reported', newest) end
 return ok({ results = results })
