@@ -155,3 +155,50 @@ def test_a_missing_run_names_its_folder(tmp_path):
     write_run(tmp_path, cell_name(0.0, 0.0), "spo", 0, [0.1, 0.2], corr=0.0, late=0)
     with pytest.raises(ValueError, match=r"spopp-s0.*run.json"):
         summarize(tmp_path, [0.0], [0.0], ["spo", "spopp"], [0])
+
+
+def test_a_cell_is_the_base_with_the_two_knobs_set_and_nothing_else():
+    from services.launch.config import LaunchSettings
+    from services.launch.map import cell_settings, plan_runs
+
+    base = LaunchSettings.model_validate(
+        {
+            "model": "m",
+            "tasks": "t.jsonl",
+            "env": "toy-calc",
+            "env_options": {"latency_median_s": 0.1},
+            "updates": 8,
+        }
+    )
+    cell = cell_settings(base, -1.0, 1.5)
+    assert cell.env_options == {"latency_median_s": 0.1, "coupling": -1.0, "latency_sigma": 1.5}
+    assert cell.model_dump(exclude={"env_options"}) == base.model_dump(exclude={"env_options"})
+    runs = plan_runs(base, [-1.0, 0.0], [0.0], ["spo", "spopp"], [3], Path("out"))
+    assert [(c, s.run, str(s.run_dir)) for c, s in runs] == [
+        ("coupling-1-latency0", "spo-s3", "out/cells/coupling-1-latency0/runs/spo-s3"),
+        ("coupling-1-latency0", "spopp-s3", "out/cells/coupling-1-latency0/runs/spopp-s3"),
+        ("coupling+0-latency0", "spo-s3", "out/cells/coupling+0-latency0/runs/spo-s3"),
+        ("coupling+0-latency0", "spopp-s3", "out/cells/coupling+0-latency0/runs/spopp-s3"),
+    ]
+    with pytest.raises(ValueError, match="needs env toy-calc"):
+        cell_settings(
+            LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "math-tir"}), 0.0, 0.0
+        )
+
+
+def test_the_map_command_refuses_bad_options_by_name(tmp_path):
+    from click.testing import CliRunner
+
+    from services.launch.cli import map_command
+
+    config = tmp_path / "base.yaml"
+    config.write_text("model: m\ntasks: t.jsonl\nenv: toy-calc\n")
+    for args, message in (
+        (["--coupling=a"], "--coupling 'a': expected numbers"),
+        (["--latency=0,0"], "--latency '0,0': give distinct values"),
+        (["--arms", "grpo"], "--arms: choose from spo, spopp, spopp-trajnorm"),
+        (["--seeds", "x"], "--seeds 'x': expected integers"),
+    ):
+        r = CliRunner().invoke(map_command, [str(config), "--out", str(tmp_path / "out"), *args])
+        assert r.exit_code == 2 and message in r.output, (args, r.output)
+        assert not (tmp_path / "out").exists()

@@ -195,9 +195,12 @@ scale_command = click.Command(
 )
 
 
-def _ablate(config: Path, sets: tuple[str, ...], seeds: str, arms: str, out: Path) -> None:
-    from .compare import ARMS, compare, parse_arm
-    from .run import LaunchError
+def _matched(
+    config: Path, sets: tuple[str, ...], seeds: str, arms: str
+) -> tuple[LaunchSettings, list[int], list[str]]:
+    """The base config, the seeds and the arms of `spopp ablate` and `spopp map`; UsageError
+    naming the option of any problem."""
+    from .compare import ARMS, parse_arm
 
     try:
         base = resolve(config, sets)
@@ -218,6 +221,14 @@ def _ablate(config: Path, sets: tuple[str, ...], seeds: str, arms: str, out: Pat
             f"--arms: choose from {', '.join(ARMS)}, each optionally with -k<N> (max_staleness N, "
             "e.g. spopp-k1); --seeds: at least one"
         )
+    return base, seed_list, arm_list
+
+
+def _ablate(config: Path, sets: tuple[str, ...], seeds: str, arms: str, out: Path) -> None:
+    from .compare import compare
+    from .run import LaunchError
+
+    base, seed_list, arm_list = _matched(config, sets, seeds, arms)
     try:
         code = compare(base, arm_list, seed_list, out, echo=click.echo)
     except (LaunchError, ValueError) as exc:
@@ -292,25 +303,10 @@ def _numbers(text: str, what: str) -> list[float]:
 def _map(
     config: Path, sets: tuple[str, ...], seeds: str, arms: str, coupling: str, latency: str, out: Path
 ) -> None:
-    from .compare import parse_arm
     from .map import run_map
     from .run import LaunchError
 
-    try:
-        base = resolve(config, sets)
-        seed_list = [int(x) for x in seeds.split(",") if x.strip()]
-    except SettingsError as exc:
-        raise click.UsageError(str(exc)) from None
-    except ValueError:
-        raise click.UsageError(f"--seeds {seeds!r}: expected integers separated by commas") from None
-    arm_list = [a.strip() for a in arms.split(",") if a.strip()]
-    try:
-        for a in arm_list:
-            parse_arm(a)
-    except ValueError as exc:
-        raise click.UsageError(f"--arms: {exc}") from None
-    if not seed_list or not arm_list:
-        raise click.UsageError("--seeds and --arms: at least one each")
+    base, seed_list, arm_list = _matched(config, sets, seeds, arms)
     couplings, latencies = _numbers(coupling, "coupling"), _numbers(latency, "latency")
     try:
         code = run_map(base, couplings, latencies, arm_list, seed_list, out, echo=click.echo)
