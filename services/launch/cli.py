@@ -195,6 +195,17 @@ scale_command = click.Command(
 )
 
 
+# `spopp ablate` and `spopp map` pick their runs alike.
+_SEEDS = click.Option(["--seeds"], default="0,1,2", show_default=True, help="seeds, comma-separated")
+_ARMS = click.Option(
+    ["--arms"],
+    default="spo,spopp-trajnorm,spopp",
+    show_default=True,
+    help="arms, comma-separated: spo, spopp, spopp-trajnorm (spo,spopp is the paired comparison), "
+    "each optionally with -k<N> for max_staleness N (spopp,spopp-k1 pairs k = 0 against k = 1)",
+)
+
+
 def _matched(
     config: Path, sets: tuple[str, ...], seeds: str, arms: str
 ) -> tuple[LaunchSettings, list[int], list[str]]:
@@ -242,14 +253,8 @@ ablate_command = click.Command(
     params=[
         _CONFIG,
         _SET,
-        click.Option(["--seeds"], default="0,1,2", show_default=True, help="seeds, comma-separated"),
-        click.Option(
-            ["--arms"],
-            default="spo,spopp-trajnorm,spopp",
-            show_default=True,
-            help="arms, comma-separated: spo, spopp, spopp-trajnorm (spo,spopp is the paired comparison), "
-            "each optionally with -k<N> for max_staleness N (spopp,spopp-k1 pairs k = 0 against k = 1)",
-        ),  # fmt: skip
+        _SEEDS,
+        _ARMS,
         click.Option(
             ["--out"],
             type=click.Path(file_okay=False, path_type=Path),
@@ -321,13 +326,8 @@ map_command = click.Command(
     params=[
         _CONFIG,
         _SET,
-        click.Option(["--seeds"], default="0,1,2", show_default=True, help="seeds, comma-separated"),
-        click.Option(
-            ["--arms"],
-            default="spo,spopp-trajnorm,spopp",
-            show_default=True,
-            help="arms, comma-separated (as spopp ablate takes them)",
-        ),  # fmt: skip
+        _SEEDS,
+        _ARMS,
         click.Option(
             ["--coupling"],
             default="-1,0,1",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,28 +67,46 @@ def arm_settings(base: LaunchSettings, arm: str, seed: int, out: Path) -> Launch
     return LaunchSettings.model_validate(values)
 
 
-def compare(base: LaunchSettings, arms: list[str], seeds: list[int], out: Path, echo=print,
-            report_args: tuple[str, ...] = ()) -> int:  # fmt: skip
-    """Run every (seed, arm), then report; answers the exit code."""
+def run_in_turn(planned: list[tuple[str, LaunchSettings]], echo, what: str) -> tuple[list, int]:
+    """Check every run (`(label, settings)`) before the first starts, then run them one after
+    another, each with a progress line and an estimate of the time left; a run already finished
+    is said so and skipped. Stops at the first run that fails; answers (the launchers, exit code)."""
     from .run import Launcher, LaunchError
 
-    planned = [arm_settings(base, arm, seed, out) for seed in seeds for arm in arms]
     launchers = []
-    for s in planned:  # every run is checked before the first one starts
+    for label, s in planned:
         launcher = Launcher(s, echo=echo)
         try:
             launcher.prepare()
         except LaunchError as exc:
-            raise LaunchError(f"{s.run}: {exc}") from None
+            raise LaunchError(f"{label + ' ' if label else ''}{s.run}: {exc}") from None
         launchers.append(launcher)
-    for n, launcher in enumerate(launchers, 1):
-        echo(f"=== run {n}/{len(launchers)}: {launcher.s.run}")
+    t0, ran = time.monotonic(), 0
+    for n, ((label, _s), launcher) in enumerate(zip(planned, launchers, strict=True), 1):
+        done = launcher.finished_already()
+        left = ""
+        if ran and not done:
+            left = f", about {(time.monotonic() - t0) / ran * (len(launchers) - n + 1) / 60:.0f} min left"
+        name = f"{label + ' ' if label else ''}{launcher.s.run}"
+        echo(f"=== {what} run {n}/{len(launchers)}: {name}" + (" (finished)" if done else left))
+        if done:
+            continue
         code = launcher.run()
+        ran += 1
         if code != 0:
-            echo(
-                f"{launcher.s.run} ended with code {code}; the comparison stops here (launch it again to resume)"
-            )
-            return code
+            echo(f"{launcher.s.run} ended with code {code}; the {what} stops here (run it again to resume)")
+            return launchers, code
+    return launchers, 0
+
+
+def compare(base: LaunchSettings, arms: list[str], seeds: list[int], out: Path, echo=print,
+            report_args: tuple[str, ...] = ()) -> int:  # fmt: skip
+    """Run every (seed, arm), then report; answers the exit code."""
+
+    planned = [("", arm_settings(base, arm, seed, out)) for seed in seeds for arm in arms]
+    launchers, code = run_in_turn(planned, echo, "comparison")
+    if code != 0:
+        return code
     # Exactly these runs: the folder may hold runs of other seeds from an earlier comparison.
     dirs = [str(launcher.s.run_dir) for launcher in launchers]
     args = [sys.executable, "-m", "services.cli", "report", *dirs, "--out", str(out), *report_args]

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from spopp.records import RunRecord
 
-from .compare import arm_settings
+from .compare import arm_settings, run_in_turn
 from .config import LaunchSettings
 
 ARMS = ("spo", "spopp-trajnorm", "spopp")
@@ -58,6 +57,11 @@ def cell_settings(base: LaunchSettings, coupling: float, latency: float) -> Laun
     return LaunchSettings.model_validate(values)
 
 
+def cells(couplings: list[float], latencies: list[float]) -> list[tuple[str, float, float]]:
+    """(name, coupling, latency) of every cell, latency-major (the order of map.json's cells)."""
+    return [(cell_name(c, lat), c, lat) for lat in latencies for c in couplings]
+
+
 def plan_runs(
     base: LaunchSettings,
     couplings: list[float],
@@ -68,13 +72,11 @@ def plan_runs(
 ) -> list[tuple[str, LaunchSettings]]:
     """Every (cell, run settings), seed-major within a cell so a stopped map has whole pairs."""
     runs = []
-    for latency in latencies:
-        for coupling in couplings:
-            name = cell_name(coupling, latency)
-            cell = cell_settings(base, coupling, latency)
-            for seed in seeds:
-                for arm in arms:
-                    runs.append((name, arm_settings(cell, arm, seed, out / "cells" / name)))
+    for name, coupling, latency in cells(couplings, latencies):
+        cell = cell_settings(base, coupling, latency)
+        runs += [
+            (name, arm_settings(cell, arm, seed, out / "cells" / name)) for seed in seeds for arm in arms
+        ]
     return runs
 
 
@@ -88,43 +90,13 @@ def run_map(
     echo: Callable[[str], None] = print,
 ) -> int:
     """Run (or resume) every run of the grid, then write the map; answers the exit code."""
-    from .run import Launcher, LaunchError
-
-    planned = plan_runs(base, couplings, latencies, arms, seeds, out)
-    launchers = []
-    for cell, s in planned:  # every run is checked before the first one starts
-        launcher = Launcher(s, echo=echo)
-        try:
-            launcher.prepare()
-        except LaunchError as exc:
-            raise LaunchError(f"{cell} {s.run}: {exc}") from None
-        launchers.append((cell, launcher))
-    t0, ran = time.monotonic(), 0
-    for n, (cell, launcher) in enumerate(launchers, 1):
-        done = _finished(Path(launcher.s.run_dir))
-        eta = ""
-        if ran:
-            eta = f", about {(time.monotonic() - t0) / ran * (len(launchers) - n + 1) / 60:.0f} min left"
-        echo(f"=== map run {n}/{len(launchers)}: {cell} {launcher.s.run}" + (" (finished)" if done else eta))
-        if done:
-            continue
-        code = launcher.run()
-        ran += 1
-        if code != 0:
-            echo(f"{launcher.s.run} ended with code {code}; the map stops here (run it again to resume)")
-            return code
-    result = summarize(out, couplings, latencies, arms, seeds)
-    write(out, result)
+    _launchers, code = run_in_turn(plan_runs(base, couplings, latencies, arms, seeds, out), echo, "map")
+    if code != 0:
+        return code
+    write(out, summarize(out, couplings, latencies, arms, seeds))
     for path in ("map.json", "map.md", "map.png"):
         echo(f"wrote {out / path}")
     return 0
-
-
-def _finished(run_dir: Path) -> bool:
-    try:
-        return RunRecord.model_validate_json((run_dir / "run.json").read_text()).status == "finished"
-    except (OSError, ValueError):
-        return False
 
 
 # -- the summary ---------------------------------------------------------------------------------
@@ -169,6 +141,14 @@ def _measured(run_dir: Path) -> dict[str, float | None]:
     }  # fmt: skip
 
 
+MEASURES = ("length_advantage_corr", "late_fraction", "overtaken_fraction", "reorder_distance")
+
+
+def _means(runs: list[dict]) -> dict[str, float | None]:
+    """Each measure's mean over the runs that have it (None where none does)."""
+    return {key: _mean([m[key] for m in runs if m[key] is not None]) for key in MEASURES}
+
+
 def summarize(
     out: Path, couplings: list[float], latencies: list[float], arms: list[str], seeds: list[int]
 ) -> dict:
@@ -176,49 +156,44 @@ def summarize(
     from services.report.runs import read_run
     from services.report.summaries import area, c10
 
-    cells = []
-    for latency in latencies:
-        for coupling in couplings:
-            name = cell_name(coupling, latency)
-            warnings: list[str] = []
-            curves: dict[str, dict[int, list[float]]] = {arm: {} for arm in arms}
-            measured: dict[str, list[dict]] = {arm: [] for arm in arms}
-            for arm in arms:
-                for seed in seeds:
-                    run_dir = out / "cells" / name / "runs" / f"{arm}-s{seed}"
-                    curves[arm][seed] = read_run(run_dir, "eval/sampled/reward_mean", warnings).rewards
-                    measured[arm].append(_measured(run_dir))
-            points = min(len(c) for by_seed in curves.values() for c in by_seed.values())
-            per_arm = {
-                arm: {
-                    "area": _mean([area(curves[arm][s][:points]) for s in seeds]),
-                    "c10": _mean([c10(curves[arm][s][:points]) for s in seeds]),
-                    "length_advantage_corr": _mean([m["length_advantage_corr"] for m in measured[arm]
-                                                    if m["length_advantage_corr"] is not None]),
-                    "late_fraction": _mean([m["late_fraction"] for m in measured[arm] if m["late_fraction"] is not None]),
-                }
-                for arm in arms
-            }  # fmt: skip
-            diffs = {
-                key: _diff_stats(
-                    [100 * (area(curves[a][s][:points]) - area(curves[b][s][:points])) for s in seeds]
-                )
-                for key, a, b in DIFFS
-                if a in arms and b in arms
+    out_cells = []
+    for name, coupling, latency in cells(couplings, latencies):
+        warnings: list[str] = []
+        curves: dict[str, dict[int, list[float]]] = {arm: {} for arm in arms}
+        measured: dict[str, list[dict]] = {arm: [] for arm in arms}
+        for arm in arms:
+            for seed in seeds:
+                run_dir = out / "cells" / name / "runs" / f"{arm}-s{seed}"
+                curves[arm][seed] = read_run(run_dir, "eval/sampled/reward_mean", warnings).rewards
+                measured[arm].append(_measured(run_dir))
+        points = min(len(c) for by_seed in curves.values() for c in by_seed.values())
+        per_arm = {
+            arm: {
+                "area": _mean([area(curves[arm][s][:points]) for s in seeds]),
+                "c10": _mean([c10(curves[arm][s][:points]) for s in seeds]),
+                **_means(measured[arm]),
             }
-            everything = [m for arm in arms for m in measured[arm]]
-            cells.append({
-                "cell": name, "coupling": coupling, "latency_sigma": latency, "points": points,
-                "arms": per_arm, "diffs": diffs, "warnings": warnings,
-                "measured": {
-                    key: _mean([m[key] for m in everything if m[key] is not None])
-                    for key in ("length_advantage_corr", "late_fraction", "overtaken_fraction", "reorder_distance")
-                },
-            })  # fmt: skip
-    worst = max((d["se"] for c in cells for d in c["diffs"].values() if d["se"] is not None), default=None)
+            for arm in arms
+        }  # fmt: skip
+        diffs = {
+            key: _diff_stats(
+                [100 * (area(curves[a][s][:points]) - area(curves[b][s][:points])) for s in seeds]
+            )
+            for key, a, b in DIFFS
+            if a in arms and b in arms
+        }
+        everything = [m for arm in arms for m in measured[arm]]
+        out_cells.append({
+            "cell": name, "coupling": coupling, "latency_sigma": latency, "points": points,
+            "arms": per_arm, "diffs": diffs, "warnings": warnings,
+            "measured": _means(everything),
+        })  # fmt: skip
+    worst = max(
+        (d["se"] for c in out_cells for d in c["diffs"].values() if d["se"] is not None), default=None
+    )
     return {
         "couplings": couplings, "latencies": latencies, "arms": arms, "seeds": seeds, "metric": "area points",
-        "se_target": SE_TARGET, "largest_se": worst, "cells": cells,
+        "se_target": SE_TARGET, "largest_se": worst, "cells": out_cells,
     }  # fmt: skip
 
 

@@ -242,11 +242,20 @@ class Launcher:
         return record
 
     # -- the run ---------------------------------------------------------------------------------
+    def finished_already(self) -> bool:
+        """The run folder holds this run finished with the whole budget: nothing to do."""
+        p = self.plan or self.prepare()
+        return (
+            self.record is not None
+            and self.record.status == "finished"
+            and self._finished_updates(p) >= self.s.updates
+        )
+
     def run(self) -> int:
         """Answers the exit code: 0 finished (or had finished), 1 failed, 130 interrupted."""
         p = self.plan or self.prepare()
         done = self._finished_updates(p)
-        if self.record is not None and self.record.status == "finished" and done >= self.s.updates:
+        if self.finished_already():
             self.echo(
                 f"run {self.s.run} in {p.run_dir} finished already ({done} updates of {self.s.updates}); "
                 "nothing to do. Raise `updates` to train further, or use another run_dir."

@@ -69,7 +69,8 @@ class VersionedEngine(Engine):
             self._open.set()
 
     async def load_weights(self, snapshot_dir: str | Path) -> None:
-        await self.inner.load_weights(snapshot_dir)
+        """Through the gate, as a swap keeping the version (no generation may straddle it)."""
+        await self.swap(snapshot_dir, self.version)
 
     async def close(self) -> None:
         await self.inner.close()
