@@ -3,7 +3,9 @@
 The trajectory is one flat token sequence. Tokens the engine generated carry mask 1 and the
 engine's own log-probs; everything else (prompt, observations, tool output, the template's
 turn markers) carries mask 0. Budgets: turns, tokens per turn, total tokens; an episode cut by
-a budget gets reward 0 and says which budget cut it.
+a budget gets reward 0 and says which budget cut it, unless the environment had already settled
+its reward (a step's info `decided_reward`: toy-calc's padded turns, which only lengthen an
+episode whose outcome is known), which a cut then keeps.
 """
 
 from __future__ import annotations
@@ -158,6 +160,8 @@ async def _play_turn(
         progress.reward, progress.finish = float(result.reward), str(result.info.get("finish", "done"))
         seq.add(renderer.close_turn(gen.token_ids))
         return False
+    # A reward the environment has settled survives a budget that cuts the episode afterwards.
+    progress.reward = float(result.info.get("decided_reward", 0.0))
     more = renderer.close_turn(gen.token_ids) + renderer.continuation(result.messages)
     if len(seq.ids) + len(more) >= budget.max_total_tokens:
         progress.finish = "max_total_tokens"

@@ -136,6 +136,31 @@ def test_budgets_cut_episodes_with_reward_zero(engine, budget, env_turns, finish
         assert ep.num_turns == 2
 
 
+class SettledEnv(CountdownEnv):
+    """Settles reward 1 on the first turn, then keeps the episode going (toy-calc's padded turns)."""
+
+    def step(self, action: str) -> StepResult:
+        self.seen.append(action)
+        return StepResult([{"role": "tool", "content": "<out>again</out>"}], done=False,
+                          info={"decided_reward": 1.0})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "budget,finish",
+    [
+        (Budget(max_turns=2, max_tokens_per_turn=64, max_total_tokens=4096), "max_turns"),
+        (Budget(max_turns=8, max_tokens_per_turn=64, max_total_tokens=30), "max_total_tokens"),
+    ],
+)
+def test_a_settled_reward_survives_a_budget_cut(engine, budget, finish):
+    """A cut after the environment settled the outcome keeps it (and still says what cut it)."""
+    if finish == "max_total_tokens":
+        prompt = len(ChatRenderer(engine.tokenizer).prompt(SettledEnv(0).reset(TASK)))
+        budget = Budget(budget.max_turns, budget.max_tokens_per_turn, prompt + 100)
+    ep = _episode(engine, SettledEnv(0), budget=budget)
+    assert ep.finish_reason == finish and ep.reward == 1.0 and ep.num_turns >= 1
+
+
 def test_budget_rejects_nonsense():
     with pytest.raises(ValueError):
         Budget(max_turns=0)

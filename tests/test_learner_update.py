@@ -45,11 +45,26 @@ BASE = {
 # (mini_batches, micro_batch_size) per world size, with B = 8. One process: 8 -> micro-batches of
 # 3, 3, 2 (a short last one) and 2 x (2, 2). Two processes: 4 per rank as 2 x 2, and 2 x (1, 1).
 SPLITS = {1: [(1, 3), (2, 2)], 2: [(1, 2), (2, 1)]}
+# (mini_batches, micro_batch_tokens) per world size. The batch's lengths are 69..135 tokens. One
+# process: 250 packs M1 into 5 micro-batches of 1 or 2 (the 135-token one alone), 400 packs each
+# M2 half into 2 of 1 to 3. Two processes: 400 gives each rank 2 micro-batches of 1 to 3; 250 at
+# M2 packs one rank's share into 1 micro-batch and the other's into 2, so the first splits its own
+# to match (test_token_plans_are_what_the_tests_need checks all of this).
+TOKEN_SPLITS = {1: [(1, 250), (2, 400)], 2: [(1, 400), (2, 250)]}
 STAGES = [0, 1, 2, 3]
 
 
 def _cfg(stage: int, mini: int, micro: int) -> dict:
     return {**BASE, "zero_stage": stage, "batch_size": 8, "mini_batches": mini, "micro_batch_size": micro}
+
+
+def _token_cfg(stage: int, mini: int, tokens: int) -> dict:
+    return {**_cfg(stage, mini, 1), "micro_batch_tokens": tokens}
+
+
+def _ref(references: dict, mini: int) -> dict:
+    """The reference of an update with `mini` mini-batches (it has no micro-batches)."""
+    return references[next(s for s in SPLITS[1] if s[0] == mini)]
 
 
 def adamw(params, cfg: dict) -> torch.optim.AdamW:
@@ -293,14 +308,47 @@ def test_single_process_matches_reference(tiny_model, batch, references, initial
         assert result["stats"]["approx_kl"] == 0.0 and result["stats"]["clip_fraction"] == 0.0
 
 
+def test_token_plans_are_what_the_tests_need(batch):
+    """The token budgets above make the plans their comment says (else the tests test less)."""
+    from services.learner.batch import plan_micro_batches
+
+    lengths = [len(t.token_ids) for t in batch[0]]
+    one = {T: plan_micro_batches(lengths, m, 1, micro_batch_tokens=T) for m, T in TOKEN_SPLITS[1]}
+    assert [len(mb) for mb in one[250][0][0]] == [1, 2, 2, 2, 1]
+    assert one[250][0][0][0] == [lengths.index(max(lengths))]
+    assert all(len(p[0]) == 2 for p in one[400]) and {len(mb) for p in one[400] for mb in p[0]} > {1}
+    two = plan_micro_batches(lengths, 2, 2, micro_batch_tokens=250)
+    # Rank 1's first share fits one micro-batch of 250; it is split to match rank 0's two.
+    assert [[len(mb) for mb in rank] for rank in two[0]] == [[1, 1], [1, 1]]
+    from services.learner.batch import pack_by_tokens
+
+    assert len(pack_by_tokens(lengths, two[0][1][0] + two[0][1][1], 250)) == 1
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("split", TOKEN_SPLITS[1], ids=lambda s: f"M{s[0]}-tokens{s[1]}")
+def test_token_budget_single_process_matches_reference(tiny_model, batch, references, initial, stage, split):
+    """Micro-batches packed by tokens (sorted, uneven counts per step) give the full-batch
+    gradient, norm, statistics and parameters of the reference, like count-based ones."""
+    trajs, adv = batch
+    result = run_task(tiny_model, trajs, adv, {"cfg": _token_cfg(stage, *split), "grads": True})
+    check_against_reference(result, _ref(references, split[0]), initial)
+    if split[0] == 1:
+        assert result["stats"]["approx_kl"] == 0.0 and result["stats"]["clip_fraction"] == 0.0
+
+
 @pytest.fixture(scope="module")
 def two_process_results(tiny_model, batch, tmp_path_factory):
-    """One torchrun launch with 2 ranks runs every (stage, split) task."""
+    """One torchrun launch with 2 ranks runs every (stage, split) task, by count and by tokens."""
     trajs, adv = batch
     tasks = [
         {"name": f"z{stage}-M{mini}-micro{micro}", "cfg": _cfg(stage, mini, micro), "grads": True}
         for stage in STAGES
         for mini, micro in SPLITS[2]
+    ] + [
+        {"name": f"z{stage}-M{mini}-tokens{tokens}", "cfg": _token_cfg(stage, mini, tokens), "grads": True}
+        for stage in STAGES
+        for mini, tokens in TOKEN_SPLITS[2]
     ]
     job = {
         "model": str(tiny_model),
@@ -325,6 +373,19 @@ def test_two_processes_match_reference(two_process_results, references, initial,
         k: v for k, v in rank0["stats"].items() if k not in timing
     }
     assert rank1["state"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("split", TOKEN_SPLITS[2], ids=lambda s: f"M{s[0]}-tokens{s[1]}")
+def test_token_budget_two_processes_match_reference(two_process_results, references, initial, stage, split):
+    name = f"z{stage}-M{split[0]}-tokens{split[1]}"
+    rank0, rank1 = (r[name] for r in two_process_results)
+    check_against_reference(rank0, _ref(references, split[0]), initial)
+    timing = {"update_seconds", "tokens_per_s"}
+    assert {k: v for k, v in rank1["stats"].items() if k not in timing} == {
+        k: v for k, v in rank0["stats"].items() if k not in timing
+    }
 
 
 def test_uneven_split_is_refused(tiny_model, batch):

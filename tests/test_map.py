@@ -47,6 +47,20 @@ def test_coupling_pads_the_coupled_side_and_keeps_the_reward(coupling, right_tur
     assert play(env, "no block")[:2] == (0.0, wrong_turns)
 
 
+def test_padded_turns_carry_the_settled_reward_for_a_budget_cut():
+    """While padding, every step says the reward already decided (the agent loop keeps it when a
+    budget cuts the padding); before and after, none does."""
+    env = ToyCalcEnv(coupling=1.0, extra_turns=3)
+    env.reset(TASK)
+    result = env.step(RIGHT)
+    assert not result.done and result.info["decided_reward"] == 1.0
+    assert env.step("x").info["decided_reward"] == 1.0
+    env = ToyCalcEnv(coupling=-1.0, extra_turns=3)
+    env.reset(TASK)
+    assert "decided_reward" not in env.step("<code>1+1</code>").info
+    assert env.step(WRONG).info["decided_reward"] == 0.0
+
+
 def test_latency_is_lognormal_with_the_given_median_and_sigma_and_zero_is_none():
     import random
     import statistics

@@ -21,8 +21,10 @@ Two knobs for `spopp map` (env_options; both off by default, and nothing else ch
   the tool budget), an episode on the coupled side (failures for coupling < 0, successes for > 0)
   is not ended yet: the environment answers `<out>again</out>` for round(|coupling| * extra_turns)
   more turns, whatever the model writes, then ends with the reward already decided. Those turns
-  are the model's own tokens, so failures (or successes) carry more action tokens. A padded turn
-  that a budget cuts ends the episode as any cut does.
+  are the model's own tokens, so failures (or successes) carry more action tokens. A budget that
+  cuts a padded turn ends the episode, with the reward already decided (the steps' info carries it
+  as `decided_reward`, which the agent loop keeps): the knob lengthens the coupled side and never
+  changes an outcome.
 * `latency_sigma` > 0 delays every environment step by a lognormal time (median
   `latency_median_s`, log-s.d. latency_sigma), slept in the step's thread: a heavy tail of slow
   episodes whose outcomes come back after newer policies were published.
@@ -213,10 +215,13 @@ class ToyCalcEnv(Environment):
         return messages + [{"role": "user", "content": task.prompt}]
 
     def _info(self, **extra: Any) -> dict[str, Any]:
-        return {
+        info = {
             "tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "turns": self.turns,
             "padded_turns": self._padded, **extra,
         }  # fmt: skip
+        if self._decided is not None:
+            info["decided_reward"] = self._decided[0]
+        return info
 
     def _end(self, reward: float, finish: str) -> StepResult:
         coupled = (self.coupling < 0 and reward == 0.0) or (self.coupling > 0 and reward > 0.0)

@@ -8,10 +8,21 @@ Right padding keeps every real token at its natural position (0, 1, ...), which 
 model computes without explicit position ids, and no real token attends to padding.
 
 Splitting: an update's B trajectories form M contiguous mini-batches in receipt order (one
-optimizer step each). Every rank holds all B; each takes an equal contiguous share of a mini-batch
-and splits it into micro-batches for forward/backward. Equal shares are required, not just
-convenient: DeepSpeed counts micro-steps per rank to find the accumulation boundary, so every rank
-must run the same number of micro-batches per step or the ranks' collectives would pair up wrongly.
+optimizer step each). Every rank holds all B and computes the same plan (`plan_micro_batches`) of
+how each mini-batch splits over ranks and micro-batches for forward/backward, in one of two ways:
+
+- by count (`micro_batch_size`): each rank takes an equal contiguous share of the mini-batch and
+  cuts it into chunks of that many trajectories;
+- by tokens (`micro_batch_tokens` T): the mini-batch is sorted longest first and dealt to the ranks
+  in snake order (equal counts, nearly equal tokens); each rank packs its sorted list greedily into
+  micro-batches of at most T padded tokens (rows x longest row: what a forward's activations
+  scale with), so short episodes share a micro-batch instead of each being padded to a long one.
+  A trajectory longer than T gets a micro-batch of its own.
+
+Every rank runs the same number of micro-batches per step, whichever way: ZeRO's collectives in
+forward and backward would pair up wrongly otherwise. By tokens, a rank that packs into fewer than
+the most splits its costliest micro-batch in two until it has as many. The loss does not depend on
+any of this: every micro-batch's loss is normalised by the whole mini-batch's action tokens.
 """
 
 from __future__ import annotations
@@ -160,13 +171,86 @@ def micro_batches(part: slice, size: int) -> list[slice]:
     return [slice(s, min(s + size, part.stop)) for s in range(part.start, part.stop, size)]
 
 
-def accumulation_steps(batch_size: int, n_mini: int, world_size: int, micro_batch_size: int) -> int:
-    """Micro-batches each rank runs per mini-batch: DeepSpeed's gradient_accumulation_steps.
+def padded_tokens(lengths: Sequence[int], rows: Sequence[int]) -> int:
+    """What a micro-batch of `rows` costs once padded: rows x its longest row."""
+    return len(rows) * max(lengths[i] for i in rows)
 
-    Raises ValueError with the offending numbers when the batch does not split evenly.
+
+def pack_by_tokens(lengths: Sequence[int], rows: Sequence[int], budget: int) -> list[list[int]]:
+    """`rows` (indices into `lengths`), longest first, greedily packed into micro-batches of at
+    most `budget` padded tokens; a row longer than the budget goes alone."""
+    if budget < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {budget}")
+    out: list[list[int]] = []
+    for i in sorted(rows, key=lambda r: (-lengths[r], r)):
+        # Sorted longest first, so the first row of a micro-batch is its width.
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _split_to(packs: list[list[int]], count: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Split the costliest splittable micro-batch in two until there are `count` of them."""
+    packs = [list(p) for p in packs]
+    while len(packs) < count:
+        k = max((j for j, p in enumerate(packs) if len(p) > 1), key=lambda j: padded_tokens(lengths, packs[j]))
+        half = (len(packs[k]) + 1) // 2
+        packs[k : k + 1] = [packs[k][:half], packs[k][half:]]
+    return packs
+
+
+def plan_micro_batches(
+    lengths: Sequence[int],
+    n_mini: int,
+    world_size: int,
+    *,
+    micro_batch_size: int | None = None,
+    micro_batch_tokens: int | None = None,
+) -> list[list[list[list[int]]]]:
+    """plan[m][rank] = that rank's micro-batches (lists of trajectory indices) in mini-batch m.
+
+    `lengths` are the trajectories' token counts, in batch order. Exactly one of
+    micro_batch_size (by count) and micro_batch_tokens (by padded tokens) is given; see the module
+    docstring. Every rank gets the same number of micro-batches per mini-batch.
+    """
+    if (micro_batch_size is None) == (micro_batch_tokens is None):
+        raise ValueError("give exactly one of micro_batch_size and micro_batch_tokens")
+    plan = []
+    for part in mini_batches(len(lengths), n_mini):
+        if micro_batch_size is not None:
+            per_rank = [
+                [list(range(s.start, s.stop)) for s in micro_batches(rank_share(part, r, world_size), micro_batch_size)]
+                for r in range(world_size)
+            ]  # fmt: skip
+        else:
+            rank_share(part, 0, world_size)  # the same even-split check, with its message
+            order = sorted(range(part.start, part.stop), key=lambda i: (-lengths[i], i))
+            # Snake order: 0, 1, ..., W-1, W-1, ..., 0, 0, 1, ... balances the ranks' tokens.
+            dealt: list[list[int]] = [[] for _ in range(world_size)]
+            for k, i in enumerate(order):
+                lap, pos = divmod(k, world_size)
+                dealt[pos if lap % 2 == 0 else world_size - 1 - pos].append(i)
+            packs = [pack_by_tokens(lengths, rows, micro_batch_tokens) for rows in dealt]
+            most = max(map(len, packs))
+            per_rank = [_split_to(p, most, lengths) for p in packs]
+        plan.append(per_rank)
+    return plan
+
+
+def accumulation_steps(
+    batch_size: int, n_mini: int, world_size: int, micro_batch_size: int, by_tokens: bool = False
+) -> int:
+    """DeepSpeed's gradient_accumulation_steps: micro-batches each rank runs per mini-batch.
+
+    By count that is exact. By tokens the number varies from step to step, so run_update marks
+    each step's boundary itself, and this answers the most there can be (one trajectory each);
+    the loss scaling undoes whatever DeepSpeed divides by. Raises ValueError with the offending
+    numbers when the batch does not split evenly.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     per_mini = mini_batches(batch_size, n_mini)[0]
     share = rank_share(per_mini, 0, world_size)
-    return math.ceil((share.stop - share.start) / micro_batch_size)
+    return math.ceil((share.stop - share.start) / (1 if by_tokens else micro_batch_size))

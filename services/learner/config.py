@@ -65,6 +65,13 @@ class LearnerSettings(Settings):
     )
     mini_batches: int = Field(4, ge=1, le=4096, description="optimizer steps per update (one epoch)")
     micro_batch_size: int = Field(8, ge=1, le=4096, description="trajectories per forward/backward")
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=16,
+        le=1 << 24,
+        description="pack micro-batches by padded tokens instead (rows x longest row <= this; the "
+        "batch sorted longest first; a longer trajectory goes alone); micro_batch_size is then unused",
+    )
     updates_per_publish: int = Field(1, ge=1, le=16, description="updates per published policy version")
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip below: ratio >= 1 - clip_low")
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip above: ratio <= 1 + clip_high")
@@ -114,6 +121,18 @@ class LearnerSettings(Settings):
     )
     seed: int = Field(0, ge=0, description="seed of torch's RNG on every rank")
 
+    # -- memory --------------------------------------------------------------------------------
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each layer's activations in backward instead of keeping them"
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="attention kernel (flash_attention_2 needs the flash-attn package and a GPU)"
+    )
+    offload_optimizer: bool = Field(
+        False, description="keep the optimizer states (and fp32 master weights) in CPU memory; ZeRO >= 1"
+    )
+    offload_params: bool = Field(False, description="keep the parameters in CPU memory between uses; ZeRO 3")
+
     @model_validator(mode="after")
     def _consistent(self) -> LearnerSettings:
         if self.batch_size % self.mini_batches:
@@ -127,4 +146,8 @@ class LearnerSettings(Settings):
                 "one AdamW step on zero gradients at start-up, so every update is off; use "
                 "zero_stage 1 (same memory for the weights, optimizer state partitioned)"
             )
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO owns the optimizer states)")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"offload_params needs zero_stage 3 (parameters are partitioned only there), got {self.zero_stage}")
         return self

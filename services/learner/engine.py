@@ -66,13 +66,19 @@ def seed_everything(seed: int) -> None:
 
 def deepspeed_config(cfg: LearnerSettings, world_size: int) -> dict[str, Any]:
     """The DeepSpeed config dict for `cfg` on `world_size` ranks."""
-    gas = accumulation_steps(cfg.batch_size, cfg.mini_batches, world_size, cfg.micro_batch_size)
-    return {
+    by_tokens = cfg.micro_batch_tokens is not None
+    gas = accumulation_steps(cfg.batch_size, cfg.mini_batches, world_size, cfg.micro_batch_size, by_tokens)
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _pin()}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": _pin()}
+    config = {
         # train_batch_size is left out: DeepSpeed derives it as micro * gas * world, which with a
         # short last micro-batch may exceed the real B; nothing here reads it.
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "train_micro_batch_size_per_gpu": 1 if by_tokens else cfg.micro_batch_size,
         "gradient_accumulation_steps": gas,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": zero,
         # 0 disables clipping in DeepSpeed.
         "gradient_clipping": float(cfg.grad_clip or 0.0),
         "bf16": {"enabled": cfg.dtype == "bf16"},
@@ -83,6 +89,34 @@ def deepspeed_config(cfg: LearnerSettings, world_size: int) -> dict[str, Any]:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+    if cfg.offload_optimizer or cfg.offload_params:
+        # Offloading otherwise insists on DeepSpeedCPUAdam, a C++ extension compiled at start-up;
+        # torch's AdamW steps the CPU-resident fp32 partition just as exactly.
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
+def _pin() -> bool:
+    """Pinned host memory speeds up copies to and from a GPU; without one there is nothing to pin."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def load_model(path: str | Path, dtype: Any, attn_implementation: str = "sdpa") -> Any:
+    """The causal LM in `path` with the chosen attention kernel; a clear error when the kernel's
+    package is not installed (transformers' own message names a pip command, not the setting)."""
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ValueError(
+                "attn_implementation flash_attention_2 needs the flash-attn package (and a CUDA GPU); "
+                "it is not installed here: use sdpa (the default) or install flash-attn"
+            )
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
 
 
 def build_engine(cfg: LearnerSettings, model_dir: str | Path | None = None) -> tuple[Any, Any]:
@@ -93,15 +127,18 @@ def build_engine(cfg: LearnerSettings, model_dir: str | Path | None = None) -> t
     """
     import deepspeed
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     _, world = init_distributed()
     seed_everything(cfg.seed)
     path = Path(model_dir if model_dir is not None else cfg.model)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = load_model(path, dtype, cfg.attn_implementation)
     # Caching key/values is for generation; in training it only costs memory.
     model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing: works with inputs that need no grad and under ZeRO-3's hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     tokenizer = AutoTokenizer.from_pretrained(path)
     optimizer = torch.optim.AdamW(

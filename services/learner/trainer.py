@@ -22,6 +22,7 @@ import torch.distributed as dist
 from spopp.advantages import normalize_advantages
 from spopp.client import TrackerClient, TrackerError
 
+from .batch import pack_by_tokens
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import LearnerSettings
 from .engine import build_engine, init_distributed
@@ -246,19 +247,24 @@ class Learner:
     def _logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Token log-probs of whole sequences under the current weights (SPO's drift)."""
         model = self.engine.module
-        out = []
-        size = self.cfg.micro_batch_size
+        out: list[list[float]] = [[] for _ in sequences]
+        lengths = [len(s) for s in sequences]
+        if self.cfg.micro_batch_tokens is not None:
+            chunks = pack_by_tokens(lengths, range(len(sequences)), self.cfg.micro_batch_tokens)
+        else:
+            size = self.cfg.micro_batch_size
+            chunks = [list(range(lo, min(lo + size, len(sequences)))) for lo in range(0, len(sequences), size)]
         with torch.no_grad():
-            for lo in range(0, len(sequences), size):
-                chunk = sequences[lo : lo + size]
-                width = max(map(len, chunk))
+            for chunk in chunks:
+                width = max(lengths[j] for j in chunk)
                 ids = torch.zeros(len(chunk), width, dtype=torch.long)
                 mask = torch.zeros(len(chunk), width, dtype=torch.long)
-                for i, s in enumerate(chunk):
-                    ids[i, : len(s)] = torch.tensor(s)
-                    mask[i, : len(s)] = 1
+                for i, j in enumerate(chunk):
+                    ids[i, : lengths[j]] = torch.tensor(sequences[j])
+                    mask[i, : lengths[j]] = 1
                 lp = token_logprobs(model, ids.to(self.engine.device), mask.to(self.engine.device)).cpu()
-                out += [lp[i, : len(s) - 1].tolist() for i, s in enumerate(chunk)]
+                for i, j in enumerate(chunk):
+                    out[j] = lp[i, : lengths[j] - 1].tolist()
         return out
 
     def update_once(self) -> dict:

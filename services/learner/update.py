@@ -1,14 +1,16 @@
 """One policy update: B trajectories, M optimizer steps, data-parallel over the ranks.
 
 Every rank holds all B trajectories (rank 0 broadcast them). The update is one epoch over M
-contiguous mini-batches; within a mini-batch each rank runs its equal share as micro-batches and
-DeepSpeed reduces the gradients across ranks before the step.
+contiguous mini-batches; within a mini-batch each rank runs its share as micro-batches (by count
+or by a token budget: batch.plan_micro_batches) and DeepSpeed reduces the gradients across ranks
+before the step.
 
 Target gradient per mini-batch: grad of sum over its action tokens of the per-token loss, divided
 by N = the action tokens of the WHOLE mini-batch (all ranks). Each micro-batch's loss is already
 its token-sum / N (policy_loss with token_count=N), so summing micro-batch gradients over
 micro-batches and ranks gives exactly the target. DeepSpeed instead averages: engine.backward
-divides the loss by gradient_accumulation_steps, and the reduction across ranks divides by
+divides the loss by its configured gradient_accumulation_steps (whatever number of micro-batches
+a step really has: run_update marks each step's boundary itself), and the reduction across ranks divides by
 world_size. The loss handed to engine.backward is therefore multiplied by
 world_size * gradient_accumulation_steps, which turns both averages back into sums (checked
 against a single-process PyTorch reference in tests/test_learner_update.py). Gradient clipping
@@ -31,7 +33,7 @@ import torch
 
 from spopp.loss import policy_loss
 
-from .batch import Batch, TrajectoryLike, action_tokens, collate, micro_batches, mini_batches, rank_share
+from .batch import Batch, TrajectoryLike, action_tokens, collate, mini_batches, plan_micro_batches
 from .config import LearnerSettings
 from .logprobs import token_logprobs
 
@@ -45,18 +47,30 @@ _STALE_STATS = ("behaviour_weight_mean", "behaviour_cut_fraction")
 BeforeStep = Callable[[Any, int], None]
 
 
-def _plan(n: int, cfg: LearnerSettings, rank: int, world: int, gas: int) -> list[tuple[slice, list[slice]]]:
-    """Per mini-batch: (its slice of the B trajectories, this rank's micro-batch slices)."""
-    plan = []
-    for part in mini_batches(n, cfg.mini_batches):
-        micro = micro_batches(rank_share(part, rank, world), cfg.micro_batch_size)
-        if len(micro) != gas:
+Plan = list[tuple[slice, list[list[int]]]]
+
+
+def _plan(trajs: Sequence[TrajectoryLike], cfg: LearnerSettings, rank: int, world: int, gas: int) -> Plan:
+    """Per mini-batch: (its slice of the B trajectories, this rank's micro-batches as index lists)."""
+    by_tokens = cfg.micro_batch_tokens is not None
+    plan = plan_micro_batches(
+        [len(t.token_ids) for t in trajs],
+        cfg.mini_batches,
+        world,
+        micro_batch_size=None if by_tokens else cfg.micro_batch_size,
+        micro_batch_tokens=cfg.micro_batch_tokens,
+    )
+    out = []
+    for part, per_rank in zip(mini_batches(len(trajs), cfg.mini_batches), plan, strict=True):
+        micro = per_rank[rank]
+        # By count the engine's accumulation steps are exact; by tokens they are an upper bound.
+        if (len(micro) != gas) if not by_tokens else (len(micro) > gas):
             raise ValueError(
                 f"{len(micro)} micro-batches per rank per mini-batch but the engine accumulates {gas}: "
-                "build the engine with the same batch_size, mini_batches and micro_batch_size"
+                "build the engine with the same batch_size, mini_batches and micro-batch settings"
             )
-        plan.append((part, micro))
-    return plan
+        out.append((part, micro))
+    return out
 
 
 def _own_grad_norm(engine: Any) -> float | None:
@@ -99,7 +113,7 @@ def run_update(
         raise ValueError(f"{len(trajs)} trajectories but {adv.numel()} advantages")
     rank, world = dist.get_rank(), dist.get_world_size()
     gas = int(engine.gradient_accumulation_steps())
-    plan = _plan(len(trajs), cfg, rank, world, gas)
+    plan = _plan(trajs, cfg, rank, world, gas)
     engine.train()
     batches = _collate_with_old_logp(engine, trajs, adv, plan, version)
     tally = _Tally()
@@ -120,7 +134,7 @@ def _collate_with_old_logp(
     engine: Any,
     trajs: Sequence[TrajectoryLike],
     adv: torch.Tensor,
-    plan: list[tuple[slice, list[slice]]],
+    plan: Plan,
     version: int | None,
 ) -> list[list[tuple[Batch, torch.Tensor]]]:
     """This rank's micro-batches, collated once, each with old_logp: the weights as they are
@@ -129,8 +143,8 @@ def _collate_with_old_logp(
     with torch.no_grad():
         for _, micro in plan:
             row = []
-            for s in micro:
-                b = collate(trajs[s], adv[s], version=version).to(engine.device)
+            for rows in micro:
+                b = collate([trajs[i] for i in rows], adv[rows], version=version).to(engine.device)
                 row.append((b, token_logprobs(engine, b.input_ids, b.attention_mask)))
             batches.append(row)
     return batches
@@ -179,6 +193,9 @@ def _mini_batch_step(
     steps_before = engine.global_steps
     own_norm: float | None = None
     for i, (b, old) in enumerate(row):
+        # The step's boundary is marked rather than counted: by tokens, steps differ in how many
+        # micro-batches they have (the scale undoes DeepSpeed's division by its configured count).
+        engine.set_gradient_accumulation_boundary(i == len(row) - 1)
         logp = token_logprobs(engine, b.input_ids, b.attention_mask)
         loss, st = policy_loss(
             logp,
