@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system test test-fast bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map
+.PHONY: setup system test test-fast test-gpu bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map
 
 setup: $(STAMP) system
 
@@ -54,6 +54,13 @@ system: $(STAMP)
 TEST_WORKERS ?= auto
 test: setup lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
+
+# The GPU tier (tests/gpu/): the learner on CUDA (NCCL, bf16, ZeRO 1-3, a token budget,
+# checkpointing, offload) and vLLM's CUDA engine where installed. Without a GPU it says so and stops.
+test-gpu: setup
+	@if ! $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		echo "make test-gpu: skipped, no CUDA GPU here (torch.cuda.is_available() is False)"; exit 0; fi; \
+	SPOPP_GPU_TIER=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:xdist -rs tests/gpu
 
 # The in-process tier: pure functions, the services' apps through TestClient, a real redis-server
 # where the store needs one; no test of the `process` tier, none marked `slow`. Under 2 minutes.

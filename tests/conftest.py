@@ -184,6 +184,11 @@ LONGEST_FIRST = (
 )  # fmt: skip
 
 
+# The GPU tier (tests/gpu/) runs under `make test-gpu` only, which sets SPOPP_GPU_TIER=1 once it has
+# found a CUDA GPU; `make test` never collects it, so it has nothing to skip.
+collect_ignore = [] if os.environ.get("SPOPP_GPU_TIER") == "1" else ["gpu"]
+
+
 def pytest_collection_modifyitems(config, items):
 
     def rank(item) -> tuple[int, int]:

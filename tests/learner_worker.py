@@ -142,6 +142,14 @@ def run_task(
         "state": {k: v.float().clone() for k, v in state.items()} if state is not None else None,
         "master": master if rank == 0 else None,
         "published": str(published) if published is not None else None,
+        # What DeepSpeed and the model really run with (the memory settings' tests check it).
+        "memory": {
+            "checkpointing": bool(getattr(engine.module, "is_gradient_checkpointing", False)),
+            "offload_optimizer": bool(
+                getattr(engine.optimizer, "cpu_offload", False) or getattr(engine.optimizer, "offload_optimizer", False)
+            ),
+            "offload_params": bool(getattr(engine.optimizer, "offload_param", False)),
+        },
     }
     if hasattr(engine, "destroy"):
         engine.destroy()

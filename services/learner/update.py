@@ -193,9 +193,10 @@ def _mini_batch_step(
     steps_before = engine.global_steps
     own_norm: float | None = None
     for i, (b, old) in enumerate(row):
-        # The step's boundary is marked rather than counted: by tokens, steps differ in how many
-        # micro-batches they have (the scale undoes DeepSpeed's division by its configured count).
-        engine.set_gradient_accumulation_boundary(i == len(row) - 1)
+        if cfg.micro_batch_tokens is not None:
+            # By tokens, steps differ in how many micro-batches they have: the boundary is marked
+            # rather than counted (the scale undoes DeepSpeed's division by its configured count).
+            engine.set_gradient_accumulation_boundary(i == len(row) - 1)
         logp = token_logprobs(engine, b.input_ids, b.attention_mask)
         loss, st = policy_loss(
             logp,

@@ -1,0 +1,6 @@
+"""The GPU tier's setup: the CPU tests' helpers (tests/) are importable from here."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -1,0 +1,131 @@
+"""The GPU tier (`make test-gpu`): the learner's CUDA path against the same plain-PyTorch references
+as the CPU tests (tests/test_learner_update.py), which run on the CPU.
+
+Collected only when SPOPP_GPU_TIER=1 (tests/conftest.py); `make test-gpu` sets it after checking
+that torch sees a CUDA GPU, and otherwise says so in one line and stops. What runs: NCCL as the
+process group's backend; fp32 updates under ZeRO 1-3 and a token budget; bf16 against the bf16
+reference; gradient checkpointing and CPU offload leave the update unchanged and lower the GPU's
+peak memory; vLLM's CUDA engine where vLLM is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from learner_worker import dist_env_restored, make_batch, run_task
+from test_learner_update import (
+    BF16_GRAD_RTOL,
+    _bf16_cfg,
+    _cfg,
+    _token_cfg,
+    check_against_reference,
+    model_rel_err,
+    reference_update,
+    rel_err,
+)
+
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs a CUDA GPU"),
+]
+
+_dist_env = pytest.fixture(scope="module", autouse=True)(dist_env_restored)
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model):
+    return make_batch(tiny_model, n=8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def initial(tiny_model):
+    from safetensors.torch import load_file
+
+    return load_file(tiny_model / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, batch):
+    trajs, adv = batch
+    return reference_update(tiny_model, trajs, adv, _cfg(1, 2, 2))
+
+
+def test_the_process_group_is_nccl_on_cuda():
+    import torch.distributed as dist
+
+    from services.learner.engine import init_distributed
+
+    init_distributed()
+    assert dist.get_backend() == "nccl"
+    x = torch.ones(4, device="cuda")
+    dist.all_reduce(x)
+    assert torch.equal(x.cpu(), torch.full((4,), float(dist.get_world_size())))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp32_update_on_cuda_matches_the_reference(tiny_model, batch, reference, initial, stage):
+    trajs, adv = batch
+    result = run_task(tiny_model, trajs, adv, {"cfg": _cfg(stage, 2, 2), "grads": True})
+    check_against_reference(result, reference, initial)
+
+
+def test_token_budget_on_cuda_matches_the_reference(tiny_model, batch, reference, initial):
+    trajs, adv = batch
+    result = run_task(tiny_model, trajs, adv, {"cfg": _token_cfg(2, 2, 400), "grads": True})
+    check_against_reference(result, reference, initial)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_on_cuda_is_within_bf16_noise_of_the_bf16_reference(tiny_model, batch, reference, stage):
+    trajs, adv = batch
+    ref16 = reference_update(tiny_model, trajs, adv, _cfg(1, 2, 2), dtype=torch.bfloat16)
+    result = run_task(tiny_model, trajs, adv, {"cfg": _bf16_cfg(stage, 2, 2), "grads": True})
+    got, want = result["grads"][0], ref16["grads"][0]
+    for name in want:
+        assert rel_err(got[name], want[name]) <= BF16_GRAD_RTOL, name
+    assert model_rel_err(got, want) < 0.5 * model_rel_err(got, reference["grads"][0])
+
+
+def _peak(tiny_model, batch, cfg):
+    trajs, adv = batch
+    torch.cuda.reset_peak_memory_stats()
+    result = run_task(tiny_model, trajs, adv, {"cfg": cfg, "grads": True})
+    return result, torch.cuda.max_memory_allocated()
+
+
+@pytest.mark.parametrize(
+    "stage,extra",
+    [(1, {"gradient_checkpointing": True}), (2, {"offload_optimizer": True}),
+     (3, {"offload_optimizer": True, "offload_params": True})],
+    ids=["checkpointing", "offload-optimizer", "offload-params"],
+)  # fmt: skip
+def test_memory_settings_on_cuda_keep_the_update_and_lower_the_peak(tiny_model, batch, reference, initial, stage, extra):
+    plain, plain_peak = _peak(tiny_model, batch, _cfg(stage, 2, 2))
+    result, peak = _peak(tiny_model, batch, {**_cfg(stage, 2, 2), **extra})
+    check_against_reference(result, reference, initial)
+    print(f"peak GPU memory {plain_peak / 2**20:.1f} MiB -> {peak / 2**20:.1f} MiB with {extra}")
+    assert peak < plain_peak
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed on this machine")
+def test_vllm_generates_on_cuda(tiny_model):
+    import asyncio
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        pytest.skip("the vLLM installed here is not its CUDA build")
+    from runtime.engines.base import SamplingConfig
+    from runtime.engines.vllm import VllmEngine
+
+    async def one() -> object:
+        engine = VllmEngine(tiny_model, gpu_memory_utilization=0.3)
+        try:
+            return await engine.generate([1, 2, 3], SamplingConfig(max_tokens=8, temperature=0.0, seed=0))
+        finally:
+            await engine.close()
+
+    out = asyncio.run(one())
+    assert 1 <= len(out.token_ids) <= 8 and len(out.logprobs) == len(out.token_ids)
