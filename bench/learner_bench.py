@@ -54,6 +54,121 @@ def synthetic_batch(vocab: int, n: int, seed: int = 0):
     return out, adv
 
 
+# The ALFWorld demo's budget (tools/alfworld_cold_start.BUDGET): 12 interactions, 640 tokens.
+ALFWORLD_CAP = 640
+
+
+def alfworld_like_batch(vocab: int, n: int, seed: int = 0):
+    """n trajectories with the length spread of the ALFWorld demo's episodes, in receipt order.
+
+    Lengths are modelled on the demo's budget and teacher (success 0.6): a success ends after 3 to
+    8 of the 12 interactions, about 35 tokens each after a prompt of about 90 (150-400 tokens);
+    a failure runs on to the cap (540-640). Receipt order is simulated, not shuffled: n slots play
+    episodes back to back, each started at a random point of its previous one, and an episode
+    takes time in proportion to its length; the batch is the first n to finish. Short episodes
+    therefore tend to come first, as they do for the learner's first-completed batches.
+    """
+    import random
+
+    rng = random.Random(seed)
+
+    def length() -> int:
+        if rng.random() < 0.6:
+            return 90 + 35 * rng.randint(2, 8) + rng.randint(-10, 10)
+        return rng.randint(540, ALFWORLD_CAP)
+
+    finished = []
+    for _slot in range(n):
+        t = -rng.random() * 600  # already part-way through an episode when the version starts
+        for _ in range(4):
+            k = length()
+            t += k
+            if t > 0:
+                finished.append((t, k))
+    lengths = [k for _t, k in sorted(finished)[:n]]
+    trajs, _ = synthetic_batch(vocab, n, seed)
+    g = random.Random(seed + 1)
+    out = []
+    for t, k in zip(trajs, lengths, strict=True):
+        prompt = 90
+        ids = [g.randrange(5, vocab) for _ in range(k)]
+        out.append(t.model_copy(update={
+            "token_ids": ids, "action_mask": [0] * prompt + [1] * (k - prompt),
+            "rollout_logprobs": [0.0] * prompt + [-2.0 - 3 * g.random() for _ in range(k - prompt)],
+        }))  # fmt: skip
+    return out, [1.0 if i % 2 else -1.0 for i in range(n)]
+
+
+def memory_settings(model: Path, repeats: int) -> dict:
+    """One process, ZeRO 2, B = 32 ALFWorld-like trajectories, 2 mini-batches: tokens/s of the
+    update by count (4 a micro-batch) and by a token budget of the same largest micro-batch
+    (4 x 640 padded tokens); then, by tokens, with gradient checkpointing and with the optimizer
+    offloaded; and the activations autograd keeps for the largest micro-batch, with and without
+    checkpointing."""
+    import torch
+
+    from services.learner.batch import collate, plan_micro_batches
+    from services.learner.config import LearnerSettings
+    from services.learner.engine import build_engine
+    from services.learner.logprobs import token_logprobs
+    from services.learner.plan import saved_bytes
+    from services.learner.update import run_update
+
+    batch = 32
+    common = {
+        "run": "bench",
+        "model": model,
+        "zero_stage": 2,
+        "batch_size": batch,
+        "mini_batches": 2,
+        "lr": 1e-5,
+    }
+    variants = {
+        "count": {"micro_batch_size": 4},
+        "tokens": {"micro_batch_tokens": 4 * ALFWORLD_CAP},
+        "tokens+checkpointing": {"micro_batch_tokens": 4 * ALFWORLD_CAP, "gradient_checkpointing": True},
+        "tokens+offload": {"micro_batch_tokens": 4 * ALFWORLD_CAP, "offload_optimizer": True},
+    }
+    out: dict = {}
+    trajs = None
+    for name, extra in variants.items():
+        cfg = LearnerSettings(**common, **extra)
+        engine, tok = build_engine(cfg)
+        if trajs is None:
+            trajs, adv = alfworld_like_batch(len(tok), batch)
+            lengths = [len(t.token_ids) for t in trajs]
+            out["real_tokens"] = sum(lengths)
+            out["lengths"] = (min(lengths), sorted(lengths)[batch // 2], max(lengths))
+            for how, kw in (
+                ("count", {"micro_batch_size": 4}),
+                ("tokens", {"micro_batch_tokens": 4 * ALFWORLD_CAP}),
+            ):
+                plan = plan_micro_batches(lengths, 2, 1, **kw)
+                micro = [mb for per_rank in plan for mb in per_rank[0]]
+                out[f"padded_{how}"] = sum(len(mb) * max(lengths[i] for i in mb) for mb in micro)
+                out[f"micro_{how}"] = len(micro)
+        run_update(engine, trajs, adv, cfg)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run_update(engine, trajs, adv, cfg)
+            times.append(time.perf_counter() - t0)
+        out[name] = out["real_tokens"] / statistics.median(times)
+        if name in ("tokens", "tokens+checkpointing"):
+            # The largest micro-batch the token budget makes: what autograd keeps for its backward.
+            longest = sorted(range(batch), key=lambda i: -lengths[i])[:4]
+            b = collate([trajs[i] for i in longest], [adv[i] for i in longest]).to(engine.device)
+            out[f"saved_{name}"] = saved_bytes(
+                lambda eng=engine, b=b: token_logprobs(eng, b.input_ids, b.attention_mask).sum(),
+                exclude=list(engine.module.parameters()),
+            )
+        print(f"{name}: {out[name]:,.0f} tok/s", file=sys.stderr, flush=True)
+        engine.destroy()
+        del engine
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
 def _config(model: Path, stage: int, batch: int, snapshots: Path):
     from services.learner.config import LearnerSettings
 
@@ -214,6 +329,27 @@ def main() -> None:
             f"| {r['nproc']} | {r['stage']} | {r['update_s']:.3f} | {tps:,.0f} | {tps / base_tps:.2f} | "
             f"{r['publish_s'] * 1e3:.0f} |"
         )
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model(Path(tmp) / "tiny")
+        mem = memory_settings(model, repeats)
+    lo, mid, hi = mem["lengths"]
+    mib = 1 << 20
+    lines += [
+        "",
+        "Memory settings, one process, ZeRO 2, fp32: B = 32 trajectories with the ALFWorld demo's length spread "
+        f"(modelled on its 640-token budget and 0.6 success: {lo}-{hi} tokens, median {mid}; see "
+        "`alfworld_like_batch`), 2 mini-batches; by count, 4 trajectories a micro-batch; by tokens, "
+        f"micro_batch_tokens {4 * 640} (the same largest micro-batch). Tokens/s counts real tokens.",
+        "",
+        f"    micro-batching: tokens/s count-based {mem['count']:,.0f}, token-budget {mem['tokens']:,.0f} "
+        f"(ratio {mem['tokens'] / mem['count']:.2f}); padded tokens {mem['padded_count']:,} -> {mem['padded_tokens']:,} "
+        f"in {mem['micro_count']} -> {mem['micro_tokens']} micro-batches",
+        f"    gradient checkpointing: activations kept for the largest micro-batch {mem['saved_tokens'] / mib:.1f} MiB -> "
+        f"{mem['saved_tokens+checkpointing'] / mib:.1f} MiB (ratio {mem['saved_tokens'] / mem['saved_tokens+checkpointing']:.1f}); "
+        f"tokens/s {mem['tokens']:,.0f} -> {mem['tokens+checkpointing']:,.0f} ({mem['tokens+checkpointing'] / mem['tokens']:.2f})",
+        f"    optimizer offload: tokens/s {mem['tokens']:,.0f} -> {mem['tokens+offload']:,.0f} "
+        f"({mem['tokens+offload'] / mem['tokens']:.2f}; on a CPU-only machine there is no GPU memory to free, only the copies' cost)",
+    ]
     section = "\n".join(lines) + "\n"
     print(section)
     if args.out:

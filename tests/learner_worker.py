@@ -146,7 +146,8 @@ def run_task(
         "memory": {
             "checkpointing": bool(getattr(engine.module, "is_gradient_checkpointing", False)),
             "offload_optimizer": bool(
-                getattr(engine.optimizer, "cpu_offload", False) or getattr(engine.optimizer, "offload_optimizer", False)
+                getattr(engine.optimizer, "cpu_offload", False)
+                or getattr(engine.optimizer, "offload_optimizer", False)
             ),
             "offload_params": bool(getattr(engine.optimizer, "offload_param", False)),
         },

@@ -26,7 +26,9 @@ def test_make_test_gpu_says_it_skips_in_one_line():
 def test_the_gpu_tier_collects_only_when_asked():
     def collect(env: dict, where: str) -> str:
         cmd = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:xdist", where]
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env}, timeout=120).stdout
+        return subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+        ).stdout
 
     asked = collect({"SPOPP_GPU_TIER": "1"}, "tests/gpu")
     assert "test_learner_gpu.py::test_the_process_group_is_nccl_on_cuda" in asked

@@ -65,7 +65,10 @@ def test_model_states_agree_with_deepspeeds_estimators(qwen2_7b, gpus):
     # the bf16 weights' own partition); within 12%.
     # With the optimizer offloaded, DeepSpeed keeps the bf16 weights on the GPU, as we do.
     z2off = plan.state_bytes(qwen2_7b, gpus, 2, "bf16", True)
-    assert z2off["weights"] == plan.deepspeed_estimate(qwen2_7b, gpus, 2, True, False) and z2off["optimizer"] == 0
+    assert (
+        z2off["weights"] == plan.deepspeed_estimate(qwen2_7b, gpus, 2, True, False)
+        and z2off["optimizer"] == 0
+    )
     z3 = plan.state_bytes(qwen2_7b, gpus, 3)
     assert sum(z3[k] for k in ("weights", "gradients", "optimizer")) == pytest.approx(
         plan.deepspeed_estimate(qwen2_7b, gpus, 3, False, False), rel=0.12

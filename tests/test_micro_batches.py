@@ -109,6 +109,8 @@ def test_flash_attention_without_its_package_is_a_clear_error(tiny_model, monkey
 
     real = importlib.util.find_spec
     # As on a machine without flash-attn (this one has none; the patch keeps the test honest where one has).
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a)
+    )
     with pytest.raises(ValueError, match="needs the flash-attn package"):
         load_model(tiny_model, None, "flash_attention_2")

@@ -195,7 +195,9 @@ def _split_to(packs: list[list[int]], count: int, lengths: Sequence[int]) -> lis
     """Split the costliest splittable micro-batch in two until there are `count` of them."""
     packs = [list(p) for p in packs]
     while len(packs) < count:
-        k = max((j for j, p in enumerate(packs) if len(p) > 1), key=lambda j: padded_tokens(lengths, packs[j]))
+        k = max(
+            (j for j, p in enumerate(packs) if len(p) > 1), key=lambda j: padded_tokens(lengths, packs[j])
+        )
         half = (len(packs[k]) + 1) // 2
         packs[k : k + 1] = [packs[k][:half], packs[k][half:]]
     return packs

@@ -72,15 +72,20 @@ group.add_command(
     )
 )
 
+
 @group.command("plan")
-@click.option("--model", "model", required=True, help="a model folder or its config.json (no weights are read)")
+@click.option(
+    "--model", "model", required=True, help="a model folder or its config.json (no weights are read)"
+)
 @click.option("--gpus", type=click.IntRange(1, 100_000), required=True, help="GPUs the learner runs on")
 @click.option("--zero", type=click.IntRange(0, 3), default=None, help="one ZeRO stage (default: every one)")
 @click.option(
     "--micro-batch-tokens", type=click.IntRange(1, 1 << 24), default=4096, show_default=True,
     help="padded tokens per micro-batch (the learner's micro_batch_tokens)",
 )  # fmt: skip
-@click.option("--gpu-memory", type=click.FloatRange(1, 10_000), default=80.0, show_default=True, help="GiB per GPU")
+@click.option(
+    "--gpu-memory", type=click.FloatRange(1, 10_000), default=80.0, show_default=True, help="GiB per GPU"
+)
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 def plan_command(model: str, gpus: int, zero: int | None, micro_batch_tokens: int, gpu_memory: float, dtype: str,
@@ -90,12 +95,16 @@ def plan_command(model: str, gpus: int, zero: int | None, micro_batch_tokens: in
     from . import plan
 
     if zero == 0 and dtype == "bf16":
-        raise click.BadParameter("ZeRO 0 with bf16 is refused by the learner (see zero_stage); use 1", param_hint="--zero")
+        raise click.BadParameter(
+            "ZeRO 0 with bf16 is refused by the learner (see zero_stage); use 1", param_hint="--zero"
+        )
     try:
         shape = plan.model_shape(plan.read_config(model))
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    rows = plan.plan(shape, gpus=gpus, gpu_memory_gib=gpu_memory, tokens=micro_batch_tokens, dtype=dtype, zero=zero)
+    rows = plan.plan(
+        shape, gpus=gpus, gpu_memory_gib=gpu_memory, tokens=micro_batch_tokens, dtype=dtype, zero=zero
+    )
     settings = {"gpus": gpus, "gpu_memory_gib": gpu_memory, "tokens": micro_batch_tokens, "dtype": dtype}
     click.echo(plan.as_json(shape, rows, **settings) if as_json else plan.render(shape, rows, **settings))
 

@@ -149,5 +149,7 @@ class LearnerSettings(Settings):
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO owns the optimizer states)")
         if self.offload_params and self.zero_stage != 3:
-            raise ValueError(f"offload_params needs zero_stage 3 (parameters are partitioned only there), got {self.zero_stage}")
+            raise ValueError(
+                f"offload_params needs zero_stage 3 (parameters are partitioned only there), got {self.zero_stage}"
+            )
         return self

@@ -130,7 +130,9 @@ def saved_per_token(shape: ModelShape, dtype: str = "bf16") -> tuple[float, floa
     return layer, once
 
 
-def activation_bytes(shape: ModelShape, tokens: int, dtype: str = "bf16", checkpointing: bool = False) -> dict[str, float]:
+def activation_bytes(
+    shape: ModelShape, tokens: int, dtype: str = "bf16", checkpointing: bool = False
+) -> dict[str, float]:
     """Activations of one micro-batch of `tokens` padded tokens: what backward keeps (`saved`)
     and the peak with the logits' gradient (`peak`)."""
     b = 2 if dtype == "bf16" else 4
@@ -145,7 +147,12 @@ def activation_bytes(shape: ModelShape, tokens: int, dtype: str = "bf16", checkp
 
 
 def state_bytes(
-    shape: ModelShape, gpus: int, zero: int, dtype: str = "bf16", offload_optimizer: bool = False, offload_params: bool = False
+    shape: ModelShape,
+    gpus: int,
+    zero: int,
+    dtype: str = "bf16",
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
 ) -> dict[str, float]:
     """Per-GPU model states (weights, gradients, optimizer) and what offloading puts in CPU memory."""
     p, n = shape.params, gpus
@@ -169,7 +176,9 @@ def state_bytes(
     return {"weights": w + gathered, "gradients": g, "optimizer": opt, "cpu": cpu}
 
 
-def deepspeed_estimate(shape: ModelShape, gpus: int, zero: int, offload_optimizer: bool, offload_params: bool) -> float | None:
+def deepspeed_estimate(
+    shape: ModelShape, gpus: int, zero: int, offload_optimizer: bool, offload_params: bool
+) -> float | None:
     """DeepSpeed's own per-GPU estimate of the model states (bf16), where it has one (ZeRO 2, 3)."""
     try:
         if zero == 2:
@@ -236,7 +245,9 @@ def plan(
     return rows
 
 
-def render(shape: ModelShape, rows: list[PlanRow], *, gpus: int, gpu_memory_gib: float, tokens: int, dtype: str) -> str:
+def render(
+    shape: ModelShape, rows: list[PlanRow], *, gpus: int, gpu_memory_gib: float, tokens: int, dtype: str
+) -> str:
     gib = lambda x: f"{x / GIB:7.1f}"  # noqa: E731
     out = [
         f"model: {shape.architecture} ({shape.model_type}), {shape.params / 1e9:.2f} B parameters "
@@ -257,7 +268,10 @@ def render(shape: ModelShape, rows: list[PlanRow], *, gpus: int, gpu_memory_gib:
     out.append("")
     if fitting:
         # Least machinery first: no offload, no checkpointing, the lowest stage.
-        best = min(fitting, key=lambda r: (r.offload != "none", r.offload == "optimizer+params", r.checkpointing, r.zero))
+        best = min(
+            fitting,
+            key=lambda r: (r.offload != "none", r.offload == "optimizer+params", r.checkpointing, r.zero),
+        )
         out.append(
             f"fits: zero_stage {best.zero}, gradient_checkpointing {str(best.checkpointing).lower()}, "
             f"offload_optimizer {str(best.offload != 'none').lower()}, offload_params "
@@ -265,12 +279,16 @@ def render(shape: ModelShape, rows: list[PlanRow], *, gpus: int, gpu_memory_gib:
         )
     else:
         out.append("nothing fits: more GPUs, a smaller micro_batch_tokens, or a smaller model")
-    out.append("(DeepSpeed: its own estimate of the model states alone, where it has one: ZeRO 2 and 3, bf16)")
+    out.append(
+        "(DeepSpeed: its own estimate of the model states alone, where it has one: ZeRO 2 and 3, bf16)"
+    )
     return "\n".join(out)
 
 
 def as_json(shape: ModelShape, rows: list[PlanRow], **settings: Any) -> str:
-    return json.dumps({"model": asdict(shape), "settings": settings, "rows": [asdict(r) for r in rows]}, indent=2)
+    return json.dumps(
+        {"model": asdict(shape), "settings": settings, "rows": [asdict(r) for r in rows]}, indent=2
+    )
 
 
 def saved_bytes(forward: Callable[[], Any], exclude: Any = ()) -> int:

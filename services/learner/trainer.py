@@ -253,7 +253,9 @@ class Learner:
             chunks = pack_by_tokens(lengths, range(len(sequences)), self.cfg.micro_batch_tokens)
         else:
             size = self.cfg.micro_batch_size
-            chunks = [list(range(lo, min(lo + size, len(sequences)))) for lo in range(0, len(sequences), size)]
+            chunks = [
+                list(range(lo, min(lo + size, len(sequences)))) for lo in range(0, len(sequences), size)
+            ]
         with torch.no_grad():
             for chunk in chunks:
                 width = max(lengths[j] for j in chunk)

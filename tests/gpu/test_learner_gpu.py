@@ -101,7 +101,9 @@ def _peak(tiny_model, batch, cfg):
      (3, {"offload_optimizer": True, "offload_params": True})],
     ids=["checkpointing", "offload-optimizer", "offload-params"],
 )  # fmt: skip
-def test_memory_settings_on_cuda_keep_the_update_and_lower_the_peak(tiny_model, batch, reference, initial, stage, extra):
+def test_memory_settings_on_cuda_keep_the_update_and_lower_the_peak(
+    tiny_model, batch, reference, initial, stage, extra
+):
     plain, plain_peak = _peak(tiny_model, batch, _cfg(stage, 2, 2))
     result, peak = _peak(tiny_model, batch, {**_cfg(stage, 2, 2), **extra})
     check_against_reference(result, reference, initial)
