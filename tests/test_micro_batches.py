@@ -114,3 +114,38 @@ def test_flash_attention_without_its_package_is_a_clear_error(tiny_model, monkey
     )
     with pytest.raises(ValueError, match="needs the flash-attn package"):
         load_model(tiny_model, None, "flash_attention_2")
+
+
+def test_one_long_episode_fits_a_budget_that_count_based_micro_batches_exceed(tiny_model):
+    """A batch of short episodes and one very long one. By count (4 a micro-batch) the long one
+    pads three short ones to its length; by a token budget it goes alone and the short ones share.
+    The memory limit is the plan's activation estimate for the budget (+10%); what autograd really
+    keeps for each micro-batch is measured on the real model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.logprobs import token_logprobs
+    from services.learner.plan import activation_bytes, model_shape, read_config, saved_bytes
+
+    lengths = [60, 48, 900, 52, 64, 40, 56, 44]
+    budget = 960
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+    limit = 1.1 * activation_bytes(model_shape(read_config(tiny_model)), budget, "fp32")["saved"]
+    gen = torch.Generator().manual_seed(0)
+
+    def peak(plan) -> int:
+        worst = 0
+        for rows in plan[0][0]:
+            width = max(lengths[i] for i in rows)
+            ids = torch.randint(3, 300, (len(rows), width), generator=gen)
+            mask = torch.zeros_like(ids)
+            for r, i in enumerate(rows):
+                mask[r, : lengths[i]] = 1
+            forward = lambda ids=ids, mask=mask: token_logprobs(model, ids, mask).sum()  # noqa: E731
+            worst = max(worst, saved_bytes(forward, list(model.parameters())))
+        return worst
+
+    by_count = plan_micro_batches(lengths, 1, 1, micro_batch_size=4)
+    by_tokens = plan_micro_batches(lengths, 1, 1, micro_batch_tokens=budget)
+    assert [2] in by_tokens[0][0]  # the long one alone
+    assert peak(by_count) > limit >= peak(by_tokens)
