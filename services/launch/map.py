@@ -260,7 +260,9 @@ def heatmap(result: dict, path: Path) -> None:
             if d and d["mean"] is not None:
                 r, k = ys.index(c["latency_sigma"]), xs.index(c["coupling"])
                 grid[r][k] = d["mean"]
-                ax.text(k, r, _pm(d), ha="center", va="center", fontsize=8)
+                # White on the saturated ends of the colour map, black in its pale middle.
+                ink = "white" if abs(d["mean"]) > 0.6 * lim else "black"
+                ax.text(k, r, _pm(d), ha="center", va="center", fontsize=8, color=ink)
         image = ax.imshow(grid, cmap="RdBu", vmin=-lim, vmax=lim, origin="lower", aspect="auto")
         ax.set_xticks(range(len(xs)), [f"{x:+g}" for x in xs])
         ax.set_yticks(range(len(ys)), [f"{y:g}" for y in ys])
