@@ -83,6 +83,13 @@ def make_batch(model_dir: str | Path, n: int = 8, seed: int = 0) -> tuple[list[T
     return trajs, adv.tolist()
 
 
+def _optimizer_elements(engine: Any) -> int:
+    """Elements of AdamW's first moments inside DeepSpeed after the update (ZeRO's flat
+    partitions, or one per parameter without ZeRO), on this rank: what the optimizer holds."""
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return sum(int(st["exp_avg"].numel()) for st in basic.state.values() if "exp_avg" in st)
+
+
 def run_task(
     model_dir: str | Path, trajs: list[Trajectory], advantages: list[float], task: dict[str, Any]
 ) -> dict[str, Any]:
@@ -111,6 +118,7 @@ def run_task(
             {
                 n: safe_get_full_grad(p).detach().float().cpu().clone()
                 for n, p in eng.module.named_parameters()
+                if p.requires_grad  # under LoRA the frozen base has none
             }
         )
 
@@ -151,6 +159,9 @@ def run_task(
             ),
             "offload_params": bool(getattr(engine.optimizer, "offload_param", False)),
         },
+        # Elements the optimizer steps (under LoRA: the adapters alone).
+        "optimizer_elements": _optimizer_elements(engine),
+        "trainable": sorted(n for n, p in engine.module.named_parameters() if p.requires_grad),
     }
     if hasattr(engine, "destroy"):
         engine.destroy()

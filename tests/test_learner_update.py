@@ -79,7 +79,13 @@ def adamw(params, cfg: dict) -> torch.optim.AdamW:
 
 
 def reference_update(
-    model_dir, trajs, advantages, cfg: dict, dtype: torch.dtype = torch.float32, version: int | None = None
+    model_dir,
+    trajs,
+    advantages,
+    cfg: dict,
+    dtype: torch.dtype = torch.float32,
+    version: int | None = None,
+    lora: dict | None = None,
 ) -> dict:
     """The update in plain PyTorch: gradients and pre-clip norms per step, final weights, stats.
 
@@ -93,13 +99,18 @@ def reference_update(
 
     `version`: the policy version trained; tokens an older one generated (token_versions, else the
     trajectory's policy_version) are stale and get cfg's off_policy correction.
+
+    `lora` (rank, alpha, target_modules, seed): a plain PEFT model instead, adapters initialised
+    from `seed` in a forked RNG; only the adapters train, and only they are returned.
     """
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if lora is not None:
+        model = peft_model(model, lora)
     model.train()
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     # fp32: the optimizer steps the weights themselves. bf16: fp32 master copies of them.
     mixed = dtype != torch.float32
     master = {n: p.detach().float().requires_grad_(True) for n, p in params.items()} if mixed else params
@@ -170,6 +181,19 @@ def reference_update(
         "master": {n: p.detach().clone() for n, p in master.items()},
         "stats": stats,
     }
+
+
+def peft_model(model, lora: dict):
+    """PEFT's LoRA model of `model`, its adapters drawn from lora["seed"]."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=0.0, target_modules=lora["target_modules"],
+        bias="none", task_type="CAUSAL_LM",
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(lora["seed"])
+        return get_peft_model(model, config)
 
 
 def replay_optimizer(initial: dict, grads: list[dict]) -> dict:

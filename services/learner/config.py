@@ -133,6 +133,23 @@ class LearnerSettings(Settings):
     )
     offload_params: bool = Field(False, description="keep the parameters in CPU memory between uses; ZeRO 3")
 
+    # -- LoRA ----------------------------------------------------------------------------------
+    lora_rank: int = Field(
+        0, ge=0, le=1024, description="LoRA rank: train adapters on a frozen base (PEFT); 0: full fine-tuning"
+    )
+    lora_alpha: float = Field(16.0, gt=0.0, le=1e6, description="LoRA alpha: adapters scale by alpha / rank")
+    lora_dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="dropout on the adapters' input (> 0 makes the old and new log-probs differ)",
+    )
+    lora_target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="the modules that get adapters (names as in the model, e.g. q_proj)",
+    )
+
     @model_validator(mode="after")
     def _consistent(self) -> LearnerSettings:
         if self.batch_size % self.mini_batches:

@@ -22,6 +22,7 @@ from spopp.net import free_port
 
 from .batch import accumulation_steps
 from .config import LearnerSettings
+from .lora import apply_lora
 
 
 def init_distributed() -> tuple[int, int]:
@@ -139,10 +140,19 @@ def build_engine(cfg: LearnerSettings, model_dir: str | Path | None = None) -> t
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: works with inputs that need no grad and under ZeRO-3's hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = apply_lora(
+        model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules, seed=cfg.seed,
+    )  # fmt: skip
     model.train()
     tokenizer = AutoTokenizer.from_pretrained(path)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        # Under LoRA only the adapters train: the optimizer (and ZeRO's partitions of it) holds them alone.
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
     )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world))
     return engine, tokenizer

@@ -48,6 +48,8 @@ from spopp.snapshots import (
     write_manifest,
 )
 
+from .lora import base_name, is_lora, merged_state_dict
+
 log = logging.getLogger("spopp.learner")
 
 WEIGHTS_FILE = "model.safetensors"
@@ -229,13 +231,17 @@ def publish_snapshot(
     state = gather_state_dict(engine)  # collective under ZeRO-3: before any rank-0-only branch
     if state is None:
         return None
+    aliases = tied_aliases(engine.module)
+    if is_lora(engine.module):
+        # Replicas load full weights: the adapters merged into the base, under its own names.
+        state, aliases = merged_state_dict(state, engine.module), {base_name(a) for a in aliases}
     model_dir, root = Path(model_dir), Path(root)
     root.mkdir(parents=True, exist_ok=True)
     _clean_leftovers(root)
     name = version_dirname(version)
     final, tmp = root / name, root / f"{name}.tmp"
     try:
-        manifest = _write_folder(state, tied_aliases(engine.module), model_dir, tmp, version, step)
+        manifest = _write_folder(state, aliases, model_dir, tmp, version, step)
         if final.exists():
             existing = _existing_manifest(final)
             if existing is None or not existing.same_weights(manifest):
