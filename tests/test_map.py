@@ -153,13 +153,18 @@ def test_summary_pairs_by_seed_with_standard_errors_by_hand(tmp_path):
     assert c["measured"]["late_fraction"] == pytest.approx(0.15)  # 10/100 and 20/100 in every arm
     assert c["measured"]["overtaken_fraction"] == pytest.approx(0.30)
     assert c["measured"]["reorder_distance"] == pytest.approx(0.75)  # 50/100 and 100/100
-    assert result["largest_se"] == pytest.approx(2.5)
+    assert result["largest_se"] == pytest.approx(2.5)  # SPO++ − SPO's
+    assert result["largest_se_parts"] == pytest.approx(2.5)  # event-time alone: [5, 0]
     md = markdown(result)
     assert (
         "| -1 | 1.5 | -0.27 | 0.15 | 0.30 | 0.8 | 0.175 | 0.250 | +7.5 ± 2.5 | 2/2 | +2.5 ± 2.5 | +5.0 ± 0.0 |"
         in md
     )
-    assert "Largest standard error of a paired difference: 2.50 area points (target ≤ 1.5)." in md
+    assert (
+        "Largest standard error of a cell's paired difference (SPO++ − SPO): 2.50 area points (target ≤ 1.5)."
+        in md
+    )
+    assert "Largest standard error of its parts (each change alone): 2.50 area points." in md
     write(tmp_path / "out", result)
     assert json.loads((tmp_path / "out" / "map.json").read_text())["cells"][0]["cell"] == cell
     assert (tmp_path / "out" / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
