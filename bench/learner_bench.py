@@ -103,8 +103,8 @@ def memory_settings(model: Path, repeats: int) -> dict:
     """One process, ZeRO 2, B = 32 ALFWorld-like trajectories, 2 mini-batches: tokens/s of the
     update by count (4 a micro-batch) and by a token budget of the same largest micro-batch
     (4 x 640 padded tokens); then, by tokens, with gradient checkpointing and with the optimizer
-    offloaded; and the activations autograd keeps for the largest micro-batch, with and without
-    checkpointing."""
+    offloaded, and with eager attention instead of sdpa; and the activations autograd keeps for the
+    largest micro-batch, with and without checkpointing."""
     import torch
 
     from services.learner.batch import collate, plan_micro_batches
@@ -128,6 +128,7 @@ def memory_settings(model: Path, repeats: int) -> dict:
         "tokens": {"micro_batch_tokens": 4 * ALFWORLD_CAP},
         "tokens+checkpointing": {"micro_batch_tokens": 4 * ALFWORLD_CAP, "gradient_checkpointing": True},
         "tokens+offload": {"micro_batch_tokens": 4 * ALFWORLD_CAP, "offload_optimizer": True},
+        "tokens+eager": {"micro_batch_tokens": 4 * ALFWORLD_CAP, "attn_implementation": "eager"},
     }
     out: dict = {}
     trajs = None
@@ -349,6 +350,8 @@ def main() -> None:
         f"tokens/s {mem['tokens']:,.0f} -> {mem['tokens+checkpointing']:,.0f} ({mem['tokens+checkpointing'] / mem['tokens']:.2f})",
         f"    optimizer offload: tokens/s {mem['tokens']:,.0f} -> {mem['tokens+offload']:,.0f} "
         f"({mem['tokens+offload'] / mem['tokens']:.2f}; on a CPU-only machine there is no GPU memory to free, only the copies' cost)",
+        f"    attention: tokens/s sdpa {mem['tokens']:,.0f}, eager {mem['tokens+eager']:,.0f} "
+        f"(sdpa/eager {mem['tokens'] / mem['tokens+eager']:.2f})",
     ]
     section = "\n".join(lines) + "\n"
     print(section)
