@@ -99,6 +99,19 @@ def alfworld_like_batch(vocab: int, n: int, seed: int = 0):
     return out, [1.0 if i % 2 else -1.0 for i in range(n)]
 
 
+def median_update_s(engine, trajs, adv, cfg, repeats: int) -> float:
+    """Seconds of one run_update: the median of `repeats` after a warm-up."""
+    from services.learner.update import run_update
+
+    run_update(engine, trajs, adv, cfg)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run_update(engine, trajs, adv, cfg)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def memory_settings(model: Path, repeats: int) -> dict:
     """One process, ZeRO 2, B = 32 ALFWorld-like trajectories, 2 mini-batches: tokens/s of the
     update by count (4 a micro-batch) and by a token budget of the same largest micro-batch
@@ -112,7 +125,6 @@ def memory_settings(model: Path, repeats: int) -> dict:
     from services.learner.engine import build_engine
     from services.learner.logprobs import token_logprobs
     from services.learner.plan import saved_bytes
-    from services.learner.update import run_update
 
     batch = 32
     common = {
@@ -148,13 +160,7 @@ def memory_settings(model: Path, repeats: int) -> dict:
                 micro = [mb for per_rank in plan for mb in per_rank[0]]
                 out[f"padded_{how}"] = sum(len(mb) * max(lengths[i] for i in mb) for mb in micro)
                 out[f"micro_{how}"] = len(micro)
-        run_update(engine, trajs, adv, cfg)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run_update(engine, trajs, adv, cfg)
-            times.append(time.perf_counter() - t0)
-        out[name] = out["real_tokens"] / statistics.median(times)
+        out[name] = out["real_tokens"] / median_update_s(engine, trajs, adv, cfg, repeats)
         if name in ("tokens", "tokens+checkpointing"):
             # The largest micro-batch the token budget makes: what autograd keeps for its backward.
             longest = sorted(range(batch), key=lambda i: -lengths[i])[:4]
@@ -191,25 +197,17 @@ def worker(model: Path, stage: int, batch: int, repeats: int, out: Path) -> None
 
     from services.learner.engine import build_engine
     from services.learner.snapshot import publish_snapshot
-    from services.learner.update import run_update
 
     cfg = _config(model, stage, batch, out.parent / f"snap-{stage}-{os.environ.get('WORLD_SIZE', '1')}")
     engine, tok = build_engine(cfg)
     trajs, adv = synthetic_batch(len(tok), batch)
     tokens = sum(len(t.token_ids) for t in trajs)
-    run_update(engine, trajs, adv, cfg)  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run_update(engine, trajs, adv, cfg)
-        times.append(time.perf_counter() - t0)
+    update_s = median_update_s(engine, trajs, adv, cfg, repeats)
     t0 = time.perf_counter()
     publish_snapshot(engine, model, cfg.snapshots, 1, keep=1)
     publish_s = time.perf_counter() - t0
     if dist.get_rank() == 0:
-        out.write_text(
-            json.dumps({"update_s": statistics.median(times), "tokens": tokens, "publish_s": publish_s})
-        )
+        out.write_text(json.dumps({"update_s": update_s, "tokens": tokens, "publish_s": publish_s}))
 
 
 def plain_torch(model: Path, batch: int, repeats: int) -> dict:

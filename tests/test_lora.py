@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from learner_worker import dist_env_restored, make_batch, run_task
-from test_learner_update import _cfg, check_against_reference, peft_model, reference_update, rel_err
+from learner_worker import run_task
+from test_learner_update import (
+    _cfg,
+    _dist_env,
+    batch,
+    check_against_reference,
+    peft_model,
+    reference_update,
+    rel_err,
+)
 
 pytestmark = pytest.mark.process
 
@@ -20,12 +28,8 @@ SETTINGS = {
     "lora_rank": LORA["rank"], "lora_alpha": LORA["alpha"], "lora_target_modules": LORA["target_modules"],
 }  # fmt: skip
 
-_dist_env = pytest.fixture(scope="module", autouse=True)(dist_env_restored)
-
-
-@pytest.fixture(scope="module")
-def batch(tiny_model):
-    return make_batch(tiny_model, n=8, seed=0)
+# The batch and the restored process-group environment are test_learner_update's fixtures.
+__all__ = ["_dist_env", "batch"]
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,16 @@ import importlib.util
 
 import pytest
 import torch
-from learner_worker import dist_env_restored, make_batch, run_task
+from learner_worker import run_task
 from test_learner_update import (
     BF16_GRAD_RTOL,
     _bf16_cfg,
     _cfg,
+    _dist_env,
     _token_cfg,
+    batch,
     check_against_reference,
+    initial,
     model_rel_err,
     reference_update,
     rel_err,
@@ -31,19 +34,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs a CUDA GPU"),
 ]
 
-_dist_env = pytest.fixture(scope="module", autouse=True)(dist_env_restored)
-
-
-@pytest.fixture(scope="module")
-def batch(tiny_model):
-    return make_batch(tiny_model, n=8, seed=0)
-
-
-@pytest.fixture(scope="module")
-def initial(tiny_model):
-    from safetensors.torch import load_file
-
-    return load_file(tiny_model / "model.safetensors")
+# The batch, the initial weights and the restored process-group environment are test_learner_update's fixtures.
+__all__ = ["_dist_env", "batch", "initial"]
 
 
 @pytest.fixture(scope="module")
