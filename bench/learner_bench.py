@@ -61,8 +61,8 @@ ALFWORLD_CAP = 640
 def alfworld_like_batch(vocab: int, n: int, seed: int = 0):
     """n trajectories with the length spread of the ALFWorld demo's episodes, in receipt order.
 
-    Lengths are modelled on the demo's budget and teacher (success 0.6): a success ends after 3 to
-    8 of the 12 interactions, about 35 tokens each after a prompt of about 90 (150-400 tokens);
+    Lengths are modelled on the demo's budget and teacher (success 0.6): a success ends after 2 to
+    8 of the 12 interactions, about 35 tokens each after a prompt of about 90 (150-380 tokens);
     a failure runs on to the cap (540-640). Receipt order is simulated, not shuffled: n slots play
     episodes back to back, each started at a random point of its previous one, and an episode
     takes time in proportion to its length; the batch is the first n to finish. Short episodes
@@ -86,7 +86,7 @@ def alfworld_like_batch(vocab: int, n: int, seed: int = 0):
             if t > 0:
                 finished.append((t, k))
     lengths = [k for _t, k in sorted(finished)[:n]]
-    trajs, _ = synthetic_batch(vocab, n, seed)
+    trajs, adv = synthetic_batch(vocab, n, seed)
     g = random.Random(seed + 1)
     out = []
     for t, k in zip(trajs, lengths, strict=True):
@@ -96,7 +96,7 @@ def alfworld_like_batch(vocab: int, n: int, seed: int = 0):
             "token_ids": ids, "action_mask": [0] * prompt + [1] * (k - prompt),
             "rollout_logprobs": [0.0] * prompt + [-2.0 - 3 * g.random() for _ in range(k - prompt)],
         }))  # fmt: skip
-    return out, [1.0 if i % 2 else -1.0 for i in range(n)]
+    return out, adv
 
 
 def median_update_s(engine, trajs, adv, cfg, repeats: int) -> float:

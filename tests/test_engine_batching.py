@@ -135,7 +135,13 @@ def test_a_swap_waits_for_running_rows_and_later_rows_see_the_new_weights(
 
     async def scenario():
         running = asyncio.create_task(engine.generate(prompts[0], long_sampling))
-        await asyncio.sleep(0.05)
+        # Wait until the decoding loop has admitted it (a fixed sleep lost that race under load: the
+        # loop's batch window can outlast it, and a swap then goes first).
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            with engine._cv:
+                if engine._serving and not engine._pending:
+                    break
         swap = asyncio.create_task(engine.load_weights(perturbed_model))
         await asyncio.sleep(0.01)
         # Sent during the swap: waits for it, then runs on the new weights.

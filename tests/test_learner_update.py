@@ -343,7 +343,7 @@ def test_single_process_matches_reference(tiny_model, batch, references, initial
 
 def test_token_plans_are_what_the_tests_need(batch):
     """The token budgets above make the plans their comment says (else the tests test less)."""
-    from services.learner.batch import plan_micro_batches
+    from services.learner.batch import pack_by_tokens, plan_micro_batches
 
     lengths = [len(t.token_ids) for t in batch[0]]
     one = {T: plan_micro_batches(lengths, m, 1, micro_batch_tokens=T) for m, T in TOKEN_SPLITS[1]}
@@ -353,8 +353,6 @@ def test_token_plans_are_what_the_tests_need(batch):
     two = plan_micro_batches(lengths, 2, 2, micro_batch_tokens=250)
     # Rank 1's first share fits one micro-batch of 250; it is split to match rank 0's two.
     assert [[len(mb) for mb in rank] for rank in two[0]] == [[1, 1], [1, 1]]
-    from services.learner.batch import pack_by_tokens
-
     assert len(pack_by_tokens(lengths, two[0][1][0] + two[0][1][1], 250)) == 1
 
 

@@ -77,10 +77,12 @@ def test_a_rank_with_fewer_micro_batches_splits_to_match():
 
 
 def test_bad_plans_are_refused():
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="give micro_batch_size or micro_batch_tokens"):
         plan_micro_batches([3] * 4, 1, 1)
-    with pytest.raises(ValueError, match="exactly one"):
-        plan_micro_batches([3] * 4, 1, 1, micro_batch_size=2, micro_batch_tokens=64)
+    # A token budget wins over a count, as in the learner's settings (micro_batch_size is then unused).
+    lengths = [30, 10, 20, 40]
+    both = plan_micro_batches(lengths, 1, 1, micro_batch_size=1, micro_batch_tokens=64)
+    assert both == plan_micro_batches(lengths, 1, 1, micro_batch_tokens=64) == [[[[3], [0, 2], [1]]]]
     with pytest.raises(ValueError, match="split evenly over 3 ranks"):
         plan_micro_batches([3] * 8, 1, 3, micro_batch_tokens=64)
     with pytest.raises(ValueError, match="micro_batch_tokens must be >= 1"):

@@ -32,8 +32,8 @@ MAP_BUDGET = {"max_turns": 6, "max_tokens_per_turn": 32, "max_total_tokens": 256
 # a third of the time (60 steps never do, and without successes no length can co-vary with them).
 MAP_TINY = {**TINY, "cold_start_steps": 250, "updates": 3, "eval_every": 1}
 # The map's run: the demo's cold start, data and batch, 16 updates with 5 evaluations of 128
-# held-out tasks x 3 samples. 54 runs (6 cells x 3 arms x 3 seeds) of about 80 s each fit the
-# 90 minutes the map has on a 2-core machine; the demo's 40 updates would take twice that.
+# held-out tasks x 3 samples. 54 runs (6 cells x 3 arms x 3 seeds) took 59 minutes on a 2-core
+# machine (65 s each), inside the 90 the map has; the demo's 40 updates would take about twice that.
 MAP_SIZE = {**FULL, "updates": 16, "eval_every": 4, "eval_samples": 3}
 SEEDS = "0,1,2"
 
@@ -65,16 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-samples", type=int, default=None, help="samples per held-out task (default 3)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
     a = p.parse_args(argv)
-    size = MAP_TINY if a.tiny else MAP_SIZE
+    size = dict(MAP_TINY if a.tiny else MAP_SIZE)
+    for key, value in (
+        ("updates", a.updates),
+        ("eval_every", a.eval_every),
+        ("eval_samples", a.eval_samples),
+    ):
+        if value is not None:
+            size[key] = value
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
     prepare(out, size, data_seed=0, max_positions=MAP_BUDGET["max_total_tokens"])
     config = map_config(out, size)
-    config["updates"] = a.updates or size["updates"]
-    config["evaluator"]["every"] = a.eval_every or size["eval_every"]
-    config["evaluator"]["samples"] = a.eval_samples or size["eval_samples"]
     config["env_options"] = {"latency_median_s": a.latency_median}
     path = out / "map.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -213,15 +213,16 @@ def plan_micro_batches(
 ) -> list[list[list[list[int]]]]:
     """plan[m][rank] = that rank's micro-batches (lists of trajectory indices) in mini-batch m.
 
-    `lengths` are the trajectories' token counts, in batch order. Exactly one of
-    micro_batch_size (by count) and micro_batch_tokens (by padded tokens) is given; see the module
-    docstring. Every rank gets the same number of micro-batches per mini-batch.
+    `lengths` are the trajectories' token counts, in batch order. By padded tokens when
+    micro_batch_tokens is given (micro_batch_size is then unused, as in the learner's settings),
+    else by count; see the module docstring. Every rank gets the same number of micro-batches per
+    mini-batch.
     """
-    if (micro_batch_size is None) == (micro_batch_tokens is None):
-        raise ValueError("give exactly one of micro_batch_size and micro_batch_tokens")
+    if micro_batch_size is None and micro_batch_tokens is None:
+        raise ValueError("give micro_batch_size or micro_batch_tokens")
     plan = []
     for part in mini_batches(len(lengths), n_mini):
-        if micro_batch_size is not None:
+        if micro_batch_tokens is None:
             per_rank = [
                 [list(range(s.start, s.stop)) for s in micro_batches(rank_share(part, r, world_size), micro_batch_size)]
                 for r in range(world_size)

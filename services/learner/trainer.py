@@ -22,7 +22,7 @@ import torch.distributed as dist
 from spopp.advantages import normalize_advantages
 from spopp.client import TrackerClient, TrackerError
 
-from .batch import pack_by_tokens
+from .batch import plan_micro_batches
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import LearnerSettings
 from .engine import build_engine, init_distributed
@@ -248,14 +248,17 @@ class Learner:
         """Token log-probs of whole sequences under the current weights (SPO's drift)."""
         model = self.engine.module
         out: list[list[float]] = [[] for _ in sequences]
+        if not sequences:
+            return []
         lengths = [len(s) for s in sequences]
-        if self.cfg.micro_batch_tokens is not None:
-            chunks = pack_by_tokens(lengths, range(len(sequences)), self.cfg.micro_batch_tokens)
-        else:
-            size = self.cfg.micro_batch_size
-            chunks = [
-                list(range(lo, min(lo + size, len(sequences)))) for lo in range(0, len(sequences), size)
-            ]
+        # The update's micro-batching, on one rank and one mini-batch.
+        (chunks,) = plan_micro_batches(
+            lengths,
+            1,
+            1,
+            micro_batch_size=self.cfg.micro_batch_size,
+            micro_batch_tokens=self.cfg.micro_batch_tokens,
+        )[0]
         with torch.no_grad():
             for chunk in chunks:
                 width = max(lengths[j] for j in chunk)

@@ -52,19 +52,19 @@ Plan = list[tuple[slice, list[list[int]]]]
 
 def _plan(trajs: Sequence[TrajectoryLike], cfg: LearnerSettings, rank: int, world: int, gas: int) -> Plan:
     """Per mini-batch: (its slice of the B trajectories, this rank's micro-batches as index lists)."""
-    by_tokens = cfg.micro_batch_tokens is not None
     plan = plan_micro_batches(
         [len(t.token_ids) for t in trajs],
         cfg.mini_batches,
         world,
-        micro_batch_size=None if by_tokens else cfg.micro_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
         micro_batch_tokens=cfg.micro_batch_tokens,
     )
     out = []
     for part, per_rank in zip(mini_batches(len(trajs), cfg.mini_batches), plan, strict=True):
         micro = per_rank[rank]
-        # By count the engine's accumulation steps are exact; by tokens they are an upper bound.
-        if (len(micro) != gas) if not by_tokens else (len(micro) > gas):
+        # By count the engine was built for exactly this many; by tokens the count varies per step
+        # and the engine's is only an upper bound (accumulation_steps).
+        if cfg.micro_batch_tokens is None and len(micro) != gas:
             raise ValueError(
                 f"{len(micro)} micro-batches per rank per mini-batch but the engine accumulates {gas}: "
                 "build the engine with the same batch_size, mini_batches and micro-batch settings"
@@ -193,10 +193,10 @@ def _mini_batch_step(
     steps_before = engine.global_steps
     own_norm: float | None = None
     for i, (b, old) in enumerate(row):
-        if cfg.micro_batch_tokens is not None:
-            # By tokens, steps differ in how many micro-batches they have: the boundary is marked
-            # rather than counted (the scale undoes DeepSpeed's division by its configured count).
-            engine.set_gradient_accumulation_boundary(i == len(row) - 1)
+        # The step's boundary is marked, not counted, whichever the micro-batching: by tokens steps
+        # differ in how many micro-batches they have (the scale undoes DeepSpeed's division by its
+        # configured count), and by count the mark agrees with DeepSpeed's own count.
+        engine.set_gradient_accumulation_boundary(i == len(row) - 1)
         logp = token_logprobs(engine, b.input_ids, b.attention_mask)
         loss, st = policy_loss(
             logp,
