@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -120,8 +121,10 @@ def write_run(
              for i, r in enumerate(rewards)]  # fmt: skip
     (folder / "eval" / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     steps = [
-        {"step": s, "time": 1.7e9 + s, "policy_version": s - 1, "length_advantage_corr": corr} for s in (1, 2)
-    ]
+        {"step": s, "time": 1.7e9 + s, "policy_version": s - 1, "length_advantage_corr": corr,
+         "reward_mean": 0.1 * (s + 1)}
+        for s in (1, 2)
+    ]  # fmt: skip
     (folder / "learner" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
 
 
@@ -153,12 +156,14 @@ def test_summary_pairs_by_seed_with_standard_errors_by_hand(tmp_path):
     assert c["measured"]["late_fraction"] == pytest.approx(0.15)  # 10/100 and 20/100 in every arm
     assert c["measured"]["overtaken_fraction"] == pytest.approx(0.30)
     assert c["measured"]["reorder_distance"] == pytest.approx(0.75)  # 50/100 and 100/100
+    assert c["measured"]["batch_reward"] == pytest.approx(0.25)  # updates' 0.2 and 0.3 in every run
+    assert c["start"] == 0.0 and c["seeds"] == [0, 1]
     assert result["largest_se"] == pytest.approx(2.5)  # SPO++ − SPO's
     assert result["largest_se_parts"] == pytest.approx(2.5)  # event-time alone: [5, 0]
     md = markdown(result)
     assert (
-        "| -1 | 1.5 | -0.27 | 0.15 | 0.30 | 0.8 | 0.175 | 0.250 | +7.5 ± 2.5 | 2/2 | +2.5 ± 2.5 | +5.0 ± 0.0 |"
-        in md
+        "| -1 | 1.5 | -0.27 | 0.15 | 0.30 | 0.8 | 0.25 / 0.00 | 2 | 0.175 | 0.250 | +7.5 ± 2.5 | 2/2 | +2.5 ± 2.5 "
+        "| +5.0 ± 0.0 |" in md
     )
     assert (
         "Largest standard error of a cell's paired difference (SPO++ − SPO): 2.50 area points (target ≤ 1.5)."
@@ -221,3 +226,117 @@ def test_the_map_command_refuses_bad_options_by_name(tmp_path):
         r = CliRunner().invoke(map_command, [str(config), "--out", str(tmp_path / "out"), *args])
         assert r.exit_code == 2 and message in r.output, (args, r.output)
         assert not (tmp_path / "out").exists()
+
+
+# -- seeds added where a cell's standard error is over the target ---------------------------------
+def test_seeds_needed_and_the_cell_chosen_by_hand():
+    from services.launch.map import choose_cell, seeds_needed
+
+    # sd 3 over 3 seeds: se 1.73 > 1.5; (3 / 1.5)^2 = 4 seeds, one more. sd 6: 16 seeds, 13 more.
+    assert seeds_needed({"sd": 3.0, "n": 3}, 1.5) == 1
+    assert seeds_needed({"sd": 6.0, "n": 3}, 1.5) == 13
+    assert seeds_needed({"sd": 1.0, "n": 3}, 1.5) == 0
+    assert seeds_needed({"sd": None, "n": 1}, 1.5) == math.inf
+
+    def cell(name, sd, n):
+        return {"cell": name, "diffs": {"spopp-spo": {"sd": sd, "n": n, "se": sd / math.sqrt(n)}}}
+
+    result = {"cells": [cell("a", 6.0, 3), cell("b", 3.0, 3), cell("c", 1.0, 3)]}
+    assert choose_cell(result, 1.5)["cell"] == "b"  # the one a single seed may bring under
+    assert choose_cell(result, 4.0) is None  # every se (3.46, 1.73, 0.58) within 4
+    one_seed = {"cells": [{"cell": "d", "diffs": {"spopp-spo": {"sd": None, "n": 1, "se": None}}}]}
+    assert choose_cell(one_seed, 1.5)["cell"] == "d"  # an unknown standard error is over any target
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _fake_runner(curves: dict, ran: list, clock: Clock | None = None):
+    """Stands in for compare.run_in_turn (launching is what tests/test_map_run.py runs for real):
+    each planned run's folder gets the curve `curves[(cell, arm, seed)]`, a run of 60 s on `clock`."""
+
+    def runner(planned, echo, what):
+        for cell, s in planned:
+            if (s.run_dir / "run.json").exists():
+                continue
+            arm, seed = s.run.rsplit("-s", 1)
+            write_run(s.run_dir.parent.parent.parent.parent, cell, arm, int(seed),
+                      curves[(cell, arm, int(seed))], corr=0.0, late=0)  # fmt: skip
+            record = json.loads((s.run_dir / "run.json").read_text())
+            record.update(started=1000.0, finished=1060.0)
+            (s.run_dir / "run.json").write_text(json.dumps(record))
+            ran.append((cell, s.run))
+            if clock is not None:
+                clock.now += 60.0
+        return [], 0
+
+    return runner
+
+
+def test_the_target_adds_seeds_to_the_cell_over_it_and_a_resume_keeps_them(tmp_path):
+    from services.launch.config import LaunchSettings
+    from services.launch.map import read_extra, run_map
+
+    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
+    quiet, noisy = cell_name(-1.0, 0.0), cell_name(1.0, 0.0)
+    # SPO++ − SPO per seed, in area points: the quiet cell 5, 5, 5 (se 0); the noisy one 0, 10,
+    # 20, then 10 for every added seed (se 5.8 over 3 seeds, 3.3 over 4, 2.4 over 5, 1.9 over 6).
+    curves = {}
+    for seed in range(12):
+        gap = 0.05 if seed < 3 else 0.0
+        curves[(quiet, "spo", seed)], curves[(quiet, "spopp", seed)] = [0, 0.2, 0.2], [0, 0.2 + gap, 0.2 + gap]
+        step = [0.0, 0.1, 0.2][seed] if seed < 3 else 0.1
+        curves[(noisy, "spo", seed)], curves[(noisy, "spopp", seed)] = [0, 0.2, 0.2], [0, 0.2 + step, 0.2 + step]
+    ran: list = []
+    lines: list[str] = []
+    # The 12 common runs take 12 min; the budget leaves room for three more seeds of two 60 s runs
+    # (and a little): 3 added, all to the noisy cell.
+    clock = Clock()
+    code = run_map(base, [-1.0, 1.0], [0.0], ["spo", "spopp"], [0, 1, 2], tmp_path, echo=lines.append,
+                   target_se=1.5, budget_s=12 * 60 + 3 * 120 + 30, runner=_fake_runner(curves, ran, clock),
+                   clock=clock)  # fmt: skip
+    assert code == 0
+    assert [r for c, r in ran if c == quiet] == ["spo-s0", "spopp-s0", "spo-s1", "spopp-s1", "spo-s2", "spopp-s2"]
+    assert [r for c, r in ran if c == noisy][6:] == ["spo-s3", "spopp-s3", "spo-s4", "spopp-s4", "spo-s5", "spopp-s5"]
+    assert read_extra(tmp_path) == {noisy: [3, 4, 5]}
+    assert any("adding seed 3" in line for line in lines)
+    assert any("the budget is spent" in line and noisy in line for line in lines), lines
+    result = json.loads((tmp_path / "map.json").read_text())
+    by = {c["cell"]: c for c in result["cells"]}
+    assert by[quiet]["seeds"] == [0, 1, 2] and by[noisy]["seeds"] == [0, 1, 2, 3, 4, 5]
+    d = by[noisy]["diffs"]["spopp-spo"]
+    # Areas: spo 0.15, spopp 0.15 + step / 2 ... in points: 100 * step / 2 + ... -> 0, 5, 10, 5, 5, 5.
+    assert d["per_seed"] == pytest.approx([0.0, 7.5, 15.0, 7.5, 7.5, 7.5])
+    assert d["se"] == pytest.approx(math.sqrt(sum((x - 7.5) ** 2 for x in d["per_seed"]) / 5) / math.sqrt(6))
+    assert result["largest_se"] == pytest.approx(d["se"])
+    # A resume with more budget finishes nothing twice, keeps the added seeds and adds the next.
+    ran.clear()
+    code = run_map(base, [-1.0, 1.0], [0.0], ["spo", "spopp"], [0, 1, 2], tmp_path, echo=lines.append,
+                   target_se=1.5, budget_s=None, runner=_fake_runner(curves, ran))  # fmt: skip
+    assert code == 0 and ran and all(c == noisy for c, _r in ran)
+    assert read_extra(tmp_path)[noisy][:4] == [3, 4, 5, 6]
+    final = {c["cell"]: c for c in json.loads((tmp_path / "map.json").read_text())["cells"]}
+    assert final[noisy]["diffs"]["spopp-spo"]["se"] <= 1.5 < d["se"]
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [("{not json", "is not JSON"), ('{"coupling+1-latency0": ["3"]}', "should map each cell to a list of seeds"),
+     ('{"coupling+7-latency0": [3]}', "cells not in this grid: coupling+7-latency0")],
+)  # fmt: skip
+def test_a_bad_seed_file_is_refused_by_name_and_left_as_it_was(tmp_path, content, message):
+    from services.launch.config import LaunchSettings
+    from services.launch.map import run_map
+
+    (tmp_path / "extra-seeds.json").write_text(content)
+    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc"})
+    ran: list = []
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_map(base, [1.0], [0.0], ["spo", "spopp"], [0], tmp_path, echo=lambda _l: None, target_se=1.5,
+                runner=_fake_runner({}, ran))  # fmt: skip
+    assert ran == [] and (tmp_path / "extra-seeds.json").read_text() == content

@@ -3,7 +3,10 @@
 1. data, cold start and prior: the demo's stages (tools/demo.py), in --out, each skipped when done;
 2. `spopp map`: SPO, SPO++ with trajectory normalization and SPO++ on every seed, in every cell of
    coupling {-1, 0, +1} x latency sigma {0, 1.5}, from the same cold start, prior and budget;
-3. map.json, map.md and map.png in --out.
+3. seeds added, every arm at a time, to the cells whose SPO++ − SPO standard error is over the
+   target (1.5 area points), the cell needing the fewest more first, while they fit in the 90 minutes
+   (`--target-se`, `--budget-minutes`; the added seeds are kept in extra-seeds.json for a resume);
+4. map.json, map.md and map.png in --out.
 
 The budget leaves room for the coupled side's extra turns: 6 turns of at most 32 tokens, 256 in
 all, for the replicas and the evaluator alike, in every cell; the cold start is the demo's with a
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from services.launch.map import SE_TARGET
 from tools.demo import FULL, TINY, _say, base_config, prepare
 
 # Room for the extra turns on the coupled side (toy-calc's extra_turns, 3 by default).
@@ -36,6 +40,9 @@ MAP_TINY = {**TINY, "cold_start_steps": 250, "updates": 3, "eval_every": 1}
 # machine (65 s each), inside the 90 the map has; the demo's 40 updates would take about twice that.
 MAP_SIZE = {**FULL, "updates": 16, "eval_every": 4, "eval_samples": 3}
 SEEDS = "0,1,2"
+# The 90 minutes for `make map`: the 54 runs take about 63 of them from a fresh clone, and
+# the rest goes to seeds for the cells over the standard-error target.
+BUDGET_MINUTES = 90.0
 
 
 def map_config(out: Path, size: dict) -> dict:
@@ -63,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=None, help="learner updates per run (default 16)")
     p.add_argument("--eval-every", type=int, default=None, help="versions between evaluations (default 4)")
     p.add_argument("--eval-samples", type=int, default=None, help="samples per held-out task (default 3)")
+    p.add_argument(
+        "--target-se", type=float, default=SE_TARGET,
+        help=f"add seeds to cells whose SPO++ - SPO standard error is over this (default {SE_TARGET}; 0: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--budget-minutes", type=float, default=BUDGET_MINUTES,
+        help=f"minutes for the whole map, cold start included; seeds are added while they fit (default {BUDGET_MINUTES:g})",
+    )  # fmt: skip
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
     a = p.parse_args(argv)
     size = dict(MAP_TINY if a.tiny else MAP_SIZE)
@@ -83,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     path = out / "map.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     _say(f"4/5 map: arms {a.arms} x seeds {a.seeds} x coupling {a.coupling} x latency {a.latency}")
-    code = subprocess.run([sys.executable, "-m", "services.cli", "map", str(path), "--seeds", a.seeds,
-                           "--arms", a.arms, f"--coupling={a.coupling}", f"--latency={a.latency}",
-                           "--out", str(out)]).returncode  # fmt: skip
+    args = [sys.executable, "-m", "services.cli", "map", str(path), "--seeds", a.seeds, "--arms", a.arms,
+            f"--coupling={a.coupling}", f"--latency={a.latency}", "--out", str(out)]  # fmt: skip
+    if a.target_se > 0:
+        # What the preparation left of the budget (a resumed map's preparation is a few seconds).
+        left = max(1.0, a.budget_minutes - (time.monotonic() - t0) / 60)
+        args += ["--target-se", str(a.target_se), "--budget-minutes", f"{left:.1f}"]
+    code = subprocess.run(args).returncode
     if code != 0:
         _say(f"the map stopped with exit code {code}; run the same command again to resume")
         return code

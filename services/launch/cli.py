@@ -306,7 +306,15 @@ def _numbers(text: str, what: str) -> list[float]:
 
 
 def _map(
-    config: Path, sets: tuple[str, ...], seeds: str, arms: str, coupling: str, latency: str, out: Path
+    config: Path,
+    sets: tuple[str, ...],
+    seeds: str,
+    arms: str,
+    coupling: str,
+    latency: str,
+    out: Path,
+    target_se: float | None,
+    budget_minutes: float | None,
 ) -> None:
     from .map import run_map
     from .run import LaunchError
@@ -314,7 +322,10 @@ def _map(
     base, seed_list, arm_list = _matched(config, sets, seeds, arms)
     couplings, latencies = _numbers(coupling, "coupling"), _numbers(latency, "latency")
     try:
-        code = run_map(base, couplings, latencies, arm_list, seed_list, out, echo=click.echo)
+        code = run_map(
+            base, couplings, latencies, arm_list, seed_list, out, echo=click.echo, target_se=target_se,
+            budget_s=None if budget_minutes is None else 60 * budget_minutes,
+        )  # fmt: skip
     except (LaunchError, ValueError) as exc:
         _fail(str(exc))
     raise SystemExit(code)
@@ -345,6 +356,20 @@ map_command = click.Command(
             type=click.Path(file_okay=False, path_type=Path),
             required=True,
             help="folder of the runs (cells/<cell>/runs/<arm>-s<seed>/) and map.json, map.md, map.png",
+        ),  # fmt: skip
+        click.Option(
+            ["--target-se"],
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            help="after --seeds, add seeds (every arm) to each cell whose SPO++ − SPO standard error is over "
+            "this many area points, the cell needing fewest first; kept in <out>/extra-seeds.json for a resume",
+        ),  # fmt: skip
+        click.Option(
+            ["--budget-minutes"],
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            help="with --target-se: add a seed only while its runs fit in this many minutes from the start "
+            "(default: no limit)",
         ),  # fmt: skip
     ],
     help="When does SPO++ beat SPO? Paired runs of every arm on every seed in each cell of a grid over "

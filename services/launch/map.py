@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,15 +70,80 @@ def plan_runs(
     arms: list[str],
     seeds: list[int],
     out: Path,
+    extra: dict[str, list[int]] | None = None,
 ) -> list[tuple[str, LaunchSettings]]:
-    """Every (cell, run settings), seed-major within a cell so a stopped map has whole pairs."""
+    """Every (cell, run settings), seed-major within a cell so a stopped map has whole pairs; a
+    cell's added seeds (`extra`) come after the common ones."""
     runs = []
     for name, coupling, latency in cells(couplings, latencies):
         cell = cell_settings(base, coupling, latency)
         runs += [
-            (name, arm_settings(cell, arm, seed, out / "cells" / name)) for seed in seeds for arm in arms
+            (name, arm_settings(cell, arm, seed, out / "cells" / name))
+            for seed in seeds + (extra or {}).get(name, [])
+            for arm in arms
         ]
     return runs
+
+
+EXTRA_SEEDS = "extra-seeds.json"  # {cell: [seed, ...]}: seeds the target added, kept for a resume
+
+
+def read_extra(out: Path) -> dict[str, list[int]]:
+    """The seeds added to each cell by an earlier --target-se (none when there is no file)."""
+    try:
+        data = json.loads((out / EXTRA_SEEDS).read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError as exc:
+        raise ValueError(f"{out / EXTRA_SEEDS} is not JSON ({exc}); delete it to start the added seeds over")
+    if not isinstance(data, dict) or not all(
+        isinstance(v, list) and all(isinstance(x, int) for x in v) for v in data.values()
+    ):
+        raise ValueError(f"{out / EXTRA_SEEDS} should map each cell to a list of seeds")
+    return data
+
+
+def _write_extra(out: Path, extra: dict[str, list[int]]) -> None:
+    # Written before the seed's runs start, atomically, so a stopped map finishes them on resume.
+    tmp = out / (EXTRA_SEEDS + ".tmp")
+    tmp.write_text(json.dumps(extra, indent=1) + "\n")
+    tmp.replace(out / EXTRA_SEEDS)
+
+
+def seeds_needed(d: dict, target: float) -> float:
+    """Seeds a cell still needs for its paired difference's standard error to reach the target, if
+    its standard deviation holds: ceil((sd / target)^2) - n (inf without a standard deviation)."""
+    if d["sd"] is None:
+        return math.inf
+    return max(0, math.ceil((d["sd"] / target) ** 2 - 1e-9) - d["n"])
+
+
+def _over(cell: dict, target: float) -> bool:
+    d = cell["diffs"].get("spopp-spo")
+    return d is not None and (d["se"] is None or d["se"] > target)
+
+
+def choose_cell(result: dict, target: float) -> dict | None:
+    """The cell to give one more seed: of the cells whose SPO++ − SPO standard error is over the
+    target (or not yet known), the one that needs the fewest more seeds to reach it, so a budget
+    brings as many cells under the target as it can; None when every cell is under it."""
+    over = [c for c in result["cells"] if _over(c, target)]
+    if not over:
+        return None
+    return min(over, key=lambda c: (seeds_needed(c["diffs"]["spopp-spo"], target), c["cell"]))
+
+
+def run_seconds(out: Path) -> float | None:
+    """Mean wall time of the finished runs under `out` (from their run.json), to price a seed."""
+    times = []
+    for path in (out / "cells").glob("*/runs/*/run.json"):
+        try:
+            record = RunRecord.model_validate_json(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if record.status == "finished" and record.started and record.finished:
+            times.append(record.finished - record.started)
+    return _mean(times)
 
 
 def run_map(
@@ -88,12 +154,56 @@ def run_map(
     seeds: list[int],
     out: Path,
     echo: Callable[[str], None] = print,
+    target_se: float | None = None,
+    budget_s: float | None = None,
+    runner: Callable = run_in_turn,
+    clock: Callable[[], float] = time.monotonic,
 ) -> int:
-    """Run (or resume) every run of the grid, then write the map; answers the exit code."""
-    _launchers, code = run_in_turn(plan_runs(base, couplings, latencies, arms, seeds, out), echo, "map")
+    """Run (or resume) every run of the grid, then write the map; answers the exit code.
+
+    With `target_se`, after the given seeds every cell whose SPO++ − SPO standard error is over the
+    target gets more seeds, one at a time (every arm, so all three differences stay paired), the
+    cell that needs the fewest more first, while the next seed's runs fit in what is left of
+    `budget_s` (seconds from this call's start; unbounded when None). `runner` runs a list of
+    (cell, settings) in turn and answers (launchers, exit code): compare.run_in_turn."""
+    t0 = clock()
+    out.mkdir(parents=True, exist_ok=True)
+    extra = read_extra(out)
+    known = {name for name, _c, _l in cells(couplings, latencies)}
+    if unknown := sorted(set(extra) - known):
+        raise ValueError(f"{out / EXTRA_SEEDS} has seeds for cells not in this grid: {', '.join(unknown)}")
+    planned = plan_runs(base, couplings, latencies, arms, seeds, out, extra)
+    _launchers, code = runner(planned, echo, "map")
     if code != 0:
         return code
-    write(out, summarize(out, couplings, latencies, arms, seeds))
+    while target_se is not None:
+        result = summarize(out, couplings, latencies, arms, seeds, extra)
+        if not any("spopp-spo" in c["diffs"] for c in result["cells"]):
+            echo("--target-se: no SPO++ − SPO pairs to size (the map needs arms spo and spopp)")
+            break
+        cell = choose_cell(result, target_se)
+        if cell is None:
+            echo(f"every cell's SPO++ − SPO standard error is within {target_se}")
+            break
+        per_run = run_seconds(out) or 0.0
+        left = None if budget_s is None else budget_s - (clock() - t0)
+        if left is not None and per_run * len(arms) > left:
+            over = [c["cell"] for c in result["cells"] if _over(c, target_se)]
+            echo(f"the budget is spent ({left / 60:.0f} min left, a seed takes about "
+                 f"{per_run * len(arms) / 60:.0f}); over the target still: {', '.join(over)}")  # fmt: skip
+            break
+        name, coupling, latency = next(x for x in cells(couplings, latencies) if x[0] == cell["cell"])
+        d = cell["diffs"]["spopp-spo"]
+        new_seed = max(seeds + extra.get(name, [])) + 1
+        extra.setdefault(name, []).append(new_seed)
+        _write_extra(out, extra)
+        se = "unknown" if d["se"] is None else f"{d['se']:.2f}"
+        echo(f"=== map: {name}: SPO++ − SPO standard error {se} over {d['n']} seeds, target {target_se}: "
+             f"adding seed {new_seed}")  # fmt: skip
+        _l, code = runner(plan_runs(base, [coupling], [latency], arms, [new_seed], out), echo, "map")
+        if code != 0:
+            return code
+    write(out, summarize(out, couplings, latencies, arms, seeds, extra))
     for path in ("map.json", "map.md", "map.png"):
         echo(f"wrote {out / path}")
     return 0
@@ -115,15 +225,19 @@ def _diff_stats(values: list[float]) -> dict[str, Any]:
 
 
 def _measured(run_dir: Path) -> dict[str, float | None]:
-    """What the knobs did in one run: mean length-advantage correlation over its updates; the share
+    """What the knobs did in one run: mean length-advantage correlation over its updates; the mean
+    reward of its training batches (first-completed: below the held-out reward where successes are
+    the slower episodes); the share
     of its outcomes reported after a newer policy was published (late), and after the outcome of a
     request dispatched later (overtaken: out of dispatch order)."""
-    corr = []
+    corr, batch_reward = [], []
     try:
         for line in (run_dir / "learner" / "metrics.jsonl").read_text().splitlines():
             record = json.loads(line)
             if "length_advantage_corr" in record:
                 corr.append(float(record["length_advantage_corr"]))
+            if "reward_mean" in record:
+                batch_reward.append(float(record["reward_mean"]))
     except (OSError, ValueError):
         pass
     late = overtaken = distance = None
@@ -136,12 +250,12 @@ def _measured(run_dir: Path) -> dict[str, float | None]:
     except (OSError, ValueError):
         pass
     return {
-        "length_advantage_corr": _mean(corr), "late_fraction": late, "overtaken_fraction": overtaken,
+        "length_advantage_corr": _mean(corr), "batch_reward": _mean(batch_reward), "late_fraction": late, "overtaken_fraction": overtaken,
         "reorder_distance": distance,
     }  # fmt: skip
 
 
-MEASURES = ("length_advantage_corr", "late_fraction", "overtaken_fraction", "reorder_distance")
+MEASURES = ("length_advantage_corr", "batch_reward", "late_fraction", "overtaken_fraction", "reorder_distance")
 
 
 def _means(runs: list[dict]) -> dict[str, float | None]:
@@ -150,41 +264,49 @@ def _means(runs: list[dict]) -> dict[str, float | None]:
 
 
 def summarize(
-    out: Path, couplings: list[float], latencies: list[float], arms: list[str], seeds: list[int]
+    out: Path,
+    couplings: list[float],
+    latencies: list[float],
+    arms: list[str],
+    seeds: list[int],
+    extra: dict[str, list[int]] | None = None,
 ) -> dict:
-    """map.json's content, from the run folders (what a finished map holds)."""
+    """map.json's content, from the run folders (what a finished map holds): every cell over the
+    common seeds and the ones --target-se added to it (`extra`)."""
     from services.report.runs import read_run
     from services.report.summaries import area, c10
 
     out_cells = []
     for name, coupling, latency in cells(couplings, latencies):
+        cell_seeds = seeds + (extra or {}).get(name, [])
         warnings: list[str] = []
         curves: dict[str, dict[int, list[float]]] = {arm: {} for arm in arms}
         measured: dict[str, list[dict]] = {arm: [] for arm in arms}
         for arm in arms:
-            for seed in seeds:
+            for seed in cell_seeds:
                 run_dir = out / "cells" / name / "runs" / f"{arm}-s{seed}"
                 curves[arm][seed] = read_run(run_dir, "eval/sampled/reward_mean", warnings).rewards
                 measured[arm].append(_measured(run_dir))
         points = min(len(c) for by_seed in curves.values() for c in by_seed.values())
         per_arm = {
             arm: {
-                "area": _mean([area(curves[arm][s][:points]) for s in seeds]),
-                "c10": _mean([c10(curves[arm][s][:points]) for s in seeds]),
+                "area": _mean([area(curves[arm][s][:points]) for s in cell_seeds]),
+                "c10": _mean([c10(curves[arm][s][:points]) for s in cell_seeds]),
                 **_means(measured[arm]),
             }
             for arm in arms
         }  # fmt: skip
         diffs = {
             key: _diff_stats(
-                [100 * (area(curves[a][s][:points]) - area(curves[b][s][:points])) for s in seeds]
+                [100 * (area(curves[a][s][:points]) - area(curves[b][s][:points])) for s in cell_seeds]
             )
             for key, a, b in DIFFS
             if a in arms and b in arms
         }
         everything = [m for arm in arms for m in measured[arm]]
         out_cells.append({
-            "cell": name, "coupling": coupling, "latency_sigma": latency, "points": points,
+            "cell": name, "coupling": coupling, "latency_sigma": latency, "seeds": cell_seeds, "points": points,
+            "start": _mean([curves[arm][s][0] for arm in arms for s in cell_seeds if curves[arm][s]]),
             "arms": per_arm, "diffs": diffs, "warnings": warnings,
             "measured": _means(everything),
         })  # fmt: skip
@@ -216,10 +338,12 @@ def markdown(result: dict) -> str:
         "error over the seeds' paired differences; C10 per arm; coupling = mean Pearson correlation of a batch's "
         "response lengths with its advantages; late = share of outcomes reported after a newer policy; overtaken = "
         "share reported after the outcome of a request dispatched later; distance = mean over outcomes of how "
-        "many dispatches the newest reported request was past it.", "",
-        "| coupling | latency σ | measured coupling | late | overtaken | distance | SPO area | SPO++ area | Δ SPO++ − SPO "
-        "| pairs won | Δ event-time alone | Δ token measure alone | C10 SPO / traj. / SPO++ |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "many dispatches the newest reported request was past it; batch = mean reward of the training batches "
+        "(first completed), against the held-out reward at version 0 (start); n = seeds in the cell (--target-se "
+        "adds seeds where the standard error is over the target).", "",
+        "| coupling | latency σ | measured coupling | late | overtaken | distance | batch / start | n | SPO area "
+        "| SPO++ area | Δ SPO++ − SPO | pairs won | Δ event-time alone | Δ token measure alone | C10 SPO / traj. / SPO++ |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
     for c in result["cells"]:
         a, d, m = c["arms"], c["diffs"], c["measured"]
@@ -233,8 +357,8 @@ def markdown(result: dict) -> str:
         out.append(
             f"| {c['coupling']:+g} | {c['latency_sigma']:g} | {num(m['length_advantage_corr'], '+.2f')} "
             f"| {num(m['late_fraction'], '.2f')} | {num(m['overtaken_fraction'], '.2f')} "
-            f"| {num(m['reorder_distance'], '.1f')} "
-            f"| {num(a.get('spo', {}).get('area'))} | {num(a.get('spopp', {}).get('area'))} "
+            f"| {num(m['reorder_distance'], '.1f')} | {num(m['batch_reward'], '.2f')} / {num(c.get('start'), '.2f')} "
+            f"| {len(c.get('seeds', result['seeds']))} | {num(a.get('spo', {}).get('area'))} | {num(a.get('spopp', {}).get('area'))} "
             f"| {_pm(main) if main else 'n/a'} | {won} "
             f"| {_pm(d['trajnorm-spo']) if 'trajnorm-spo' in d else 'n/a'} "
             f"| {_pm(d['spopp-trajnorm']) if 'spopp-trajnorm' in d else 'n/a'} | {c10s} |"
