@@ -26,6 +26,7 @@ def build() -> click.Group:
     from services.launch.cli import map_command as map_
     from services.launch.cli import scale_command as scale
     from services.learner.cli import group as learner
+    from services.learner.cli import lora_group as lora
     from services.report.cli import command as report
     from services.rollout.cli import group as rollout
     from services.tracker.cli import group as tracker
@@ -49,6 +50,7 @@ def build() -> click.Group:
         report,
         ablate,
         map_,
+        lora,
         alfworld,
     ):
         app.add_command(command)

@@ -105,6 +105,11 @@ class Manifest(BaseModel):
     files: dict[str, ManifestFile] = Field(default_factory=dict, description="weights files by name")
     base_model: str | None = Field(None, description="the base model folder (config, tokenizer)")
     created_at: str | None = Field(None, description="ISO 8601 time of the publish (UTC)")
+    lora: dict[str, Any] | None = Field(
+        None,
+        description="set when the folder holds LoRA adapters alone (PEFT's adapter_model.safetensors and "
+        "adapter_config.json) for base_model: {rank, alpha, target_modules}",
+    )
 
     def same_weights(self, other: Manifest) -> bool:
         """Whether `other` publishes this version with these very weights (a learner's re-publish)."""

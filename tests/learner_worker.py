@@ -140,7 +140,9 @@ def run_task(
     published = None
     if task.get("publish"):
         p = task["publish"]
-        published = publish_snapshot(engine, model_dir, p["root"], p["version"], keep=p["keep"])
+        published = publish_snapshot(
+            engine, model_dir, p["root"], p["version"], keep=p["keep"], lora_publish=p.get("lora", "adapter")
+        )
     rank = dist.get_rank()
     result = {
         "rank": rank,

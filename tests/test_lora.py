@@ -72,16 +72,17 @@ def test_lora_under_zero_matches_a_plain_peft_loop(tiny_model, batch, reference,
     check_against_reference({**result, "state": state}, reference, initial)
 
 
-def test_the_snapshot_is_the_merged_model(tiny_model, batch, tmp_path):
-    """A published LoRA snapshot is a plain Hugging Face folder whose log-probs are the trained
-    PEFT model's, and its base weights outside the adapted modules are the base's."""
+def test_a_merged_snapshot_is_a_plain_model(tiny_model, batch, tmp_path):
+    """With lora_publish: merged, a LoRA snapshot is a plain Hugging Face folder whose log-probs
+    are the trained PEFT model's, and its base weights outside the adapted modules are the base's."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from services.learner.logprobs import token_logprobs
 
     trajs, adv = batch
-    task = {"cfg": {**_cfg(2, 2, 2), **SETTINGS}, "publish": {"root": str(tmp_path), "version": 1, "keep": 2}}
+    publish = {"root": str(tmp_path), "version": 1, "keep": 2, "lora": "merged"}
+    task = {"cfg": {**_cfg(2, 2, 2), **SETTINGS}, "publish": publish}
     result = run_task(tiny_model, trajs, adv, task)
     folder = tmp_path / "v000001"
     merged = load_file(folder / "model.safetensors")
@@ -107,6 +108,69 @@ def test_the_snapshot_is_the_merged_model(tiny_model, batch, tmp_path):
         want = token_logprobs(peft, ids, torch.ones_like(ids))
         got = token_logprobs(plain, ids, torch.ones_like(ids))
     assert float((got - want).abs().max()) < 1e-5
+
+
+def _logprobs(model, ids):
+    from services.learner.logprobs import token_logprobs
+
+    with torch.no_grad():
+        return token_logprobs(model, ids, torch.ones_like(ids))
+
+
+def test_an_adapter_snapshot_is_peft_layout_and_merges_to_the_same_model(tiny_model, batch, tmp_path):
+    """By default (ZeRO 3 here: only the adapters are gathered) a LoRA snapshot holds the adapters
+    alone in PEFT's layout: PEFT loads it on the base and gives the trained model's log-probs, and
+    `spopp lora merge` turns it into a plain folder with the same log-probs."""
+    import json
+
+    from click.testing import CliRunner
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from services.cli import build
+    from spopp.snapshots import read_manifest
+
+    trajs, adv = batch
+    task = {"cfg": {**_cfg(3, 2, 2), **SETTINGS}, "publish": {"root": str(tmp_path), "version": 1, "keep": 2}}
+    result = run_task(tiny_model, trajs, adv, task)
+    folder = tmp_path / "v000001"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "manifest.json",
+    ]  # fmt: skip
+    manifest = read_manifest(folder)
+    assert manifest.lora == {"rank": 4, "alpha": 8.0, "target_modules": ["down_proj", "q_proj", "v_proj"]}
+    assert manifest.base_model == str(tiny_model.resolve()) and list(manifest.files) == ["adapter_model.safetensors"]
+    saved = load_file(folder / "adapter_model.safetensors")
+    assert len(saved) == 12 and sum(t.numel() for t in saved.values()) == 6656
+    assert all(k.startswith("base_model.model.") and ".default." not in k for k in saved)
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 4
+    full = (tiny_model / "model.safetensors").stat().st_size
+    assert (folder / "adapter_model.safetensors").stat().st_size * 20 < full
+
+    trained = peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), LORA).eval()
+    trained.load_state_dict(result["state"])
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), folder)
+    ids = torch.tensor([trajs[0].token_ids])
+    want = _logprobs(trained, ids)
+    assert float((_logprobs(loaded.eval(), ids) - want).abs().max()) < 1e-6
+
+    out = tmp_path / "merged"
+    r = CliRunner().invoke(build(), ["lora", "merge", str(folder), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert str(out) in r.output
+    plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert float((_logprobs(plain, ids) - want).abs().max()) < 1e-5
+    # A second merge into the same folder, a folder without an adapter, a base that is not one.
+    again = CliRunner().invoke(build(), ["lora", "merge", str(folder), "--out", str(out)])
+    assert again.exit_code != 0 and "exists" in again.output
+    not_adapter = CliRunner().invoke(build(), ["lora", "merge", str(tiny_model), "--out", str(tmp_path / "x")])
+    assert not_adapter.exit_code != 0 and "not a LoRA adapter" in not_adapter.output
+    no_base = CliRunner().invoke(
+        build(), ["lora", "merge", str(folder), "--out", str(tmp_path / "y"), "--base", str(tmp_path)]
+    )
+    assert no_base.exit_code != 0 and "no config.json" in no_base.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_bad_lora_settings_are_refused(tiny_model):

@@ -3,6 +3,8 @@ torchrun runs once per rank)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from spopp.settings import settings_command
@@ -107,6 +109,28 @@ def plan_command(model: str, gpus: int, zero: int | None, micro_batch_tokens: in
     )
     settings = {"gpus": gpus, "gpu_memory_gib": gpu_memory, "tokens": micro_batch_tokens, "dtype": dtype}
     click.echo(plan.as_json(shape, rows, **settings) if as_json else plan.render(shape, rows, **settings))
+
+
+lora_group = click.Group("lora", help="LoRA snapshots: adapters the learner published (lora_rank > 0).")
+
+
+@lora_group.command("merge")
+@click.argument("snapshot", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="the new folder (must not exist)")
+@click.option(
+    "--base", type=click.Path(path_type=Path), default=None,
+    help="the base model folder (default: the snapshot manifest's base_model)",
+)  # fmt: skip
+def lora_merge_command(snapshot: Path, out: Path, base: Path | None) -> None:
+    """Merge an adapter SNAPSHOT into its base model: a Hugging Face folder (full weights, the
+    base's config and tokenizer) that vLLM and transformers load as any model."""
+    from .lora import merge_adapter_folder
+
+    try:
+        folder = merge_adapter_folder(snapshot, out, base)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"merged {snapshot} into {folder}")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,11 @@ class LearnerSettings(Settings):
         min_length=1,
         description="the modules that get adapters (names as in the model, e.g. q_proj)",
     )
+    lora_publish: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="what a LoRA snapshot carries: the adapters alone (replicas keep the base and swap "
+        "them in place) or the merged full weights (for replicas that take no adapters)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerSettings:

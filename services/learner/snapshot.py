@@ -22,6 +22,11 @@ Pruning keeps the newest K snapshots and every version an unexpired hold covers 
 from_version` and `v % every == 0`). That is all the learner knows of an evaluator: it never
 waits for one, and a dead evaluator's hold expires by itself.
 
+Under LoRA (`lora_rank` > 0) a snapshot carries the adapters alone by default (see
+services/learner/lora.py): adapter_model.safetensors and adapter_config.json in PEFT's layout, and
+the manifest, whose `lora` names rank, alpha and target modules and whose `base_model` is the base
+the replicas keep. Only the adapters are gathered (ZeRO-3 included), so a publish moves megabytes.
+
 Tied weights (lm_head = embed_tokens) are stored once, under the name the module registered
 first, which is what save_pretrained writes; loaders re-tie from the config. Writing safetensors
 directly avoids building a second model object on rank 0 just to call save_pretrained.
@@ -48,7 +53,14 @@ from spopp.snapshots import (
     write_manifest,
 )
 
-from .lora import base_name, is_lora, merged_state_dict
+from .lora import (
+    ADAPTER_WEIGHTS,
+    adapter_state,
+    base_name,
+    is_lora,
+    merged_state_dict,
+    write_adapter_config,
+)
 
 log = logging.getLogger("spopp.learner")
 
@@ -87,6 +99,24 @@ def gather_state_dict(engine: Any) -> dict[str, Any] | None:
     if dist.get_rank() != 0:
         return None
     return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
+
+
+def gather_adapter_state(engine: Any) -> dict[str, Any] | None:
+    """The trainable (adapter) parameters on CPU on rank 0, None on other ranks; every rank calls
+    it. Under ZeRO-3 only these few parameters are gathered, never the frozen base."""
+    import torch.distributed as dist
+
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    if _zero_stage(engine) == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            if dist.get_rank() != 0:
+                return None
+            return {n: p.detach().cpu().clone() for n, p in named}
+    if dist.get_rank() != 0:
+        return None
+    return {n: p.detach().cpu().clone() for n, p in named}
 
 
 def tied_aliases(module: Any) -> set[str]:
@@ -169,27 +199,46 @@ def discard_unannounced(root: str | Path, announced: int) -> list[Path]:
 
 
 def _write_folder(
-    state: dict[str, Any], aliases: set[str], model_dir: Path, tmp: Path, version: int, step: int | None
+    state: dict[str, Any],
+    aliases: set[str],
+    model_dir: Path,
+    tmp: Path,
+    version: int,
+    step: int | None,
+    lora_module: Any = None,
 ) -> Manifest:
+    """Write the folder's files under `tmp`: full weights, or with `lora_module` (the PEFT model)
+    the adapters of `state` alone."""
     from safetensors.torch import save_file
 
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json")
     tmp.mkdir()
     # Clones: tied or otherwise shared storage would make safetensors refuse the dict, and a
     # tensor that is a view into a bigger buffer would be written with its whole buffer.
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items() if k not in aliases}
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json")
-    for name in _AUX_FILES:
-        if (model_dir / name).is_file():
-            shutil.copyfile(model_dir / name, tmp / name)
-    weights = tmp / WEIGHTS_FILE
+    extra: dict[str, Any] = {}
+    if lora_module is not None:
+        weights = tmp / ADAPTER_WEIGHTS
+        save_file(adapter_state(tensors), str(weights), metadata={"format": "pt"})
+        write_adapter_config(lora_module, tmp, model_dir.resolve())
+        config = lora_module.peft_config["default"]
+        extra["lora"] = {
+            "rank": config.r, "alpha": config.lora_alpha, "target_modules": sorted(config.target_modules),
+        }  # fmt: skip
+    else:
+        weights = tmp / WEIGHTS_FILE
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        for name in _AUX_FILES:
+            if (model_dir / name).is_file():
+                shutil.copyfile(model_dir / name, tmp / name)
     manifest = Manifest(
         version=version,
         step=step,
-        files={WEIGHTS_FILE: ManifestFile(sha256=_sha256(weights), bytes=weights.stat().st_size)},
+        files={weights.name: ManifestFile(sha256=_sha256(weights), bytes=weights.stat().st_size)},
         base_model=str(model_dir.resolve()),
         created_at=datetime.now(UTC).isoformat(),
+        **extra,
     )
     write_manifest(tmp, manifest)
     for f in tmp.iterdir():
@@ -215,12 +264,14 @@ def publish_snapshot(
     *,
     keep: int,
     step: int | None = None,
+    lora_publish: str = "adapter",
 ) -> Path | None:
     """Write the engine's weights as snapshot `version` under `root`; every rank calls it.
 
     Returns the snapshot folder on rank 0 and None elsewhere. `model_dir` is the base model folder
     (config, generation config and tokenizer are copied from it); `step`, the number of updates
-    behind these weights, goes into the manifest. Afterwards the newest `keep` snapshots and the
+    behind these weights, goes into the manifest. A LoRA model publishes its adapters alone
+    (`lora_publish` "adapter") or the merged full weights ("merged"). Afterwards the newest `keep` snapshots and the
     held ones are kept (see prune_snapshots). Raises FileExistsError when
     `root/vNNNNNN` exists with different weights, ValueError on a negative version or keep < 1.
     """
@@ -228,12 +279,16 @@ def publish_snapshot(
         raise ValueError(f"version must be >= 0, got {version}")
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    state = gather_state_dict(engine)  # collective under ZeRO-3: before any rank-0-only branch
+    if lora_publish not in ("adapter", "merged"):
+        raise ValueError(f"lora_publish must be 'adapter' or 'merged', got {lora_publish!r}")
+    adapters_only = is_lora(engine.module) and lora_publish == "adapter"
+    # Collective under ZeRO-3: before any rank-0-only branch.
+    state = gather_adapter_state(engine) if adapters_only else gather_state_dict(engine)
     if state is None:
         return None
-    aliases = tied_aliases(engine.module)
-    if is_lora(engine.module):
-        # Replicas load full weights: the adapters merged into the base, under its own names.
+    aliases = set() if adapters_only else tied_aliases(engine.module)
+    if is_lora(engine.module) and not adapters_only:
+        # Full weights for replicas that take no adapters: merged into the base, under its names.
         state, aliases = merged_state_dict(state, engine.module), {base_name(a) for a in aliases}
     model_dir, root = Path(model_dir), Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -241,7 +296,9 @@ def publish_snapshot(
     name = version_dirname(version)
     final, tmp = root / name, root / f"{name}.tmp"
     try:
-        manifest = _write_folder(state, aliases, model_dir, tmp, version, step)
+        manifest = _write_folder(
+            state, aliases, model_dir, tmp, version, step, engine.module if adapters_only else None
+        )
         if final.exists():
             existing = _existing_manifest(final)
             if existing is None or not existing.same_weights(manifest):

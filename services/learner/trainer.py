@@ -327,6 +327,7 @@ class Learner:
             version,
             keep=self.cfg.keep_snapshots,
             step=self.step,
+            lora_publish=self.cfg.lora_publish,
         )
         failpoint("after_snapshot", self.step)
         if self.rank == 0:
