@@ -315,6 +315,24 @@ def test_bad_snapshot_is_refused_and_changes_nothing(transformers_engine, runner
     assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
 
 
+@pytest.mark.process
+def test_vllm_without_lora_refuses_an_adapter(vllm_engine, runner, prompts, tiny_model, tmp_path):
+    """An adapter snapshot reaching an engine started without lora_rank is refused by name, before
+    vLLM sees it; the engine generates as before."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")).save_pretrained(
+        tmp_path
+    )
+    before = runner.run(vllm_engine.generate(prompts[0], greedy()))
+    with pytest.raises(ValueError, match="started without LoRA: give it lora_rank"):
+        runner.run(vllm_engine.load_weights(tmp_path))
+    after = runner.run(vllm_engine.generate(prompts[0], greedy()))
+    assert after.token_ids == before.token_ids
+
+
 def test_tiny_model_template_is_chatml(transformers_engine):
     rng = random.Random(3)
     for _ in range(5):

@@ -140,7 +140,9 @@ def test_an_adapter_snapshot_is_peft_layout_and_merges_to_the_same_model(tiny_mo
     ]  # fmt: skip
     manifest = read_manifest(folder)
     assert manifest.lora == {"rank": 4, "alpha": 8.0, "target_modules": ["down_proj", "q_proj", "v_proj"]}
-    assert manifest.base_model == str(tiny_model.resolve()) and list(manifest.files) == ["adapter_model.safetensors"]
+    assert manifest.base_model == str(tiny_model.resolve()) and list(manifest.files) == [
+        "adapter_model.safetensors"
+    ]
     saved = load_file(folder / "adapter_model.safetensors")
     assert len(saved) == 12 and sum(t.numel() for t in saved.values()) == 6656
     assert all(k.startswith("base_model.model.") and ".default." not in k for k in saved)
@@ -150,7 +152,9 @@ def test_an_adapter_snapshot_is_peft_layout_and_merges_to_the_same_model(tiny_mo
 
     trained = peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), LORA).eval()
     trained.load_state_dict(result["state"])
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), folder)
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), folder
+    )
     ids = torch.tensor([trajs[0].token_ids])
     want = _logprobs(trained, ids)
     assert float((_logprobs(loaded.eval(), ids) - want).abs().max()) < 1e-6
@@ -164,7 +168,9 @@ def test_an_adapter_snapshot_is_peft_layout_and_merges_to_the_same_model(tiny_mo
     # A second merge into the same folder, a folder without an adapter, a base that is not one.
     again = CliRunner().invoke(build(), ["lora", "merge", str(folder), "--out", str(out)])
     assert again.exit_code != 0 and "exists" in again.output
-    not_adapter = CliRunner().invoke(build(), ["lora", "merge", str(tiny_model), "--out", str(tmp_path / "x")])
+    not_adapter = CliRunner().invoke(
+        build(), ["lora", "merge", str(tiny_model), "--out", str(tmp_path / "x")]
+    )
     assert not_adapter.exit_code != 0 and "not a LoRA adapter" in not_adapter.output
     no_base = CliRunner().invoke(
         build(), ["lora", "merge", str(folder), "--out", str(tmp_path / "y"), "--base", str(tmp_path)]

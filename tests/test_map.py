@@ -289,9 +289,15 @@ def test_the_target_adds_seeds_to_the_cell_over_it_and_a_resume_keeps_them(tmp_p
     curves = {}
     for seed in range(12):
         gap = 0.05 if seed < 3 else 0.0
-        curves[(quiet, "spo", seed)], curves[(quiet, "spopp", seed)] = [0, 0.2, 0.2], [0, 0.2 + gap, 0.2 + gap]
+        curves[(quiet, "spo", seed)], curves[(quiet, "spopp", seed)] = (
+            [0, 0.2, 0.2],
+            [0, 0.2 + gap, 0.2 + gap],
+        )
         step = [0.0, 0.1, 0.2][seed] if seed < 3 else 0.1
-        curves[(noisy, "spo", seed)], curves[(noisy, "spopp", seed)] = [0, 0.2, 0.2], [0, 0.2 + step, 0.2 + step]
+        curves[(noisy, "spo", seed)], curves[(noisy, "spopp", seed)] = (
+            [0, 0.2, 0.2],
+            [0, 0.2 + step, 0.2 + step],
+        )
     ran: list = []
     lines: list[str] = []
     # The 12 common runs take 12 min; the budget leaves room for three more seeds of two 60 s runs
@@ -301,8 +307,22 @@ def test_the_target_adds_seeds_to_the_cell_over_it_and_a_resume_keeps_them(tmp_p
                    target_se=1.5, budget_s=12 * 60 + 3 * 120 + 30, runner=_fake_runner(curves, ran, clock),
                    clock=clock)  # fmt: skip
     assert code == 0
-    assert [r for c, r in ran if c == quiet] == ["spo-s0", "spopp-s0", "spo-s1", "spopp-s1", "spo-s2", "spopp-s2"]
-    assert [r for c, r in ran if c == noisy][6:] == ["spo-s3", "spopp-s3", "spo-s4", "spopp-s4", "spo-s5", "spopp-s5"]
+    assert [r for c, r in ran if c == quiet] == [
+        "spo-s0",
+        "spopp-s0",
+        "spo-s1",
+        "spopp-s1",
+        "spo-s2",
+        "spopp-s2",
+    ]
+    assert [r for c, r in ran if c == noisy][6:] == [
+        "spo-s3",
+        "spopp-s3",
+        "spo-s4",
+        "spopp-s4",
+        "spo-s5",
+        "spopp-s5",
+    ]
     assert read_extra(tmp_path) == {noisy: [3, 4, 5]}
     assert any("adding seed 3" in line for line in lines)
     assert any("the budget is spent" in line and noisy in line for line in lines), lines

@@ -82,11 +82,16 @@ class TransformersEngine(Engine):
         dtype: str = "float32",
         max_batch: int = 32,
         batch_window_s: float = 0.002,
+        lora_rank: int = 0,
     ) -> None:
+        """`lora_rank` is what vLLM must know at start-up (the largest adapter rank); here any
+        adapter loads, so it is only checked, letting one engine_options serve both engines."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
         from transformers.cache_utils import DynamicLayer
 
+        if lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
         if max_batch < 1 or batch_window_s < 0:
             raise ValueError(
                 f"need max_batch >= 1 and batch_window_s >= 0, got {max_batch}, {batch_window_s}"
@@ -117,6 +122,9 @@ class TransformersEngine(Engine):
         self._swaps = 0  # weight swaps waiting for the running rows to finish
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._closed = False
+        # The adapter layout injected by the first LoRA snapshot (rank, alpha, targets, rsLoRA);
+        # None while the engine holds plain weights.
+        self._lora: tuple | None = None
         # Requests without a seed draw from this engine-wide stream.
         self._shared_gen = torch.Generator(self.device).manual_seed(
             int.from_bytes(os.urandom(8), "little") >> 1
@@ -358,10 +366,69 @@ class TransformersEngine(Engine):
             raise RuntimeError("engine is closed")
         await asyncio.to_thread(self._load_weights, Path(snapshot_dir))
 
+    def _swap_in(self, copy) -> None:
+        """Run `copy()` with no row running and none admitted: no row may see half a swap, nor be
+        sampled from two sets of weights. The running rows finish first."""
+        import torch
+
+        with self._cv:
+            self._swaps += 1
+            while self._serving:  # it stops once its running rows are done
+                self._cv.wait()
+        try:
+            with self._lock, torch.no_grad():
+                copy()
+        finally:
+            with self._cv:
+                self._swaps -= 1
+                self._wake()
+
+    def _load_adapter(self, folder: Path) -> None:
+        """A LoRA snapshot: the first injects PEFT's adapter layers into the base (loaded once, at
+        start-up); every one copies its adapter tensors into them in place. Everything is checked
+        before anything changes, so a bad adapter leaves the engine as it was."""
+        from spopp.adapters import adapter_targets, check_adapter_fits, read_adapter
+
+        config, tensors = read_adapter(folder)
+        layout = (config["r"], config["lora_alpha"], tuple(sorted(config["target_modules"])),
+                  bool(config.get("use_rslora")))  # fmt: skip
+        if self._lora is not None and layout != self._lora:
+            raise ValueError(
+                f"adapter {folder} has rank/alpha/targets {layout[:3]}, the engine holds {self._lora[:3]}: "
+                "one run's adapters share a layout (restart the engine to change it)"
+            )
+        check_adapter_fits(self.model, tensors, config)
+        targets = adapter_targets(tensors)  # saved name -> the injected parameter's name
+
+        def copy() -> None:
+            if self._lora is None:
+                from peft import LoraConfig, inject_adapter_in_model
+
+                lora = LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"], lora_dropout=0.0,
+                                  target_modules=list(config["target_modules"]),
+                                  use_rslora=bool(config.get("use_rslora")))  # fmt: skip
+                inject_adapter_in_model(lora, self.model)
+                self.model.eval()
+                self._lora = layout
+            params = dict(self.model.named_parameters())
+            for name, tensor in tensors.items():
+                params[targets[name]].copy_(tensor)
+
+        self._swap_in(copy)
+
     def _load_weights(self, folder: Path) -> None:
         import torch
         from safetensors.torch import load_file
 
+        from spopp.adapters import is_adapter_folder
+
+        if is_adapter_folder(folder):
+            return self._load_adapter(folder)
+        if self._lora is not None:
+            raise ValueError(
+                f"snapshot {folder} holds full weights but this engine runs LoRA adapters on its base: "
+                "one run publishes one kind (restart the engine to change it)"
+            )
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {folder}")
@@ -379,20 +446,12 @@ class TransformersEngine(Engine):
             raise ValueError(
                 f"snapshot {folder} does not fit: unknown={unknown} missing={missing} shape={bad_shape}"
             )
-        # No row may see half a swap, nor be sampled from two sets of weights: admit nothing new
-        # and let the running rows finish first.
-        with self._cv:
-            self._swaps += 1
-            while self._serving:  # it stops once its running rows are done
-                self._cv.wait()
-        try:
-            with self._lock, torch.no_grad():
-                for name, tensor in state.items():
-                    targets[name].copy_(tensor)
-        finally:
-            with self._cv:
-                self._swaps -= 1
-                self._wake()
+
+        def copy() -> None:
+            for name, tensor in state.items():
+                targets[name].copy_(tensor)
+
+        self._swap_in(copy)
 
     async def close(self) -> None:
         if self._closed:

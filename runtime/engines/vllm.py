@@ -12,6 +12,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from typing import get_args
 
 from .base import Engine, Generation, SamplingConfig
 
@@ -71,7 +72,9 @@ class VllmEngine(Engine):
     """AsyncLLM in a spawned engine-core process, so a script that builds one needs the
     `if __name__ == "__main__":` guard. `kv_cache_gib` sizes the KV cache on CPU (through
     VLLM_CPU_KVCACHE_SPACE, unless already set); on GPU `gpu_memory_utilization` does.
-    `engine_kwargs` go to vLLM's AsyncEngineArgs."""
+    `engine_kwargs` go to vLLM's AsyncEngineArgs. `lora_rank` > 0 turns on vLLM's LoRA support
+    for adapters up to that rank: an adapter snapshot is then loaded beside the base (which stays
+    loaded) and every generation runs with the newest one."""
 
     def __init__(
         self,
@@ -83,11 +86,13 @@ class VllmEngine(Engine):
         kv_cache_gib: int = 1,
         enforce_eager: bool = True,
         seed: int = 0,
+        lora_rank: int = 0,
         **engine_kwargs,
     ) -> None:
         apply_env_defaults(kv_cache_gib)
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
+        from vllm.config.lora import MaxLoRARanks
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -97,6 +102,21 @@ class VllmEngine(Engine):
             # does as soon as concurrent prompts exceed the step's token budget. Whole prefills
             # only; GPU builds keep vLLM's default.
             engine_kwargs.setdefault("enable_chunked_prefill", False)
+        if lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
+        self.lora_rank = lora_rank
+        if lora_rank:
+            # vLLM sizes its adapter buffers once, for ranks from a fixed list: the smallest that
+            # holds ours. One adapter per batch (the policy's); two in CPU memory, so the next
+            # version loads while the last is still there.
+            allowed = [r for r in get_args(MaxLoRARanks) if r >= lora_rank]
+            if not allowed:
+                raise ValueError(
+                    f"lora_rank {lora_rank} is over vLLM's largest, {get_args(MaxLoRARanks)[-1]}"
+                )
+            engine_kwargs.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=1, max_cpu_loras=2)
+        self._lora = None  # the LoRARequest of the adapter every generation uses, once one is loaded
+        self._lora_ids = itertools.count(1)
         self.model_dir = Path(model_dir)
         # The HF tokenizer (chat template included) from the same folder vLLM loads.
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -160,6 +180,7 @@ class VllmEngine(Engine):
             TokensPrompt(prompt_token_ids=list(map(int, prompt_ids))),
             self._sampling_params(sampling),
             request_id,
+            lora_request=self._lora,
         ):
             final = out
         if final is None or not final.outputs:
@@ -174,10 +195,50 @@ class VllmEngine(Engine):
         timings = {"engine_s": time.perf_counter() - started}
         return Generation(token_ids, logprobs, completion.finish_reason, completion.text, timings)
 
+    async def _load_adapter(self, folder: Path) -> None:
+        """A LoRA snapshot: loaded under a new adapter id, which every later generation names; the
+        previous one is dropped. A new id per version rather than an in-place reload, so that no
+        cache keyed by the adapter (the prefix cache) can serve the old version's state."""
+        from vllm.lora.request import LoRARequest
+
+        from spopp.adapters import read_adapter
+
+        config, _tensors = read_adapter(folder)  # checked here: vLLM's own errors kill requests
+        if not self.lora_rank:
+            raise ValueError(
+                f"snapshot {folder} is a LoRA adapter (rank {config['r']}) but this engine was started "
+                "without LoRA: give it lora_rank (engine_options) at least the adapter's rank"
+            )
+        if config["r"] > self.lora_rank:
+            raise ValueError(
+                f"adapter {folder} has rank {config['r']}, over this engine's lora_rank {self.lora_rank}"
+            )
+        lora_id = next(self._lora_ids)
+        request = LoRARequest(f"policy-{lora_id}", lora_id, str(folder))
+        old = self._lora
+        await self.engine.pause_generation(mode="wait", clear_cache=True)
+        try:
+            if not await self.engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the adapter {folder}")
+            self._lora = request
+            if old is not None:
+                await self.engine.remove_lora(old.lora_int_id)
+        finally:
+            await self.engine.resume_generation()
+
     async def load_weights(self, snapshot_dir: str | Path) -> None:
+        from spopp.adapters import is_adapter_folder
+
         if self._closed:
             raise RuntimeError("engine is closed")
         folder = Path(snapshot_dir).resolve()
+        if is_adapter_folder(folder):
+            return await self._load_adapter(folder)
+        if self._lora is not None:
+            raise ValueError(
+                f"snapshot {folder} holds full weights but this engine runs LoRA adapters on its base: "
+                "one run publishes one kind (restart the engine to change it)"
+            )
         if not any(folder.glob("*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors in {folder}")
         # In-flight requests finish under the old weights and new ones wait, as a running batch

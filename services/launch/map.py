@@ -95,7 +95,9 @@ def read_extra(out: Path) -> dict[str, list[int]]:
     except FileNotFoundError:
         return {}
     except ValueError as exc:
-        raise ValueError(f"{out / EXTRA_SEEDS} is not JSON ({exc}); delete it to start the added seeds over")
+        raise ValueError(
+            f"{out / EXTRA_SEEDS} is not JSON ({exc}); delete it to start the added seeds over"
+        ) from None
     if not isinstance(data, dict) or not all(
         isinstance(v, list) and all(isinstance(x, int) for x in v) for v in data.values()
     ):
@@ -255,7 +257,13 @@ def _measured(run_dir: Path) -> dict[str, float | None]:
     }  # fmt: skip
 
 
-MEASURES = ("length_advantage_corr", "batch_reward", "late_fraction", "overtaken_fraction", "reorder_distance")
+MEASURES = (
+    "length_advantage_corr",
+    "batch_reward",
+    "late_fraction",
+    "overtaken_fraction",
+    "reorder_distance",
+)
 
 
 def _means(runs: list[dict]) -> dict[str, float | None]:

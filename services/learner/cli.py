@@ -124,7 +124,7 @@ lora_group = click.Group("lora", help="LoRA snapshots: adapters the learner publ
 def lora_merge_command(snapshot: Path, out: Path, base: Path | None) -> None:
     """Merge an adapter SNAPSHOT into its base model: a Hugging Face folder (full weights, the
     base's config and tokenizer) that vLLM and transformers load as any model."""
-    from .lora import merge_adapter_folder
+    from spopp.adapters import merge_adapter_folder
 
     try:
         folder = merge_adapter_folder(snapshot, out, base)

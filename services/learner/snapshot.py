@@ -42,6 +42,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from spopp.adapters import ADAPTER_WEIGHTS, base_name
 from spopp.snapshots import (
     Manifest,
     ManifestFile,
@@ -53,14 +54,7 @@ from spopp.snapshots import (
     write_manifest,
 )
 
-from .lora import (
-    ADAPTER_WEIGHTS,
-    adapter_state,
-    base_name,
-    is_lora,
-    merged_state_dict,
-    write_adapter_config,
-)
+from .lora import adapter_state, is_lora, merged_state_dict, write_adapter_config
 
 log = logging.getLogger("spopp.learner")
 
