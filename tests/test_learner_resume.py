@@ -88,10 +88,11 @@ class Driver(threading.Thread):
                 time.sleep(0.2)
 
 
-def _config(tmp: Path, tracker, tiny_model, run: str) -> tuple[Path, int]:
+def _config(tmp: Path, tracker, tiny_model, run: str, **extra) -> tuple[Path, int]:
     return learner_config(
         tmp, tracker.url, tiny_model, run, batch_size=B, lr=1e-3, max_updates=N, checkpoint_every=1,
         updates_per_publish=1, verify_requests=False,  # the driver makes its request ids up
+        **extra,
     )  # fmt: skip
 
 
@@ -135,9 +136,14 @@ def test_no_checkpoint_means_none(tmp_path):
     assert load_checkpoint(None, tmp_path / "ckpt") is None
 
 
+# Two ranks train LoRA adapters (ZeRO 1 partitions their optimizer states): the resumed run must
+# restore adapters and optimizer exactly, or the two updates after the kill would differ.
+LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2], ids=["1proc", "2proc"])
-def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client, tmp_path, nproc):
+@pytest.mark.parametrize("nproc,lora", [(1, False), (2, True)], ids=["1proc", "2proc-lora"])
+def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client, tmp_path, nproc, lora):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -146,7 +152,7 @@ def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client
     for name in ("a", "b"):
         run = f"t-{name}-{uuid.uuid4().hex[:10]}"
         client.put_run(run, {"recipe": "spopp", "lease_seconds": 30, "base_snapshot": str(tiny_model)})
-        config, port = _config(tmp_path / name, tracker, tiny_model, run)
+        config, port = _config(tmp_path / name, tracker, tiny_model, run, **(LORA if lora else {}))
         runs[name] = (run, config, port)
 
     def learner(config: Path, *extra: str) -> list[str]:
@@ -199,6 +205,10 @@ def test_killed_learner_resumes_to_identical_weights(tiny_model, tracker, client
     assert client.policy(run_a).version == N and client.policy(run_b).version == N
     wa, wb = _weights(tmp_path / "a", N), _weights(tmp_path / "b", N)
     assert wa.keys() == wb.keys()
+    if lora:  # adapter snapshots: the adapters alone, trained away from their start
+        assert (tmp_path / "b" / "snapshots" / f"v{N:06d}" / "adapter_model.safetensors").is_file()
+        assert len(wa) == 12 and all(".lora_" in k for k in wa)
+        assert any(float(v.abs().max()) > 0 for k, v in wa.items() if ".lora_B." in k)
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key
 
@@ -251,7 +261,7 @@ def test_a_crash_at_any_point_of_a_publish_resumes(tiny_model, tracker, client, 
     for name in ["reference", *points]:
         run = f"t-{name[:8]}-{uuid.uuid4().hex[:8]}"
         client.put_run(run, {"recipe": "spopp", "lease_seconds": 30, "base_snapshot": str(tiny_model)})
-        config, port = _config(tmp_path / name, tracker, tiny_model, run)
+        config, port = _config(tmp_path / name, tracker, tiny_model, run, **(LORA if lora else {}))
         drive = Driver(client, tokenizer, run, f"http://127.0.0.1:{port}")
         drive.start()
         runs[name] = (run, config, drive)
