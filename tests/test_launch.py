@@ -176,6 +176,31 @@ def test_env_options_reach_every_replica_and_the_evaluator(toy, tmp_path):
     assert "env_options" not in plan(resolve(config(toy, tmp_path)), ports).identity()
 
 
+def test_the_learners_lora_rank_reaches_every_engine(toy, tmp_path):
+    """learner.lora_rank is the one LoRA setting a launch config needs: replicas and the evaluator
+    get it (what vLLM must know at start-up), and their engines with it; merged snapshots need
+    none; a smaller rank given by hand is refused."""
+    from services.launch.config import plan, port_requests
+
+    def planned(*sets):
+        s = resolve(config(toy, tmp_path), ("rollout.replicas=2", "learner.lora_rank=8", *sets))
+        return plan(s, {name: 9000 + i for i, name in enumerate(port_requests(s))})
+
+    p = planned("rollout.engine_options.max_batch=4")
+    assert (
+        [r.lora_rank for r in p.rollouts] == [8, 8]
+        and p.evaluator.lora_rank == 8
+        and p.learner.lora_rank == 8
+    )
+    assert p.rollouts[0].engine_kwargs() == {"process": True, "max_batch": 4, "lora_rank": 8}
+    assert planned("rollout.lora_rank=16").rollouts[0].lora_rank == 16
+    merged = planned("learner.lora_publish=merged")
+    assert merged.rollouts[0].lora_rank == 0 and merged.evaluator.lora_rank == 0
+    assert "lora_rank" not in merged.rollouts[0].engine_kwargs()
+    with pytest.raises(SettingsError, match="evaluator.lora_rank 4 is below learner.lora_rank 8"):
+        planned("evaluator.lora_rank=4")
+
+
 def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
     base = resolve(config(toy, tmp_path))
     arms = {a: arm_settings(base, a, 3, tmp_path) for a in ("spo", "spopp", "spopp-trajnorm")}

@@ -261,7 +261,7 @@ def test_a_crash_at_any_point_of_a_publish_resumes(tiny_model, tracker, client, 
     for name in ["reference", *points]:
         run = f"t-{name[:8]}-{uuid.uuid4().hex[:8]}"
         client.put_run(run, {"recipe": "spopp", "lease_seconds": 30, "base_snapshot": str(tiny_model)})
-        config, port = _config(tmp_path / name, tracker, tiny_model, run, **(LORA if lora else {}))
+        config, port = _config(tmp_path / name, tracker, tiny_model, run)
         drive = Driver(client, tokenizer, run, f"http://127.0.0.1:{port}")
         drive.start()
         runs[name] = (run, config, drive)

@@ -6,6 +6,8 @@ the adapter merged by hand (W + alpha / r B A), to the tolerance the full-weight
 tests/test_engines.py; then against a second version; then bad input, which changes nothing.
 """
 
+# ruff: noqa: F811  (test_engines' fixtures, imported, are the tests' arguments)
+
 from __future__ import annotations
 
 import json

@@ -34,6 +34,13 @@ class EpisodeSettings(Settings):
         description="extra engine arguments, a mapping: {device: cuda:1} (transformers), "
         "{gpu_memory_utilization: 0.8} (vllm)",
     )
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="the learner's LoRA rank when it publishes adapters (vLLM sizes its adapter buffers "
+        "at start-up); 0: full-weight snapshots",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass of the sampled episodes")
     max_turns: int = Field(8, ge=1, le=1000, description="model turns per episode")
     max_tokens_per_turn: int = Field(1024, ge=1, le=1_000_000, description="tokens per model turn")

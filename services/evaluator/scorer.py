@@ -140,7 +140,8 @@ class Scorer:
         # CPU for transformers unless engine_options says {device: cuda:N}; vLLM takes the GPU
         # that CUDA_VISIBLE_DEVICES gives this process. Either way the GPU is not training's.
         if engine is None:
-            engine = make_engine(s.engine, model, **s.engine_options)
+            lora = {"lora_rank": s.lora_rank} if s.lora_rank else {}
+            engine = make_engine(s.engine, model, **s.engine_options, **lora)
         try:
             scorer = cls(s, engine, tasks, model)
             too_long = prompts_over_budget(tasks, scorer.make_env, scorer.renderer, scorer.budget)

@@ -425,12 +425,28 @@ def _learner(s: LaunchSettings, run_dir: Path, tracker_url: str, port: int) -> t
     return learner, nproc
 
 
+def with_lora_rank(s: LaunchSettings, section: str, given: dict) -> dict:
+    """`given` (a section's values) with lora_rank set to the learner's when the learner publishes
+    adapters: vLLM must know the rank at start-up, and the learner section's is all a user gives.
+    A smaller lora_rank given by hand is refused."""
+    learner = s.learner.given()
+    rank = learner.get("lora_rank", 0)
+    if not rank or learner.get("lora_publish", "adapter") != "adapter":
+        return given
+    if given.get("lora_rank", rank) < rank:
+        raise SettingsError(
+            f"{section}.lora_rank {given['lora_rank']} is below learner.lora_rank {rank}: the engine could "
+            "not load the learner's adapters (leave it out; the launcher sets it)"
+        )
+    return {**given, "lora_rank": max(rank, given.get("lora_rank", 0))}
+
+
 def rollout_settings(
     s: LaunchSettings, i: int, tracker_url: str, learner_url: str, port: int
 ) -> RolloutSettings:
     """Replica i's settings (rollout-i): at launch, and when `spopp scale` adds it to a running run."""
     # Short: a replica stops when training is over, and its in-flight work has nowhere to go.
-    values = {"shutdown_seconds": 2.0, **s.rollout.given()}
+    values = {"shutdown_seconds": 2.0, **with_lora_rank(s, "rollout", s.rollout.given())}
     values.update(
         model=Path(s.model).resolve(), tracker=tracker_url, learner=learner_url,
         run=s.run, api_token=s.api_token, env=s.env, env_options=s.env_options,
@@ -460,7 +476,7 @@ def _evaluator(
                 "evaluator settings are given but heldout is not: the evaluator needs held-out tasks"
             )
         return None
-    values = {"poll_seconds": 1.0, **s.evaluator.given()}
+    values = {"poll_seconds": 1.0, **with_lora_rank(s, "evaluator", s.evaluator.given())}
     values.update(
         tracker=tracker_url, run=s.run, api_token=s.api_token, model=Path(s.model).resolve(),
         snapshots=run_dir / "snapshots", out_dir=run_dir / "eval", tasks=Path(s.heldout).resolve(),

@@ -86,11 +86,19 @@ class RolloutSettings(ClaimSettings):
     max_episodes: int | None = Field(
         None, ge=1, description="stop after N episodes (smoke runs, tests); unset: run until stopped"
     )
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="the learner's LoRA rank when it publishes adapters (vLLM sizes its adapter buffers "
+        "at start-up); 0: full-weight snapshots",
+    )
 
     def engine_kwargs(self) -> dict:
         """Arguments of `make_engine` for this replica. The transformers engine gets a process of its
         own by default: in the replica's process its decoding thread would share the GIL with the
         event loop (leases, reports, POSTs), which cost a quarter of its tokens/s (BENCHMARKS.md)."""
+        lora = {"lora_rank": self.lora_rank} if self.lora_rank else {}
         if self.engine == "transformers":
-            return {"process": True, **self.engine_options}
-        return dict(self.engine_options)
+            return {"process": True, **self.engine_options, **lora}
+        return {**self.engine_options, **lora}
