@@ -92,9 +92,11 @@ ABLATE ?=
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --out demo-out $(if $(SEEDS),--seeds "$(SEEDS)") $(if $(ABLATE),--ablate)
 
-# The same path, smaller: about 3.5 minutes on 2 idle cores (README).
+# The same path, smaller: about 3.5 minutes on 2 idle cores (README). LORA=1: rank-8 adapters on
+# the frozen cold start (LORA=16: rank 16), into demo-quick-lora-out.
 demo-quick: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --quick --out demo-quick-out $(if $(SEEDS),--seeds "$(SEEDS)")
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --quick $(if $(SEEDS),--seeds "$(SEEDS)") \
+		$(if $(LORA),--lora $(if $(filter 1,$(LORA)),8,$(LORA)) --out demo-quick-lora-out,--out demo-quick-out)
 
 # When does SPO++ beat SPO? The demo's setting over a coupling x latency grid (tools/map.py):
 # SPO, SPO++ (trajectory norm.) and SPO++ on every seed of every cell; resumable. SEEDS="0 1 2 3".
@@ -132,4 +134,4 @@ compose-clean:
 	python3 deploy/compose_cpu.py --clean
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-alfworld-out demo-alfworld-quick-out map-out
+	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-quick-lora-out demo-alfworld-out demo-alfworld-quick-out map-out

@@ -8,7 +8,9 @@
   replica builds it (transformers: in a process of its own) and shared by both. Generated
   tokens/s of each, and service/raw: the service's overhead.
 - Weight swap: `engine.load_weights(snapshot)` for the tiny model and a ~100 M parameter model
-  (random weights, same tokenizer), median of 3 swaps.
+  (random weights, same tokenizer), median of 3 swaps; then, on the same ~100 M engine (started
+  for LoRA), adapter snapshots of rank 8 on every linear layer: `lora swap: full X s, adapter Y s
+  (ratio R)`, and the two snapshots' sizes.
 
     python -m bench.rollout_bench [--quick] [--out BENCHMARKS.md]
 """
@@ -195,7 +197,37 @@ async def swap_seconds(engine, a: Path, b: Path, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-async def bench_engine(kind, tiny, tiny2, big, big2, tracker_url, run, tasks, cfg) -> dict:
+LORA_RANK = 8
+
+
+def make_adapter(base: Path, out: Path, seed: int, rank: int = LORA_RANK) -> Path:
+    """A trained-looking LoRA snapshot of `base` (B nonzero) on every linear layer, in PEFT's
+    layout, as the learner publishes it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if (out / "adapter_config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, task_type="CAUSAL_LM"),
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.01)
+    model.save_pretrained(out)
+    return out
+
+
+def folder_bytes(folder: Path, pattern: str) -> int:
+    return sum(f.stat().st_size for f in folder.glob(pattern))
+
+
+async def bench_engine(kind, tiny, tiny2, big, big2, tracker_url, run, tasks, cfg, adapters) -> dict:
     settings = RolloutSettings(
         model=tiny,
         tracker=tracker_url,
@@ -230,10 +262,12 @@ async def bench_engine(kind, tiny, tiny2, big, big2, tracker_url, run, tasks, cf
         swap_tiny = await swap_seconds(engine, tiny, tiny2)
     finally:
         await engine.close()
-    _progress(f"{kind}: swapping the ~100M model")
-    engine = make_engine(kind, big, **settings.engine_kwargs())
+    _progress(f"{kind}: swapping the ~100M model, full weights then rank-{LORA_RANK} adapters")
+    engine = make_engine(kind, big, **settings.model_copy(update={"lora_rank": LORA_RANK}).engine_kwargs())
     try:
         swap_big = await swap_seconds(engine, big, big2)
+        await engine.load_weights(adapters[0])  # the first adapter sets the engine up (PEFT's layers)
+        swap_adapter = await swap_seconds(engine, adapters[0], adapters[1])
     finally:
         await engine.close()
     return {
@@ -242,6 +276,7 @@ async def bench_engine(kind, tiny, tiny2, big, big2, tracker_url, run, tasks, cf
         "service_tps": svc_tps,
         "swap_tiny_s": swap_tiny,
         "swap_big_s": swap_big,
+        "swap_adapter_s": swap_adapter,
         "pair_ratios": pair_ratios,
         "startup_s": startup_s,
         "calls": calls,
@@ -253,7 +288,11 @@ async def run_all(engines, cfg, workdir: Path) -> tuple[list[dict], dict]:
     tiny2 = perturb_weights(tiny, workdir / "tiny-v1", scale=0.1, seed=1)
     big = build_100m(tiny, workdir / "m100")
     big2 = perturb_weights(big, workdir / "m100-v1", scale=0.01, seed=1)
-    sizes = {"tiny": n_params(tiny), "big": n_params(big)}
+    adapters = [make_adapter(big, workdir / f"m100-lora-v{i}", seed=i) for i in (1, 2)]
+    sizes = {
+        "tiny": n_params(tiny), "big": n_params(big), "adapter": n_params(adapters[0]),
+        "big_bytes": folder_bytes(big, "*.safetensors"), "adapter_bytes": folder_bytes(adapters[0], "*.safetensors"),
+    }  # fmt: skip
     tasks = generate_arithmetic_tasks(cfg["episodes"], seed=0)
     rows = []
     with EmbeddedRedis(workdir / "redis", appendonly=False) as server:
@@ -265,7 +304,9 @@ async def run_all(engines, cfg, workdir: Path) -> tuple[list[dict], dict]:
                     client.put_run(run, {"recipe": "spopp"})
                     client.put_tasks(run, [{"task_id": t.task_id, "alpha0": 1, "beta0": 1} for t in tasks])
                     rows.append(
-                        await bench_engine(kind, tiny, tiny2, big, big2, tracker.url, run, tasks, cfg)
+                        await bench_engine(
+                            kind, tiny, tiny2, big, big2, tracker.url, run, tasks, cfg, adapters
+                        )
                     )
                     r = rows[-1]
                     print(
@@ -275,6 +316,12 @@ async def run_all(engines, cfg, workdir: Path) -> tuple[list[dict], dict]:
                         f"calls per episode {', '.join(f'{x:.2f}' for x in r['calls'])}); "
                         f"swap tiny {r['swap_tiny_s']:.3f} s, "
                         f"~100M {r['swap_big_s']:.3f} s",
+                        flush=True,
+                    )
+                    print(
+                        f"{kind}: lora swap: full {r['swap_big_s']:.3f} s, adapter {r['swap_adapter_s']:.3f} s "
+                        f"(ratio {r['swap_big_s'] / r['swap_adapter_s']:.1f}); snapshot {sizes['big_bytes'] / 2**20:.0f} MiB "
+                        f"full, {sizes['adapter_bytes'] / 2**20:.2f} MiB adapter",
                         flush=True,
                     )
         finally:
@@ -293,8 +340,9 @@ def markdown(rows, sizes, cfg, command) -> str:
         f"{sizes['tiny'] / 1e6:.2f} M parameters; swap model: {sizes['big'] / 1e6:.0f} M (fp32, random weights).",
         "",
         "| engine | raw generate tok/s | through the service tok/s | service/raw | per-repeat service/raw "
-        "| calls per episode: dispatch, outcomes, trajectories | replica start-up s | swap tiny s | swap ~100M s |",
-        "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+        "| calls per episode: dispatch, outcomes, trajectories | replica start-up s | swap tiny s | swap ~100M s "
+        f"| LoRA swap ~100M s (rank {LORA_RANK}) | full/adapter |",
+        "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         pairs = ", ".join(f"{x:.2f}" for x in r["pair_ratios"])
@@ -302,7 +350,8 @@ def markdown(rows, sizes, cfg, command) -> str:
             f"| {r['engine']} | {r['raw_tps']:,.0f} | {r['service_tps']:,.0f} | "
             f"{r['service_tps'] / r['raw_tps']:.2f} | {pairs} | {', '.join(f'{x:.2f}' for x in r['calls'])} | "
             f"{r['startup_s']:.2f} | "
-            f"{r['swap_tiny_s']:.3f} | {r['swap_big_s']:.3f} |"
+            f"{r['swap_tiny_s']:.3f} | {r['swap_big_s']:.3f} | {r['swap_adapter_s']:.3f} | "
+            f"{r['swap_big_s'] / r['swap_adapter_s']:.1f} |"
         )
     out += [
         "",
@@ -316,6 +365,14 @@ def markdown(rows, sizes, cfg, command) -> str:
         "sink stands in for the learner in a process of its own; the transformers engine runs in "
         "a process of its own, as replicas run it (`engine_options: {process: false}` keeps it in "
         "the replica's process).",
+        "",
+        f"LoRA swaps: the ~100M engine started for rank-{LORA_RANK} adapters (`lora_rank`) swaps full weights, "
+        f"then adapter snapshots on every linear layer ({sizes['adapter'] / 1e6:.2f} M parameters): "
+        f"{sizes['adapter_bytes'] / 2**20:.2f} MiB of adapter_model.safetensors against "
+        f"{sizes['big_bytes'] / 2**20:.0f} MiB of model.safetensors "
+        f"({sizes['big_bytes'] / sizes['adapter_bytes']:.0f}x less to write, copy and read). "
+        "The transformers engine copies the adapter tensors into PEFT's layers in place; vLLM "
+        "loads the adapter under a new id and drops the old one.",
     ]
     return "\n".join(out) + "\n"
 

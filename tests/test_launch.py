@@ -345,8 +345,13 @@ def _replicas_join_and_leave(proc: subprocess.Popen, log: Path, run_dir: Path) -
     assert outcomes("rollout-0") > before and proc.poll() is None
 
 
+# The run trains LoRA adapters: the whole adapter path (adapter snapshots, the replicas' and the
+# evaluator's in-place swaps, the learner's resume) runs end to end here, without a run of its own.
+LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
 def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy, tmp_path):
-    path = config(toy, tmp_path, updates=1000)
+    path = config(toy, tmp_path, updates=1000, learner=LORA)
     log = tmp_path / "launch1.log"
     proc = _start(path, log)
     try:
@@ -399,6 +404,14 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
     for name in ("tracker", "learner", "rollout-0", "evaluator"):
         assert (tmp_path / "run" / "logs" / f"{name}.log").is_file()
         assert (tmp_path / "run" / "config" / f"{name}.yaml").is_file()
+    # Adapters all the way: each snapshot holds them alone, and the replica and the evaluator were
+    # started for them (the evaluations of versions > 0 above are adapter swaps).
+    snapshot = tmp_path / "run" / "snapshots" / f"v{budget:06d}"
+    assert sorted(f.name for f in snapshot.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "manifest.json",
+    ]  # fmt: skip
+    for name in ("rollout-0", "evaluator"):
+        assert yaml.safe_load((tmp_path / "run" / "config" / f"{name}.yaml").read_text())["lora_rank"] == 4
 
     done = launch(str(path), "--set", f"updates={budget}")
     assert done.returncode == 0 and f"finished already ({budget} updates of {budget})" in done.stdout
