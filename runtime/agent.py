@@ -88,6 +88,15 @@ def reserve_env_threads(episodes: int) -> None:
     loop._spopp_env_threads = episodes + 4
 
 
+def within_context(budget: Budget, engine: Engine) -> Budget:
+    """`budget` with max_total_tokens at most the engine's context: an episode that outgrew the
+    context would have its next turn refused, so it ends as max_total_tokens with what it has."""
+    context = getattr(engine, "context_tokens", None)  # engines of tests may not say
+    if context is not None and context < budget.max_total_tokens:
+        return replace(budget, max_total_tokens=context)
+    return budget
+
+
 def prompts_over_budget(
     tasks: Iterable[Task], make_env: Callable[[], Environment], renderer: ChatRenderer, budget: Budget
 ) -> list[str]:
@@ -179,6 +188,7 @@ async def run_episode(
     renderer: ChatRenderer | None = None,
 ) -> Episode:
     renderer = renderer or ChatRenderer(engine.tokenizer)
+    budget = within_context(budget, engine)
     t0 = time.perf_counter()
     # A reset may load a game (ALFWorld: about 0.5 s): off the event loop, like every step.
     opening = await asyncio.to_thread(env.reset, task)

@@ -164,3 +164,13 @@ def test_a_settled_reward_survives_a_budget_cut(engine, budget, finish):
 def test_budget_rejects_nonsense():
     with pytest.raises(ValueError):
         Budget(max_turns=0)
+
+
+def test_an_episode_ends_at_the_engines_context_not_with_a_refused_turn(engine):
+    """A budget larger than the model's context (the tiny model's 1024 positions, the replicas'
+    default budget 4096) ends the episode as max_total_tokens within the context, instead of a
+    next turn the engine would refuse for leaving no room."""
+    assert engine.context_tokens == 1024
+    ep = _episode(engine, CountdownEnv(turns=0), budget=Budget(1000, 64, 4096), seed=3)
+    assert ep.finish_reason == "max_total_tokens" and ep.num_turns > 3
+    assert 1024 - 64 < len(ep.token_ids) <= 1024

@@ -333,6 +333,15 @@ def test_vllm_without_lora_refuses_an_adapter(vllm_engine, runner, prompts, tiny
     assert after.token_ids == before.token_ids
 
 
+def test_every_engine_says_its_context(engine, kind, tiny_model):
+    """The positions the agent loop keeps an episode within: the model's own (transformers, also
+    through its process) or the max_model_len vLLM was started with (the fixture's 1024)."""
+    import json
+
+    positions = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    assert engine.context_tokens == (1024 if kind == "vllm" else positions)
+
+
 def test_tiny_model_template_is_chatml(transformers_engine):
     rng = random.Random(3)
     for _ in range(5):

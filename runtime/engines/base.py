@@ -49,6 +49,9 @@ class Engine(ABC):
 
     #: Hugging Face tokenizer of the model (chat template included).
     tokenizer: object
+    #: Positions one sequence may hold, prompt and generation together (the model's context, or
+    #: vLLM's max_model_len); None where unknown. The agent loop keeps episodes within it.
+    context_tokens: int | None = None
 
     @abstractmethod
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig) -> Generation:

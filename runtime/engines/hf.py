@@ -106,6 +106,7 @@ class TransformersEngine(Engine):
         # together start together.
         self.batch_window_s = batch_window_s
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.context_tokens = self.max_len
         self.eos_ids = frozenset(self._eos_ids())
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))

@@ -81,16 +81,18 @@ class EngineProcess(Engine):
             self._conn = _accept(listener, self._proc, timeout_s)
         finally:
             listener.close()
-        # The child sends None once its engine is built, or the exception that stopped it.
+        # The child sends its engine's context once the engine is built, or the exception that
+        # stopped it.
         what = f"{kind} engine process for {self.model_dir}"
         if not self._conn.poll(timeout_s):
             raise EngineProcessError(f"{what} did not start in {timeout_s:.0f} s")
         try:
-            failure = self._conn.recv()
+            started = self._conn.recv()
         except (EOFError, OSError):
             raise EngineProcessError(f"{what} exited while starting (code {self._proc.wait()})") from None
-        if failure is not None:
-            raise failure
+        if isinstance(started, BaseException):
+            raise started
+        self.context_tokens = started["context_tokens"]
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -300,7 +302,7 @@ def _child_main(conn, kind: str, model_dir: str, kwargs: dict) -> None:
             traceback.print_exc()
             conn.send(_portable(exc))
             return
-        conn.send(None)
+        conn.send({"context_tokens": engine.context_tokens})
         await _CallServer(conn, engine, asyncio.get_running_loop()).serve()
 
     asyncio.run(main())

@@ -115,6 +115,7 @@ class VllmEngine(Engine):
                     f"lora_rank {lora_rank} is over vLLM's largest, {get_args(MaxLoRARanks)[-1]}"
                 )
             engine_kwargs.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=1, max_cpu_loras=2)
+        self.context_tokens = max_model_len
         self._lora = None  # the LoRARequest of the adapter every generation uses, once one is loaded
         self._lora_ids = itertools.count(1)
         self.model_dir = Path(model_dir)

@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.agent import Budget, Episode, prompts_over_budget, reserve_env_threads, run_episode
+from runtime.agent import (
+    Budget,
+    Episode,
+    prompts_over_budget,
+    reserve_env_threads,
+    run_episode,
+    within_context,
+)
 from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs import env_factory
@@ -144,11 +151,12 @@ class Scorer:
             engine = make_engine(s.engine, model, **s.engine_options, **lora)
         try:
             scorer = cls(s, engine, tasks, model)
-            too_long = prompts_over_budget(tasks, scorer.make_env, scorer.renderer, scorer.budget)
+            budget = within_context(scorer.budget, engine)
+            too_long = prompts_over_budget(tasks, scorer.make_env, scorer.renderer, budget)
             if too_long:
                 raise ValueError(
                     f"{len(too_long)} held-out task prompts leave no room under max_total_tokens="
-                    f"{scorer.budget.max_total_tokens}: {', '.join(too_long[:5])}"
+                    f"{budget.max_total_tokens}: {', '.join(too_long[:5])}"
                 )
         except BaseException:
             await engine.close()

@@ -25,6 +25,7 @@ class VersionedEngine(Engine):
     def __init__(self, engine: Engine, version: int | None = None) -> None:
         self.inner = engine
         self.tokenizer = engine.tokenizer
+        self.context_tokens = engine.context_tokens
         self.version = version
         self._running = 0
         self._idle = asyncio.Event()

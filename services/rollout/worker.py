@@ -43,7 +43,14 @@ from dataclasses import replace
 
 import httpx
 
-from runtime.agent import Budget, Episode, prompts_over_budget, reserve_env_threads, run_episode
+from runtime.agent import (
+    Budget,
+    Episode,
+    prompts_over_budget,
+    reserve_env_threads,
+    run_episode,
+    within_context,
+)
 from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Environment, Task
@@ -262,11 +269,13 @@ class Worker:
     def check_prompts(self) -> None:
         """Fail at start-up when a task's opening alone fills the token budget: such a task could
         never get an answer, and its leases would only bounce between tracker and replica."""
-        too_long = prompts_over_budget(self.tasks.values(), self.make_env, self.renderer, self.budget)
+        budget = within_context(self.budget, self.engine)
+        too_long = prompts_over_budget(self.tasks.values(), self.make_env, self.renderer, budget)
         if too_long:
             raise ValueError(
                 f"{len(too_long)} task prompts leave no room under max_total_tokens="
-                f"{self.budget.max_total_tokens}: {', '.join(too_long[:5])}; raise the budget or drop them"
+                f"{budget.max_total_tokens} (the budget, or the engine's context if smaller): "
+                f"{', '.join(too_long[:5])}; raise the budget or drop them"
             )
 
     async def run(self, max_episodes: int | None = None) -> None:
