@@ -1,5 +1,6 @@
 """Adapter swaps in the replicas' engines: a LoRA snapshot (PEFT's layout, as the learner publishes
-it) loads beside the base, which stays loaded, and the next version replaces it in place.
+it) loads beside the base, which stays loaded, and the next version replaces it in place; and the
+folder `spopp lora merge` writes loads in every engine as the same model.
 
 Every engine's log-probs after a swap are checked against a float64 forward pass of the base with
 the adapter merged by hand (W + alpha / r B A), to the tolerance the full-weight swap meets in
@@ -111,6 +112,14 @@ def test_adapter_swaps_match_the_merged_model_and_keep_the_base(
     before = run_all(runner, engine, requests, configs)
     for g, p, t in zip(before, requests, temperatures, strict=True):
         check_against_reference(g, p, reference(tiny_model), t, LOGPROB_TOL[kind])
+    # `spopp lora merge`'s folder is a plain model: loaded as full weights, it is the adapted model.
+    from spopp.adapters import merge_adapter_folder
+
+    merged = merge_adapter_folder(adapters[1][0], tmp_path / "merged", tiny_model)
+    runner.run(engine.load_weights(merged))
+    for g, p, t in zip(run_all(runner, engine, requests, configs), requests, temperatures, strict=True):
+        check_against_reference(g, p, adapters[1][1], t, LOGPROB_TOL[kind])
+    runner.run(engine.load_weights(tiny_model))
     base_q = None
     if kind == "transformers":
         base_q = engine.model.model.layers[0].self_attn.q_proj.weight.detach().clone()
