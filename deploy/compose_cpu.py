@@ -337,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.replicas < 1 or a.max_updates < 1:
         p.error("--replicas and --max-updates must be at least 1")
-    cfg = read_env(ENV_FILE)
+    # As compose reads them: the shell's variables win over the file's (SPOPP_LORA_RANK=8 make
+    # compose-cpu, another SPOPP_RUN or COMPOSE_PROJECT_NAME), so the checks below follow them too.
+    cfg = {k: os.environ.get(k, v) for k, v in read_env(ENV_FILE).items()}
     t0 = time.monotonic()
     compose = [*ensure_docker(), "--env-file", str(ENV_FILE), "--project-directory", str(ROOT),
                "-f", str(ROOT / "docker-compose.yml"), "-p", cfg["COMPOSE_PROJECT_NAME"]]  # fmt: skip
