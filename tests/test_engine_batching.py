@@ -143,7 +143,13 @@ def test_a_swap_waits_for_running_rows_and_later_rows_see_the_new_weights(
                 if engine._serving and not engine._pending:
                     break
         swap = asyncio.create_task(engine.load_weights(perturbed_model))
-        await asyncio.sleep(0.01)
+        # Wait until the swap is registered (it reads and checks the file first, in a thread: a
+        # fixed sleep lost that race under load, and the next request then ran before the swap).
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            with engine._cv:
+                if engine._swaps:
+                    break
         # Sent during the swap: waits for it, then runs on the new weights.
         after = asyncio.create_task(engine.generate(prompts[1], greedy(max_tokens=30)))
         await swap

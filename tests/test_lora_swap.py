@@ -145,7 +145,10 @@ def test_adapter_swaps_match_the_merged_model_and_keep_the_base(
         ValueError, match="over this engine's lora_rank" if kind == "vllm" else "the engine holds"
     ):
         runner.run(engine.load_weights(bigger))
-    assert [g.logprobs for g in run_all(runner, engine, requests, configs)] == seen[1]
+    # (Compared with the reference, not with the earlier log-probs: a batch made up otherwise may
+    # differ in the last float bits.)
+    for g, p, t in zip(run_all(runner, engine, requests, configs), requests, temperatures, strict=True):
+        check_against_reference(g, p, adapters[2][1], t, LOGPROB_TOL[kind])
 
 
 def test_bad_adapters_are_refused_and_change_nothing(tiny_model, runner, prompts, adapters, tmp_path):  # noqa: F811
