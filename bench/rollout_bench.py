@@ -42,7 +42,7 @@ from services.tracker.embedded import EmbeddedRedis
 from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
 from tools.sink import LearnerSink
-from tools.tiny_model import build_tiny_model, perturb_weights
+from tools.tiny_model import build_tiny_model, perturb_weights, random_adapter
 
 HEAD = "## Rollout: service against raw engine, weight swaps"
 
@@ -200,29 +200,6 @@ async def swap_seconds(engine, a: Path, b: Path, repeats: int = 3) -> float:
 LORA_RANK = 8
 
 
-def make_adapter(base: Path, out: Path, seed: int, rank: int = LORA_RANK) -> Path:
-    """A trained-looking LoRA snapshot of `base` (B nonzero) on every linear layer, in PEFT's
-    layout, as the learner publishes it."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    if (out / "adapter_config.json").exists():
-        return out
-    torch.manual_seed(seed)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, task_type="CAUSAL_LM"),
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.01)
-    model.save_pretrained(out)
-    return out
-
-
 def folder_bytes(folder: Path, pattern: str) -> int:
     return sum(f.stat().st_size for f in folder.glob(pattern))
 
@@ -288,7 +265,7 @@ async def run_all(engines, cfg, workdir: Path) -> tuple[list[dict], dict]:
     tiny2 = perturb_weights(tiny, workdir / "tiny-v1", scale=0.1, seed=1)
     big = build_100m(tiny, workdir / "m100")
     big2 = perturb_weights(big, workdir / "m100-v1", scale=0.01, seed=1)
-    adapters = [make_adapter(big, workdir / f"m100-lora-v{i}", seed=i) for i in (1, 2)]
+    adapters = [random_adapter(big, workdir / f"m100-lora-v{i}", seed=i, rank=LORA_RANK) for i in (1, 2)]
     sizes = {
         "tiny": n_params(tiny), "big": n_params(big), "adapter": n_params(adapters[0]),
         "big_bytes": folder_bytes(big, "*.safetensors"), "adapter_bytes": folder_bytes(adapters[0], "*.safetensors"),

@@ -319,13 +319,9 @@ def test_bad_snapshot_is_refused_and_changes_nothing(transformers_engine, runner
 def test_vllm_without_lora_refuses_an_adapter(vllm_engine, runner, prompts, tiny_model, tmp_path):
     """An adapter snapshot reaching an engine started without lora_rank is refused by name, before
     vLLM sees it; the engine generates as before."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from tools.tiny_model import random_adapter
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")).save_pretrained(
-        tmp_path
-    )
+    random_adapter(tiny_model, tmp_path, seed=0, rank=4, targets=["q_proj"])
     before = runner.run(vllm_engine.generate(prompts[0], greedy()))
     with pytest.raises(ValueError, match="started without LoRA: give it lora_rank"):
         runner.run(vllm_engine.load_weights(tmp_path))

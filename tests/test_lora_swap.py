@@ -22,26 +22,16 @@ from test_engines import LOGPROB_TOL, check_against_reference, prompts, run_all,
 
 from runtime.engines.base import SamplingConfig
 from runtime.engines.factory import make_engine
+from tools.tiny_model import random_adapter
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 RANK, ALPHA = 4, 8.0
 
 
-def make_adapter(base, folder, seed: int, scale: float = 0.2, targets=TARGETS, rank=RANK):
-    """A PEFT adapter folder whose B is nonzero (a trained adapter's, not a fresh one's), and the
-    manifest a learner would write beside it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=ALPHA, target_modules=targets, task_type="CAUSAL_LM")
-    peft = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, scale)
-    peft.save_pretrained(folder)
+def make_adapter(base, folder, seed: int, targets=TARGETS, rank=RANK):
+    """A trained-looking adapter (tools.tiny_model.random_adapter) and the manifest a learner would
+    write beside it."""
+    random_adapter(base, folder, seed=seed, rank=rank, alpha=ALPHA, targets=targets, scale=0.2)
     manifest = {
         "version": seed,
         "step": seed,

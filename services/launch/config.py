@@ -438,7 +438,7 @@ def with_lora_rank(s: LaunchSettings, section: str, given: dict) -> dict:
             f"{section}.lora_rank {given['lora_rank']} is below learner.lora_rank {rank}: the engine could "
             "not load the learner's adapters (leave it out; the launcher sets it)"
         )
-    return {**given, "lora_rank": max(rank, given.get("lora_rank", 0))}
+    return {**given, "lora_rank": given.get("lora_rank", rank)}
 
 
 def rollout_settings(

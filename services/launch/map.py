@@ -194,7 +194,7 @@ def run_map(
             echo(f"the budget is spent ({left / 60:.0f} min left, a seed takes about "
                  f"{per_run * len(arms) / 60:.0f}); over the target still: {', '.join(over)}")  # fmt: skip
             break
-        name, coupling, latency = next(x for x in cells(couplings, latencies) if x[0] == cell["cell"])
+        name, coupling, latency = cell["cell"], cell["coupling"], cell["latency_sigma"]
         d = cell["diffs"]["spopp-spo"]
         new_seed = max(seeds + extra.get(name, [])) + 1
         extra.setdefault(name, []).append(new_seed)

@@ -23,7 +23,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from spopp.adapters import ADAPTER_CONFIG, ADAPTER_NAME, base_name, is_adapter_name, merge_into, saved_name
+from spopp.adapters import (
+    ADAPTER_CONFIG,
+    ADAPTER_NAME,
+    adapter_scaling,
+    base_name,
+    is_adapter_name,
+    merge_into,
+    saved_name,
+)
 
 
 def apply_lora(
@@ -53,10 +61,8 @@ def is_lora(module: Any) -> bool:
 
 def merged_state_dict(state: dict[str, Any], module: Any) -> dict[str, Any]:
     """A PEFT model's state dict with every adapter merged in, under the base model's names."""
-    config = module.peft_config[ADAPTER_NAME]
     base = {base_name(k): v for k, v in state.items() if not is_adapter_name(k)}
-    adapters = {saved_name(k): v for k, v in state.items() if is_adapter_name(k)}
-    return merge_into(base, adapters, config.lora_alpha / config.r)
+    return merge_into(base, adapter_state(state), adapter_scaling(module.peft_config[ADAPTER_NAME].to_dict()))
 
 
 def adapter_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ directly avoids building a second model object on rank 0 just to call save_pretr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -101,16 +102,13 @@ def gather_adapter_state(engine: Any) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    gathered = contextlib.nullcontext()
     if _zero_stage(engine) == 3:
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-            if dist.get_rank() != 0:
-                return None
-            return {n: p.detach().cpu().clone() for n, p in named}
-    if dist.get_rank() != 0:
-        return None
-    return {n: p.detach().cpu().clone() for n, p in named}
+        gathered = deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None)
+    with gathered:
+        return {n: p.detach().cpu().clone() for n, p in named} if dist.get_rank() == 0 else None
 
 
 def tied_aliases(module: Any) -> set[str]:
