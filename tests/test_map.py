@@ -80,9 +80,39 @@ def test_latency_is_lognormal_with_the_given_median_and_sigma_and_zero_is_none()
     assert time.perf_counter() - t0 >= 0.035
 
 
+def test_time_neutral_makes_the_other_side_wait_out_the_padding():
+    """With time_neutral the uncoupled side waits, at its end, about as long as a padded episode
+    spent padding (here 3 turns of a 20 ms delay), so the coupled side no longer arrives later;
+    without it, or with no padding, it ends at once."""
+    import runtime.envs.toy_calc as toy
+
+    toy._PADDING_SECONDS.clear()
+
+    def seconds(env: ToyCalcEnv, first: str) -> float:
+        t0 = time.perf_counter()
+        play(env, first)
+        return time.perf_counter() - t0
+
+    slow = {"extra_turns": 3, "latency_sigma": 0.01, "latency_median_s": 0.02}
+    neutral = ToyCalcEnv(coupling=1.0, time_neutral=True, **slow)
+    assert seconds(neutral, WRONG) < 0.035  # nothing measured yet: no wait
+    padded = seconds(neutral, RIGHT)  # 4 steps of 20 ms, 3 of them padding
+    assert padded >= 0.075
+    waited = seconds(neutral, WRONG)  # 1 step of 20 ms + a drawn padding time of about 60 ms
+    assert 0.07 <= waited <= padded + 0.05
+    assert list(toy._PADDING_SECONDS[3]) == [pytest.approx(0.06, abs=0.03)]
+    # The wait is the other side's only: a coupled episode is not slowed by it.
+    assert seconds(neutral, RIGHT) < padded + 0.05
+    assert seconds(ToyCalcEnv(coupling=1.0, **slow), WRONG) < 0.035  # off by default
+    # No padding, nothing to wait for: coupling 0 with time_neutral changes nothing.
+    assert not ToyCalcEnv(coupling=0.0, time_neutral=True).time_neutral
+    toy._PADDING_SECONDS.clear()
+
+
 @pytest.mark.parametrize(
     "options,message",
     [
+        ({"time_neutral": "yes"}, "time_neutral must be true or false"),
         ({"coupling": 1.5}, "coupling must lie in"),
         ({"extra_turns": 17}, "extra_turns must lie in"),
         ({"latency_sigma": -1}, "latency_sigma must lie in"),

@@ -120,7 +120,9 @@ def test_steady_load_keeps_redis_keys_and_memory_flat(tmp_path, run_name):
             assert expiring <= KEYS_PER_LEASE * recent + 50, (t, expiring, recent, samples)
         # Memory follows the live keys: it may grow by the first third's bytes a key for any key more.
         per_key = (mem_first - samples[0][2]) / max(1, keys_first)
-        assert mem_last <= mem_first * 1.10 + 512 * 1024 + max(0, keys_last - keys_first) * per_key * 1.2, samples
+        assert mem_last <= mem_first * 1.10 + 512 * 1024 + max(0, keys_last - keys_first) * per_key * 1.2, (
+            samples
+        )
         # Nothing acknowledged was lost or counted twice.
         assert counts.outcomes == reported and counts.releases == released
         assert counts.dispatches == dispatched and counts.in_flight == 0 and counts.idle == N_TASKS

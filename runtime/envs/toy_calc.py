@@ -25,6 +25,12 @@ Two knobs for `spopp map` (env_options; both off by default, and nothing else ch
   cuts a padded turn ends the episode, with the reward already decided (the steps' info carries it
   as `decided_reward`, which the agent loop keeps): the knob lengthens the coupled side and never
   changes an outcome.
+* `time_neutral` (with coupling != 0) keeps the padding from also reordering outcomes: an episode
+  on the other side waits, at its end, for the time a recent padded episode spent in its extra
+  turns (one drawn at random from the last 64 that this process measured, none before the first).
+  Without it the coupled side also finishes later, and a learner that trains on the first-completed
+  trajectories of each version sees fewer of them (at coupling > 0, fewer successes), which is a
+  change of which outcomes arrive when, the latency knob's business, not of length.
 * `latency_sigma` > 0 delays every environment step by a lognormal time (median
   `latency_median_s`, log-s.d. latency_sigma), slept in the step's thread: a heavy tail of slow
   episodes whose outcomes come back after newer policies were published.
@@ -40,7 +46,9 @@ import hashlib
 import math
 import random
 import re
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +177,17 @@ def evaluate_tool_code(code: str) -> int:
     return _Parser(toks).parse()
 
 
+# Seconds that padded episodes spent in their extra turns, per padding count: shared by the
+# process's episodes (each has its own env), which the time-neutral side draws from.
+_PADDING_SECONDS: dict[int, deque[float]] = {}
+_PADDING_LOCK = threading.Lock()
+
+
+def _padding_seconds(padding: int) -> deque[float]:
+    with _PADDING_LOCK:
+        return _PADDING_SECONDS.setdefault(padding, deque(maxlen=64))
+
+
 class ToyCalcEnv(Environment):
     name = "toy-calc"
     stop = ("</code>", "</ans>")
@@ -182,6 +201,7 @@ class ToyCalcEnv(Environment):
         extra_turns: int = 3,
         latency_sigma: float = 0.0,
         latency_median_s: float = 0.02,
+        time_neutral: bool = False,
     ) -> None:
         if not -1.0 <= coupling <= 1.0:
             raise ValueError(f"coupling must lie in [-1, 1], got {coupling!r}")
@@ -197,6 +217,9 @@ class ToyCalcEnv(Environment):
         self.padding = round(abs(coupling) * extra_turns)
         self.latency_sigma = latency_sigma
         self.latency_median_s = latency_median_s
+        if not isinstance(time_neutral, bool):
+            raise ValueError(f"time_neutral must be true or false, got {time_neutral!r}")
+        self.time_neutral = time_neutral and self.padding > 0
         self._rng = random.Random()
         self.task: Task | None = None
         self.tool_calls = 0
@@ -205,6 +228,7 @@ class ToyCalcEnv(Environment):
         self.done = False
         self._decided: tuple[float, str] | None = None  # (reward, finish) while padding
         self._padded = 0
+        self._decided_at = 0.0  # monotonic time the reward was decided, on the coupled side
 
     def reset(self, task: Task) -> list[dict]:
         self.task = task
@@ -227,9 +251,17 @@ class ToyCalcEnv(Environment):
         coupled = (self.coupling < 0 and reward == 0.0) or (self.coupling > 0 and reward > 0.0)
         if coupled and self._padded < self.padding:
             # The reward is decided; the episode goes on for the coupled side's extra turns.
+            if self._decided is None:
+                self._decided_at = time.monotonic()
             self._decided = (reward, finish)
             return StepResult([{"role": "tool", "content": "<out>again</out>"}], done=False, reward=0.0,
                               info=self._info())  # fmt: skip
+        if self.time_neutral:
+            seconds = _padding_seconds(self.padding)
+            if coupled:
+                seconds.append(time.monotonic() - self._decided_at)
+            elif seconds:
+                time.sleep(self._rng.choice(list(seconds)))
         self.done = True
         return StepResult([], done=True, reward=reward, info=self._info(finish=finish))
 

@@ -2,8 +2,9 @@
 
 The knobs are toy-calc's (runtime/envs/toy_calc.py): `coupling`, how a response's length
 co-varies with its success, and `latency_sigma`, a heavy-tailed environment delay that brings
-outcomes back after newer policies were published. Each cell of the grid is the base config with
-those two env_options set and nothing else changed; in each cell every arm (SPO, SPO++ with
+outcomes back after newer policies were published (`make map` also sets `time_neutral`, so that
+the coupled side's extra turns do not also make it arrive later). Each cell of the grid is the base
+config with those two env_options set and nothing else changed; in each cell every arm (SPO, SPO++ with
 trajectory normalization, SPO++) runs on every seed from the same checkpoint, prior and budget,
 so SPO++'s two changes are seen apart: trajectory-normalized SPO++ against SPO is event-time
 evidence alone, SPO++ against it is the action-token measure alone.
