@@ -43,11 +43,12 @@ MAP_BUDGET = {"max_turns": 6, "max_tokens_per_turn": 32, "max_total_tokens": 256
 # a third of the time (60 steps never do, and without successes no length can co-vary with them).
 MAP_TINY = {**TINY, "cold_start_steps": 250, "updates": 3, "eval_every": 1}
 # The map's run: the demo's cold start, data and batch, 16 updates with 5 evaluations of 128
-# held-out tasks x 3 samples. 54 runs (6 cells x 3 arms x 3 seeds) took 59 minutes on a 2-core
-# machine (65 s each), inside the 90 the map has; the demo's 40 updates would take about twice that.
+# held-out tasks x 3 samples. 54 runs (6 cells x 3 arms x 3 seeds) took about 80 minutes on a 2-core
+# machine, time-neutral (about 60 s a run at coupling 0, 90 to 110 s at +-1, where half the
+# episodes wait out the padding), inside the 90 the map has; the demo's 40 updates would not fit.
 MAP_SIZE = {**FULL, "updates": 16, "eval_every": 4, "eval_samples": 3}
 SEEDS = "0,1,2"
-# The 90 minutes for `make map`: the 54 runs take about 63 of them from a fresh clone, and
+# The 90 minutes for `make map`: the 54 runs take about 84 of them from a fresh clone, and
 # the rest goes to seeds for the cells over the standard-error target.
 BUDGET_MINUTES = 90.0
 
