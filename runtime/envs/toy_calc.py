@@ -13,7 +13,8 @@ Anything else (text around a block, an unclosed block, two blocks) ends the epis
 beyond `max_tool_calls` end it with reward 0 (`finish == "tool_budget"`). Stop strings `</code>` and
 `</ans>` end a turn right after its block, so the model never writes the tool output itself.
 
-Two knobs for `spopp map` (env_options; both off by default, and nothing else changes with them):
+Two knobs for `spopp map` and a switch for the first (env_options; all off by default, and nothing
+else changes with them):
 
 * `coupling` in [-1, 1] couples a response's length with its success, signed like the correlation
   it makes: below 0 failures are longer, as in ALFWorld, where failures run on to the interaction
