@@ -95,15 +95,16 @@ def test_time_neutral_makes_the_other_side_wait_out_the_padding():
 
     slow = {"extra_turns": 3, "latency_sigma": 0.01, "latency_median_s": 0.02}
     neutral = ToyCalcEnv(coupling=1.0, time_neutral=True, **slow)
-    assert seconds(neutral, WRONG) < 0.035  # nothing measured yet: no wait
+    assert seconds(neutral, WRONG) < 0.05  # nothing measured yet: no wait (a wait would be >= 0.06 more)
     padded = seconds(neutral, RIGHT)  # 4 steps of 20 ms, 3 of them padding
     assert padded >= 0.075
     waited = seconds(neutral, WRONG)  # 1 step of 20 ms + a drawn padding time of about 60 ms
     assert 0.07 <= waited <= padded + 0.05
-    assert list(toy._PADDING_SECONDS[3]) == [pytest.approx(0.06, abs=0.03)]
+    [recorded] = toy._PADDING_SECONDS[3]  # the 3 padded steps of the success, not its first
+    assert 0.055 <= recorded <= padded - 0.015
     # The wait is the other side's only: a coupled episode is not slowed by it.
     assert seconds(neutral, RIGHT) < padded + 0.05
-    assert seconds(ToyCalcEnv(coupling=1.0, **slow), WRONG) < 0.035  # off by default
+    assert seconds(ToyCalcEnv(coupling=1.0, **slow), WRONG) < 0.05  # off by default
     # No padding, nothing to wait for: coupling 0 with time_neutral changes nothing.
     assert not ToyCalcEnv(coupling=0.0, time_neutral=True).time_neutral
     toy._PADDING_SECONDS.clear()

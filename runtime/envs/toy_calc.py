@@ -262,7 +262,7 @@ class ToyCalcEnv(Environment):
             if coupled:
                 seconds.append(time.monotonic() - self._decided_at)
             elif seconds:
-                time.sleep(self._rng.choice(list(seconds)))
+                time.sleep(self._rng.choice(seconds))  # a deque indexes; full, its length stays 64
         self.done = True
         return StepResult([], done=True, reward=reward, info=self._info(finish=finish))
 
