@@ -15,9 +15,9 @@ from test_learner_update import (
     _cfg,
     _dist_env,
     batch,
+    bounded_reference,
     check_against_reference,
     peft_model,
-    reference_update,
     rel_err,
 )
 
@@ -44,7 +44,7 @@ def initial(tiny_model):
 @pytest.fixture(scope="module")
 def reference(tiny_model, batch):
     trajs, adv = batch
-    return reference_update(tiny_model, trajs, adv, _cfg(1, 2, 2), lora=LORA)
+    return bounded_reference(tiny_model, trajs, adv, _cfg(1, 2, 2), lora=LORA)
 
 
 def test_the_reference_trains_adapters_only(reference, initial):

@@ -22,6 +22,7 @@ from test_learner_update import (
     _dist_env,
     _token_cfg,
     batch,
+    bounded_reference,
     check_against_reference,
     initial,
     model_rel_err,
@@ -40,8 +41,34 @@ __all__ = ["_dist_env", "batch", "initial"]
 
 @pytest.fixture(scope="module")
 def reference(tiny_model, batch):
+    """The CPU's reference (float64, and fp32 in two reduction orders): the bf16 tests' fp32 point
+    of comparison, and the second check of the fp32 ones."""
     trajs, adv = batch
-    return reference_update(tiny_model, trajs, adv, _cfg(1, 2, 2))
+    return bounded_reference(tiny_model, trajs, adv, _cfg(1, 2, 2))
+
+
+@pytest.fixture(scope="module")
+def cuda_reference(tiny_model, batch):
+    """The same reference computed on the GPU: float64 there is the truth to ~1e-16 as on the CPU,
+    and its fp32 runs round with the GPU's own kernels (cuBLAS's blocking, its reductions), so
+    the noise the learner's CUDA update is held to is the GPU's, not the CPU's."""
+    trajs, adv = batch
+    return bounded_reference(tiny_model, trajs, adv, _cfg(1, 2, 2), device="cuda")
+
+
+def check_on_both_devices(result: dict, cuda_ref: dict, cpu_ref: dict, initial: dict) -> None:
+    """The CUDA update within the GPU's fp32 noise of the GPU's float64 reference; then, as a second
+    check, within the noise of either device (the larger) of the CPU's float64 reference. The two
+    float64 references agree to ~1e-15 (checked), so the second check can only fail where the CUDA
+    learner is off by more than the two devices' fp32 noise, which is what the first bounds more
+    tightly: it guards the reference's own device code. On an H200 the old fixed bound of 1e-5
+    failed at 1.07e-5 over the whole model against the CPU's fp32 reference; that was the devices'
+    different roundings, which this bound measures rather than guesses."""
+    check_against_reference(result, cuda_ref, initial)
+    for name, want in cpu_ref["exact"]["state"].items():
+        assert rel_err(cuda_ref["exact"]["state"][name], want) < 1e-12, name
+    cross = {**cpu_ref, "variants": cpu_ref["variants"] + cuda_ref["variants"]}
+    check_against_reference(result, cross, initial)
 
 
 def test_the_process_group_is_nccl_on_cuda():
@@ -57,16 +84,18 @@ def test_the_process_group_is_nccl_on_cuda():
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_fp32_update_on_cuda_matches_the_reference(tiny_model, batch, reference, initial, stage):
+def test_fp32_update_on_cuda_matches_the_reference(
+    tiny_model, batch, reference, cuda_reference, initial, stage
+):
     trajs, adv = batch
     result = run_task(tiny_model, trajs, adv, {"cfg": _cfg(stage, 2, 2), "grads": True})
-    check_against_reference(result, reference, initial)
+    check_on_both_devices(result, cuda_reference, reference, initial)
 
 
-def test_token_budget_on_cuda_matches_the_reference(tiny_model, batch, reference, initial):
+def test_token_budget_on_cuda_matches_the_reference(tiny_model, batch, reference, cuda_reference, initial):
     trajs, adv = batch
     result = run_task(tiny_model, trajs, adv, {"cfg": _token_cfg(2, 2, 400), "grads": True})
-    check_against_reference(result, reference, initial)
+    check_on_both_devices(result, cuda_reference, reference, initial)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -78,29 +107,6 @@ def test_bf16_on_cuda_is_within_bf16_noise_of_the_bf16_reference(tiny_model, bat
     for name in want:
         assert rel_err(got[name], want[name]) <= BF16_GRAD_RTOL, name
     assert model_rel_err(got, want) < 0.5 * model_rel_err(got, reference["grads"][0])
-
-
-def _peak(tiny_model, batch, cfg):
-    trajs, adv = batch
-    torch.cuda.reset_peak_memory_stats()
-    result = run_task(tiny_model, trajs, adv, {"cfg": cfg, "grads": True})
-    return result, torch.cuda.max_memory_allocated()
-
-
-@pytest.mark.parametrize(
-    "stage,extra",
-    [(1, {"gradient_checkpointing": True}), (2, {"offload_optimizer": True}),
-     (3, {"offload_optimizer": True, "offload_params": True})],
-    ids=["checkpointing", "offload-optimizer", "offload-params"],
-)  # fmt: skip
-def test_memory_settings_on_cuda_keep_the_update_and_lower_the_peak(
-    tiny_model, batch, reference, initial, stage, extra
-):
-    plain, plain_peak = _peak(tiny_model, batch, _cfg(stage, 2, 2))
-    result, peak = _peak(tiny_model, batch, {**_cfg(stage, 2, 2), **extra})
-    check_against_reference(result, reference, initial)
-    print(f"peak GPU memory {plain_peak / 2**20:.1f} MiB -> {peak / 2**20:.1f} MiB with {extra}")
-    assert peak < plain_peak
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed on this machine")
