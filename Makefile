@@ -55,12 +55,23 @@ TEST_WORKERS ?= auto
 test: setup lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
-# The GPU tier (tests/gpu/): the learner on CUDA (NCCL, bf16, ZeRO 1-3, a token budget,
-# checkpointing, offload) and vLLM's CUDA engine where installed. Without a GPU it says so and stops.
-test-gpu: setup
-	@if ! $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+# The GPU tier (tests/gpu/): the learner on CUDA (NCCL, fp32 and bf16 against the references,
+# ZeRO 1-3, a token budget), memory settings whose savings must show on a 201M-parameter model, two
+# runs launched on one GPU (full and LoRA), vLLM's CUDA engine where installed; README, "The GPU
+# tier". It runs where the dependencies already are and installs nothing (no setup, no index): the
+# venv of `make setup` when there is one, else the machine's python3 (a cluster image, or the wheels
+# of ../shared/gpu/wheelhouse.sh after `source .whl/install.sh`). Without a CUDA GPU it says so in
+# one line and stops.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+test-gpu:
+	@if ! $(GPU_PY) -c "import torch" >/dev/null 2>&1; then \
+		echo "make test-gpu: $(GPU_PY) cannot import torch: run make setup, or source .whl/install.sh on a GPU machine" >&2; exit 2; fi; \
+	if ! $(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then \
 		echo "make test-gpu: skipped, no CUDA GPU here (torch.cuda.is_available() is False)"; exit 0; fi; \
-	SPOPP_GPU_TIER=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:xdist -rs tests/gpu
+	if ! $(GPU_PY) -c "import deepspeed, transformers, fastapi, redis, pytest" >/dev/null 2>&1; then \
+		echo "make test-gpu: $(GPU_PY) cannot import deepspeed, transformers, fastapi, redis and pytest all" >&2; exit 2; fi; \
+	SPOPP_GPU_TIER=1 PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" PATH="$(CURDIR)/$(VENV)/bin:$$PATH" \
+		$(GPU_PY) -m pytest -q -p no:xdist -rs --durations=10 tests/gpu
 
 # The in-process tier: pure functions, the services' apps through TestClient, a real redis-server
 # where the store needs one; no test of the `process` tier, none marked `slow`. Under 2 minutes.

@@ -121,6 +121,8 @@ def train_masked(
         return 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    # Batches go where the model is: the GPU tier trains the cold start on CUDA (seconds, not a minute).
+    device = next(model.parameters()).device
     model.train()
     t0 = time.perf_counter()
     loss_v = float("nan")
@@ -134,6 +136,7 @@ def train_masked(
             ids[i, : len(s)] = torch.tensor(s)
             att[i, : len(s)] = 1
             labels[i, : len(s)] = torch.where(torch.tensor(m) == 1, torch.tensor(s), -100)
+        ids, att, labels = ids.to(device), att.to(device), labels.to(device)
         loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -52,6 +52,9 @@ class Engine(ABC):
     #: Positions one sequence may hold, prompt and generation together (the model's context, or
     #: vLLM's max_model_len); None where unknown. The agent loop keeps episodes within it.
     context_tokens: int | None = None
+    #: The device the model computes on, as torch names it ("cpu", "cuda:0"); what a replica's and
+    #: the evaluator's /healthz and start-up log line report. None where an engine cannot tell.
+    device_name: str | None = None
 
     @abstractmethod
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig) -> Generation:

@@ -101,6 +101,8 @@ class TransformersEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
+        # Where the weights landed, with the index torch resolved ("cuda" -> "cuda:0").
+        self.device_name = str(next(self.model.parameters()).device)
         self.max_batch = max_batch
         # An idle engine waits this long before its first forward pass, so that requests sent
         # together start together.

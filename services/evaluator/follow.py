@@ -193,9 +193,10 @@ class Follower:
                 return
             self.scorer = await Scorer.open(s, self.model)
             log.info(
-                "evaluator for run %s: %d held-out tasks, greedy=%s, %d samples each, engine %s; "
+                "evaluator for run %s: %d held-out tasks, greedy=%s, %d samples each, engine %s on %s; "
                 "scoring every %d versions from version %d",
-                s.run, len(self.scorer.tasks), s.greedy, s.samples, s.engine, s.every, self.next_version,
+                s.run, len(self.scorer.tasks), s.greedy, s.samples, s.engine, self.scorer.engine.device_name,
+                s.every, self.next_version,
             )  # fmt: skip
             while not self._finished():
                 current = await self._poll()
@@ -321,6 +322,8 @@ class Follower:
             "next_version": self.next_version,
             "scoring": self.scoring,
             "last_scored_version": None if last is None else last["policy_version"],
+            # Where its engine generates (cpu, cuda:0); None until the engine is up.
+            "device": None if self.scorer is None else self.scorer.engine.device_name,
         }
 
 

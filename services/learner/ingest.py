@@ -349,8 +349,10 @@ def ingest_app(
     token: str | None = None,
     limits: IntakeLimits | None = None,
     metrics: LearnerMetrics | None = None,
+    device: str | None = None,
 ) -> FastAPI:
-    """The intake app; `token` None leaves it open, `limits` None checks the schema only."""
+    """The intake app; `token` None leaves it open, `limits` None checks the schema only.
+    `device`: where the learner trains (cpu, cuda:0), shown by /healthz."""
     limits = limits or IntakeLimits()
     metrics = metrics or LearnerMetrics()
     metrics.watch(buffer)
@@ -358,7 +360,12 @@ def ingest_app(
     _add_intake_routes(app, buffer, limits, metrics)
     add_service_routes(
         app,
-        health=lambda: {"status": "ok", "policy_version": buffer.version, "buffered": len(buffer)},
+        health=lambda: {
+            "status": "ok",
+            "policy_version": buffer.version,
+            "buffered": len(buffer),
+            "device": device,
+        },
         metrics=metrics.registry,
     )
     _add_refusal_handlers(app, metrics)

@@ -69,6 +69,9 @@ class Learner:
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.engine, self.tokenizer = build_engine(cfg, cfg.model)
+        # What DeepSpeed placed the model on (cuda:<local rank> with a GPU, else cpu): /healthz and
+        # the start-up line say it, so a run meant for the GPU cannot train on the CPU unnoticed.
+        self.device = str(self.engine.device)
         self.step = 0
         self.spo = SpoDriftCache() if cfg.recipe == "spo" else None
         self.buffer = TrajectoryBuffer(
@@ -185,9 +188,13 @@ class Learner:
             token=self.cfg.api_token,
             limits=IntakeLimits.for_model(self.engine.module, self.cfg.recipe),
             metrics=self.prometheus,
+            device=self.device,
         )
         self.server = ThreadedServer(app, self.cfg.host, self.cfg.port).start()
-        log.info("learner intake on %s (run %s, version %d)", self.server.url, self.cfg.run, self.version)
+        log.info(
+            "learner intake on %s (run %s, version %d): training on %s, %d rank(s), process group %s",
+            self.server.url, self.cfg.run, self.version, self.device, self.world, dist.get_backend(),
+        )  # fmt: skip
         return self.server.url
 
     def _next_batch(self) -> tuple[list, list[float] | None, float]:

@@ -37,6 +37,7 @@ def health_app(worker: Worker) -> FastAPI:
         health=lambda: {
             "status": "ok",
             "worker_id": worker.s.worker_id,  # a claimed replica's id (rollout-gpu3, rollout-0)
+            "device": worker.engine.device_name,  # where its engine generates: cpu, cuda:0
             "policy_version": worker.version,
             "in_flight": len(worker.inflight),
         },
@@ -52,7 +53,10 @@ async def serve(s: RolloutSettings) -> None:
     make_env = env_factory(s.env, s.env_options)
     engine = make_engine(s.engine, s.model, **s.engine_kwargs())
     worker = Worker(s, engine, make_env, tasks)
-    log.info("rollout %s: run %s, %d tasks, engine %s", s.worker_id, s.run, len(tasks), s.engine)
+    log.info(
+        "rollout %s: run %s, %d tasks, engine %s on %s",
+        s.worker_id, s.run, len(tasks), s.engine, engine.device_name,
+    )  # fmt: skip
     try:
         # A signal stops dispatching and drains (worker.shutdown); run() then returns by itself.
         await http.serve(

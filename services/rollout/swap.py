@@ -26,6 +26,7 @@ class VersionedEngine(Engine):
         self.inner = engine
         self.tokenizer = engine.tokenizer
         self.context_tokens = engine.context_tokens
+        self.device_name = engine.device_name
         self.version = version
         self._running = 0
         self._idle = asyncio.Event()

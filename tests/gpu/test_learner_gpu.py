@@ -1,11 +1,12 @@
-"""The GPU tier (`make test-gpu`): the learner's CUDA path against the same plain-PyTorch references
-as the CPU tests (tests/test_learner_update.py), which run on the CPU.
+"""The GPU tier (`make test-gpu`): the learner's CUDA path against the plain-PyTorch references of
+the CPU tests (tests/test_learner_update.py), computed on the GPU itself and on the CPU.
 
 Collected only when SPOPP_GPU_TIER=1 (tests/conftest.py); `make test-gpu` sets it after checking
 that torch sees a CUDA GPU, and otherwise says so in one line and stops. What runs: NCCL as the
-process group's backend; fp32 updates under ZeRO 1-3 and a token budget; bf16 against the bf16
-reference; gradient checkpointing and CPU offload leave the update unchanged and lower the GPU's
-peak memory; vLLM's CUDA engine where vLLM is installed.
+process group's backend; fp32 updates under ZeRO 1-3 and a token budget within the GPU's own fp32
+noise of a float64 reference; bf16 against the bf16 reference; vLLM's CUDA engine where vLLM is
+installed. The memory settings are tests/gpu/test_memory_gpu.py, the launched runs
+tests/gpu/test_launch_gpu.py.
 """
 
 from __future__ import annotations
