@@ -180,7 +180,7 @@ def make_run(client, run_name):
 LONGEST_FIRST = (
     "test_learning.py", "test_demo.py", "test_demo_alfworld.py", "test_learner_resume.py",
     "test_supervision_restarts.py", "test_kill_under_load.py", "test_rollout_outages.py", "test_tracker_soak.py",
-    "test_launch.py", "test_map_run.py",
+    "test_launch.py", "test_map_run.py", "test_learner_kernels.py",
 )  # fmt: skip
 
 
