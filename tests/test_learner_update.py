@@ -141,14 +141,17 @@ def reference_update(
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # bf16 is loaded as the learner loads it (its buffers, e.g. the rotary frequencies, stay fp32).
+    # float64 is the fp32 model's very function in float64: upcast after loading, so the rotary
+    # frequencies are the fp32 ones exactly, not recomputed in float64 (a different function).
+    mixed = dtype == torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype if mixed else torch.float32)
     if lora is not None:
         model = peft_model(model, lora)
-    model = model.to(device=device, dtype=dtype)
+    model = model.to(device=device) if mixed else model.to(device=device, dtype=dtype)
     model.train()
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     # fp32 and float64: the optimizer steps the weights themselves. bf16: fp32 master copies of them.
-    mixed = dtype == torch.bfloat16
     master = {n: p.detach().float().requires_grad_(True) for n, p in params.items()} if mixed else params
     opt = adamw(master.values(), cfg)
     # The loss's own arithmetic: float64 for the exact reference, fp32 otherwise (the learner's).

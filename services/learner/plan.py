@@ -26,15 +26,19 @@ Activations, for a micro-batch of T padded tokens (micro_batch_tokens), b = 2 by
 what autograd keeps for backward in the Hugging Face decoder layers (Llama, Qwen2/3, Mistral:
 RMSNorm in fp32, rotary attention through sdpa, a SwiGLU MLP), per token and layer
 
-    b x (8H + 2 q + 2 kv + 4I) + 4 x (2 + heads)     [+ 6(q + kv) with Qwen3's q/k norms, in bf16]
+    8H + b x (4H + 2 q + 2 kv + 4I) + 4 x (2 + heads)     [+ (4 + b)(q + kv) with Qwen3's q/k norms]
 
-(H hidden, q = heads x head_dim, kv = key-value heads x head_dim, I intermediate), plus, once, the
-fp32 logits the log-softmax keeps (4V per token) and about (b + 6)H for the embeddings and the
-final norm. With gradient checkpointing a layer keeps only its input (bH per token) and one
-layer's activations exist at a time while it is recomputed. The backward of the log-softmax adds
-a transient fp32 and a b-byte gradient of the logits, (4 + b)V per token, at the peak. The
-constants were measured on real models with autograd's saved-tensor hooks (`saved_bytes`), and
-tests/test_learner_plan.py checks the formula against that measurement on several shapes.
+(H hidden, q = heads x head_dim, kv = key-value heads x head_dim, I intermediate; each RMSNorm keeps
+its input in fp32, 4H, and its normalised output and the scaled one in the model's dtype, 2bH), plus,
+once, (4 + 2b)H + 40: the final norm's (4 + b)H, the copy of the hidden states that the learner's
+chunked log-probs read (bH: services/learner/logprobs.py; the [T, V] logits are never kept), and
+the int64 token ids, targets and indices. With gradient checkpointing a layer keeps only its input
+(bH per token) and one layer's activations exist at a time while it is recomputed. Before any layer
+is recomputed, the backward of the log-probs recomputes one chunk of C tokens (CHUNK_TOKENS) at a
+time and holds about 16 bytes per token and vocabulary entry meanwhile (HEAD_TRANSIENT), so the
+peak adds the larger of that and the layer being recomputed. The constants were measured on real
+models with autograd's saved-tensor hooks (`saved_bytes`), and tests/test_learner_plan.py checks
+the formula against that measurement on several shapes.
 
 A plan fits when its total stays under the GPU's memory less a reserve (10%: the CUDA context,
 NCCL's buffers, the allocator's fragmentation).
@@ -50,6 +54,13 @@ from typing import Any
 
 GIB = 1 << 30
 RESERVE = 0.10  # share of a GPU's memory kept for the CUDA context, NCCL and fragmentation
+# Bytes per token and vocabulary entry while one chunk of the log-probs goes through backward: its
+# fp32 logits (recomputed, kept by logsumexp), the gradient from gather, and logsumexp's backward,
+# which forms logits - logsumexp and its exp before scaling it: four fp32 [C, V] tensors at once.
+# Measured with the CPU allocator's statistics (BENCHMARKS.md, "Learner: chunked log-probs on the
+# CPU"): 16.1 per token without chunking, in bf16 and in fp32; with chunks, 16-18 per chunk token,
+# the rest being the output layer's weight gradient (counted with the gradients).
+HEAD_TRANSIENT = 16
 
 
 @dataclass(frozen=True)
@@ -123,27 +134,44 @@ def saved_per_token(shape: ModelShape, dtype: str = "bf16") -> tuple[float, floa
     """(bytes autograd keeps per token per layer, bytes per token once for the whole model)."""
     b = 2 if dtype == "bf16" else 4
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    layer = b * (8 * shape.hidden + 2 * q + 2 * kv + 4 * shape.intermediate) + 4 * (2 + shape.heads)
-    if shape.qk_norm and dtype == "bf16":
-        layer += 6 * (q + kv)  # the norms' fp32 copies of q and k (in fp32 training there are none)
-    once = 4 * shape.vocab + (b + 6) * shape.hidden
+    # Two RMSNorms of 4H + 2bH each, the attention's inputs and outputs, the MLP's, sdpa's logsumexp.
+    layer = (
+        8 * shape.hidden
+        + b * (4 * shape.hidden + 2 * q + 2 * kv + 4 * shape.intermediate)
+        + 4 * (2 + shape.heads)
+    )
+    if shape.qk_norm:
+        # Qwen3's q and k norms, each an RMSNorm: its input in fp32 and its normalised output.
+        layer += (4 + b) * (q + kv)
+    # The final norm (4 + b)H, the log-probs' copy of the hidden states bH; the token ids, targets and
+    # the chunks' indices (int64, 8 bytes each: 32), the norm's rsqrt and the log-prob (fp32: 8).
+    once = (4 + 2 * b) * shape.hidden + 40
     return layer, once
 
 
 def activation_bytes(
-    shape: ModelShape, tokens: int, dtype: str = "bf16", checkpointing: bool = False
+    shape: ModelShape,
+    tokens: int,
+    dtype: str = "bf16",
+    checkpointing: bool = False,
+    chunk_tokens: int | None = None,
 ) -> dict[str, float]:
     """Activations of one micro-batch of `tokens` padded tokens: what backward keeps (`saved`)
-    and the peak with the logits' gradient (`peak`)."""
+    and the peak while backward recomputes a chunk of the log-probs or a layer (`peak`).
+    `chunk_tokens`: the log-probs' chunk (default: the learner's, logprobs.CHUNK_TOKENS)."""
+    if chunk_tokens is None:
+        from .logprobs import CHUNK_TOKENS as chunk_tokens
     b = 2 if dtype == "bf16" else 4
     layer, once = saved_per_token(shape, dtype)
+    head = HEAD_TRANSIENT * min(tokens, chunk_tokens) * shape.vocab
     if checkpointing:
         saved = tokens * (shape.layers * b * shape.hidden + once)
-        peak = saved + tokens * layer  # the layer being recomputed
+        # The chunks' backward is over before the last layer is recomputed: one or the other.
+        transient = max(head, tokens * layer)
     else:
         saved = tokens * (shape.layers * layer + once)
-        peak = saved
-    return {"saved": saved, "peak": peak + tokens * (4 + b) * shape.vocab}
+        transient = head
+    return {"saved": saved, "peak": saved + transient}
 
 
 def state_bytes(
