@@ -517,6 +517,20 @@ def test_at_k0_the_update_is_exactly_todays(tiny_model, batch):
     assert versioned["stats"]["stale_tokens"] == 0.0
 
 
+def test_the_bounds_pass_fp32_noise_and_catch_a_one_token_error(references, initial):
+    """check_against_reference can fail: the plain fp32 reference itself passes (its own noise, a
+    ratio of 1), and the same result with one mini-batch's gradient off by one action token's share
+    (1/369, what a loss missing a token would do) is refused."""
+    ref = references[(2, 2)]
+    plain = ref["variants"][0]
+    result = {"grads": plain["grads"], "state": plain["state"], "stats": {**plain["stats"], "lr": BASE["lr"]}}
+    check_against_reference(result, ref, initial)
+    off = 1.0 + 1.0 / plain["stats"]["tokens"]
+    wrong = [{n: g * off for n, g in plain["grads"][0].items()}, *plain["grads"][1:]]
+    with pytest.raises(AssertionError, match="gradients"):
+        check_against_reference({**result, "grads": wrong}, ref, initial)
+
+
 def test_reference_is_a_meaningful_target(references, batch):
     """The batch exercises what the comparison is meant to catch."""
     trajs, adv = batch
