@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system test test-fast test-gpu bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map
+.PHONY: setup system test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map
 
 setup: $(STAMP) system
 
@@ -49,11 +49,16 @@ system: $(STAMP)
 	fi
 
 # Lint first: a broken seam (an import across services) fails CI before the suite runs. Every
-# test, on every core (pytest-xdist; each worker draws its own ports, tests/conftest.py), the
-# longest first; the 15 slowest are listed at the end.
+# test but the `slow` tier, on every core (pytest-xdist; each worker draws its own ports,
+# tests/conftest.py), the longest first; the 15 slowest are listed at the end.
 TEST_WORKERS ?= auto
 test: setup lint
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" --durations=15
+
+# The slow tier: what only a long run shows (the demo-sized runs, the learning curve, processes
+# killed in turn mid-run, resumes across launches, the soak). CI runs it after `make test`.
+test-slow: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m slow --durations=15
 
 # The GPU tier (tests/gpu/): the learner on CUDA (NCCL, fp32 and bf16 against the references,
 # ZeRO 1-3, a token budget), memory settings whose savings must show on a 201M-parameter model, two
@@ -74,7 +79,7 @@ test-gpu:
 		$(GPU_PY) -m pytest -q -p no:xdist -rs --durations=10 tests/gpu
 
 # The in-process tier: pure functions, the services' apps through TestClient, a real redis-server
-# where the store needs one; no test of the `process` tier, none marked `slow`. Under 2 minutes.
+# where the store needs one; no test of the `process` tier (nor of the slow tier). Under 2 minutes.
 test-fast: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not process and not slow" --durations=15
 

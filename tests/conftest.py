@@ -1,11 +1,13 @@
 """The suite's tiers, its fixtures (a real redis-server, the tracker in this process or as a
 process over HTTP) and each xdist worker's own ports.
 
-Two tiers. A test marked `process` starts processes (services over real HTTP, the sandbox,
+Three tiers. A test marked `process` starts processes (services over real HTTP, the sandbox,
 torchrun, vLLM's engine core): the seams. Every other test stays in this process: pure functions,
 FastAPI apps through TestClient (httpx over the ASGI app), a real redis-server where the store needs
-one. `make test-fast` runs those that are not `slow` either; `make test` runs everything, on every
-core. A test outside the process tier that starts a process fails (`pytest_runtest_protocol`), so the
+one; `make test-fast` runs those. A test marked `slow` shows what only a long run can (the
+demo-sized runs, processes killed in turn mid-run, resumes across launches, the soak): `make
+test-slow` runs those, and CI runs both `make test` (everything else, on every core) and `make
+test-slow`. A test outside the process tier that starts a process fails (`pytest_runtest_protocol`), so the
 fast tier stays fast as tests are added.
 """
 
@@ -18,7 +20,7 @@ import uuid
 
 import httpx
 import pytest
-from fixtures_model import model_limits, perturbed_model, reference, tiny_model  # noqa: F401  (session fixtures)
+from fixtures_model import learned_model, model_limits, perturbed_model, reference, tiny_model  # noqa: F401  (session fixtures)
 
 from services.tracker.embedded import EmbeddedRedis
 from services.tracker.launcher import TrackerProcess
@@ -178,9 +180,12 @@ def make_run(client, run_name):
 # must not start last. (`make test` uses xdist's worksteal: the first worker starts on these while
 # the others take the rest, stealing from its queue's far end when theirs runs dry.)
 LONGEST_FIRST = (
-    "test_learning.py", "test_demo.py", "test_demo_alfworld.py", "test_learner_resume.py",
-    "test_supervision_restarts.py", "test_kill_under_load.py", "test_rollout_outages.py", "test_tracker_soak.py",
-    "test_launch.py", "test_map_run.py", "test_learner_kernels.py",
+    # the slow tier's
+    "test_learning.py", "test_map_run.py", "test_demo_alfworld.py", "test_learner_resume.py", "test_launch.py",
+    "test_supervision_restarts.py", "test_kill_under_load.py", "test_rollout_outages.py", "test_claim.py",
+    # `make test`'s (measured with pytest --durations=0)
+    "test_demo.py", "test_learner_screen.py", "test_alfworld_generate.py", "test_run_lifecycle.py",
+    "test_learner_e2e.py", "test_engines.py", "test_evaluator.py", "test_learner_kernels.py",
 )  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """Session fixtures: `tiny_model`, the folder of tools.tiny_model's model, built once per session;
-`perturbed_model`, a copy with perturbed weights; `reference`, float64 models of model folders.
+`perturbed_model`, a copy with perturbed weights; `reference`, float64 models of model folders;
+`learned_model`, the demo's cold start, trained once for every demo-sized test.
 
 With SPOPP_TEST_CACHE set, the folder is kept there across sessions, under a key that changes
 when the builder's source or the transformers version does.
@@ -79,3 +80,47 @@ def model_limits(tiny_model):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     return IntakeLimits.for_model(model, "spopp"), model.config
+
+
+# The demo's quick cold start (tools/demo.py QUICK: 400 supervised steps, data seed 0), with the
+# map's 256 positions (its rotary positions have no learned table: below 128 it is the same model).
+LEARNED_STEPS = 400
+LEARNED_POSITIONS = 256
+
+
+@pytest.fixture(scope="session")
+def learned_model(tmp_path_factory) -> Path:
+    """One learned model for the demo-sized tests (tests/test_learning.py, tests/test_map_run.py),
+    trained once per `pytest` invocation however many xdist workers ask: built under a lock in the
+    folder the workers' temporary folders share (or in SPOPP_TEST_CACHE, kept across sessions).
+    The demo and the map take it with --cold-start instead of training their own (about 110 s of
+    one core each)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    cache = os.environ.get("SPOPP_TEST_CACHE")
+    # Under xdist every worker's base temp is a folder of the same session's root; without it the
+    # session's base temp is that root.
+    base = tmp_path_factory.getbasetemp()
+    root = Path(cache) if cache else base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    # A new cold-start recipe is a new model: the key follows the trainer's source.
+    key = hashlib.sha256((Path(tools.tiny_model.__file__).parent / "cold_start.py").read_bytes()).hexdigest()[
+        :12
+    ]
+    target = root / f"learned-model-{LEARNED_STEPS}-{LEARNED_POSITIONS}-{key}"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait here while one trains
+        if not (target / "cold_start.json").is_file():
+            staging = Path(tempfile.mkdtemp(dir=root, prefix=".learning-"))
+            subprocess.run(
+                [sys.executable, "-m", "tools.cold_start", "--out", str(staging / "model"), "--seed", "0",
+                 "--steps", str(LEARNED_STEPS), "--eval-tasks", "0", "--log-every", "100",
+                 "--max-positions", str(LEARNED_POSITIONS)],
+                check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900,
+            )  # fmt: skip
+            shutil.rmtree(target, ignore_errors=True)
+            (staging / "model").rename(target)
+            shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -19,6 +19,7 @@ pytest.importorskip("alfworld")
 pytest.importorskip("textworld")
 
 
+@pytest.mark.slow  # every demo stage on ALFWorld's engine
 @pytest.mark.timeout(DEMO_LIMIT_S + 60)
 def test_alfworld_demo_smallest_path_every_stage(tmp_path):
     out = tmp_path / "demo"

@@ -199,7 +199,6 @@ def test_settings_refuse_nothing_to_play_and_bad_holders(held_out):
 
 
 @pytest.mark.process
-@pytest.mark.slow
 def test_vllm_engine_scores_like_the_transformers_engine(tiny_model, held_out, scorer, other_model, runner):
     """vLLM's async engine, built and driven on the scorer's loop; its greedy episodes agree with
     the transformers engine's on the same snapshots, and it really swaps weights."""
@@ -411,6 +410,7 @@ def test_follows_the_clock_and_scores_every_kth_version_once_in_order(
 
 
 @pytest.mark.process
+@pytest.mark.slow  # an evaluator killed and restarted mid-run
 def test_killed_mid_evaluation_then_restarted_catches_up_without_scoring_twice(
     tracker, client, make_run, tiny_model, held_out, tmp_path
 ):

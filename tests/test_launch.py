@@ -350,6 +350,7 @@ def _replicas_join_and_leave(proc: subprocess.Popen, log: Path, run_dir: Path) -
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
+@pytest.mark.slow  # three launches of one run, the first stopped mid-run
 def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy, tmp_path):
     path = config(toy, tmp_path, updates=1000, learner=LORA)
     log = tmp_path / "launch1.log"
@@ -461,6 +462,7 @@ def test_the_tracker_run_must_match_the_recipe(toy, tmp_path, redis_server):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.slow  # three launches of one run
 def test_prior_file_reaches_the_tracker_and_may_not_change(toy, tmp_path):
     """The tracker keeps the prior file's alpha0/beta0: a resume finds every task unchanged (the
     tracker answers 409 to another prior), and a prior file edited in place is refused."""

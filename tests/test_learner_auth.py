@@ -43,7 +43,6 @@ def _post_all(url: str, bodies: list[dict], deadline_s: float = 180) -> None:
             assert r.status_code == 200 and r.json()["accepted"], r.text
 
 
-@pytest.mark.slow
 def test_learner_takes_the_token_from_the_environment(secured, tiny_model, tmp_path):
     run = f"auth-{uuid.uuid4().hex[:10]}"
     with TrackerClient(secured.url, token=TOKEN) as c:

@@ -275,7 +275,6 @@ def _wait_for_metrics(url: str, ready, deadline_s: float = 120) -> dict:
 
 
 @pytest.mark.process
-@pytest.mark.slow
 def test_real_learner_keeps_training_through_hostile_trajectories(
     tiny_model, model_limits, tracker, client, run_name, tmp_path
 ):

@@ -20,7 +20,6 @@ pytestmark = pytest.mark.process  # starts processes: the process tier (tests/co
 B = 4
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["spopp", "spo"])
 def test_unissued_requests_are_dropped_and_the_learner_trains_on(
     recipe, tiny_model, tracker, client, run_name, tmp_path
@@ -74,7 +73,6 @@ def test_unissued_requests_are_dropped_and_the_learner_trains_on(
     assert client.policy(run_name).version == 1
 
 
-@pytest.mark.slow
 def test_spo_drops_an_unknown_task_without_request_checks(tiny_model, tracker, client, run_name, tmp_path):
     client.put_run(run_name, {"recipe": "spo", "lease_seconds": 60, "base_snapshot": str(tiny_model)})
     client.put_tasks(run_name, [{"task_id": f"task-{i}", "alpha0": 1.0, "beta0": 1.0} for i in range(B)])

@@ -194,7 +194,6 @@ def check_zero3_snapshot(folder: Path, gathered: dict, learner) -> None:
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
 
 
-@pytest.mark.slow
 def test_zero3_two_process_publish(learner, tiny_model, batch, tmp_path):
     trajs, adv = batch
     root = tmp_path / "snapshots"
@@ -286,7 +285,6 @@ def test_transformers_engine_loads_snapshot(snapshot, learner, tiny_model, promp
         runner.run(engine.close())
 
 
-@pytest.mark.slow
 def test_vllm_engine_loads_snapshot(snapshot, learner, tiny_model, prompts, runner):
     from runtime.engines.vllm import VllmEngine
 

@@ -636,7 +636,6 @@ def two_process_results(tiny_model, batch, tmp_path_factory):
     return launch(job, tmp_path_factory.mktemp("learner-2proc"), nproc=2)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("split", SPLITS[2], ids=lambda s: f"M{s[0]}-micro{s[1]}")
 def test_two_processes_match_reference(two_process_results, references, initial, stage, split):
@@ -652,7 +651,6 @@ def test_two_processes_match_reference(two_process_results, references, initial,
     assert rank1["state"] is None
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "stage,split", TOKEN_CASES[2], ids=lambda c: f"zero{c}" if isinstance(c, int) else f"M{c[0]}-tokens{c[1]}"
 )

@@ -1,6 +1,7 @@
 """Learning is measured: `make demo-quick`'s path on a seed drawn at random for this run.
 
-Cold start, prior, a paired SPO and SPO++ run through `spopp launch`; each method's held-out
+The demo's quick cold start (the session's `learned_model`, shared with the map's test), prior, a
+paired SPO and SPO++ run through `spopp launch`; each method's held-out
 evaluation reward must rise clearly (final-five mean at least 0.15 above the first evaluation,
 the issue's bar). One pair, not demo-quick's two: each run's rise was 0.28 to 0.31 on every seed
 measured (four runs of `make demo-quick`, seeds 0 and 1, and the earlier two-seed draws of this
@@ -26,13 +27,14 @@ DEMO_LIMIT_S = 1200
 
 
 @pytest.mark.timeout(DEMO_LIMIT_S + 60)
-def test_every_method_learns_on_seeds_nobody_picked(tmp_path):
+@pytest.mark.slow  # 24 updates a run: a learning curve needs its length
+def test_every_method_learns_on_seeds_nobody_picked(tmp_path, learned_model):
     seed = random.SystemRandom().randrange(10, 10_000)
     print(f"seed {seed}")
     env = environ_without_settings()
     r = subprocess.run(
         [sys.executable, "-m", "tools.demo", "--quick", "--out", str(tmp_path / "demo"),
-         "--seeds", str(seed)],
+         "--seeds", str(seed), "--cold-start", str(learned_model)],
         capture_output=True, text=True, timeout=DEMO_LIMIT_S, env={**env, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

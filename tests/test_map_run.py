@@ -1,5 +1,6 @@
 """`make map` at its smallest, end to end: a 2 x 2 grid (coupling -1 and 0, latency 0 and 1.5),
-SPO++ on one seed, every run through `spopp launch` (the pairing of arms is tested on known curves
+SPO++ on one seed from the demo's quick cold start (the session's `learned_model`), every run
+through `spopp launch` (the pairing of arms is tested on known curves
 in tests/test_map.py); the knobs must do what they claim: the measured length-advantage
 correlation follows coupling (the cold start's successes are already the longer responses, as
 they call the tool: coupling 0 measures positive, -1 makes failures the longer ones), and, over
@@ -24,11 +25,12 @@ pytestmark = pytest.mark.process  # starts processes: the process tier (tests/co
 
 # The map's own limit below is 900 s; the test's a minute more, so a slow machine fails with the
 # map's output rather than a bare timeout.
+@pytest.mark.slow  # 8 launched runs: the grid's knobs show over whole runs only
 @pytest.mark.timeout(960)
-def test_the_smallest_map_runs_and_its_knobs_move_what_they_claim(tmp_path):
+def test_the_smallest_map_runs_and_its_knobs_move_what_they_claim(tmp_path, learned_model):
     out = tmp_path / "map"
     args = [sys.executable, "-m", "tools.map", "--tiny", "--out", str(out), "--seeds", "0", "--arms", "spopp",
-            "--coupling=-1,0", "--latency=0,1.5", "--latency-median", "0.1"]  # fmt: skip
+            "--coupling=-1,0", "--latency=0,1.5", "--latency-median", "0.1", "--cold-start", str(learned_model)]  # fmt: skip
     env = {**environ_without_settings(), "OMP_NUM_THREADS": "1"}
     r = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

@@ -133,7 +133,6 @@ def test_replica_waits_for_a_learner_that_starts_late_or_goes_away(
             proc.wait(60)
 
 
-@pytest.mark.slow
 def test_sigterm_stops_a_replica_in_bounded_time_while_the_learner_is_gone(
     tiny_model, tracker, run_name, tmp_path
 ):
@@ -169,7 +168,6 @@ def test_sigterm_stops_a_replica_in_bounded_time_while_the_learner_is_gone(
     assert not any(t["in_flight"] for t in tasks)
 
 
-@pytest.mark.slow
 def test_a_pruned_snapshot_sends_the_replica_back_to_the_tracker(
     tiny_model, tracker, client, run_name, tmp_path
 ):

@@ -61,7 +61,6 @@ def _metric(url, name):
     return 0.0
 
 
-@pytest.mark.slow
 def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, client, run_name, tmp_path):
     tasks = generate_arithmetic_tasks(N_TASKS, seed=0)
     client.put_run(run_name, {"recipe": "spopp", "lease_seconds": 3, "base_snapshot": str(tiny_model)})
@@ -122,7 +121,6 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
             assert client.get_run(run_name).counts.expirations > 0
 
 
-@pytest.mark.slow
 def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
     tiny_model, tracker, client, run_name, tmp_path
 ):

@@ -253,7 +253,6 @@ def test_metrics_carry_each_workers_counts(tracker, client, make_run, redis_serv
 
 
 # -- the services ---------------------------------------------------------------------------------
-@pytest.mark.slow
 def test_a_replica_exits_0_when_its_run_finishes_and_leaves_its_counts(
     tiny_model, tracker, client, run_name, tmp_path
 ):
@@ -289,7 +288,6 @@ def test_a_replica_exits_0_when_its_run_finishes_and_leaves_its_counts(
     assert client.get_run(run_name).counts.dispatches == got.counts.dispatches
 
 
-@pytest.mark.slow
 def test_the_evaluator_scores_up_to_the_final_version_then_exits(
     tracker, client, make_run, tiny_model, held_out, tmp_path
 ):
@@ -327,7 +325,6 @@ def test_the_evaluator_scores_up_to_the_final_version_then_exits(
     print(f"restarted evaluator on a finished run: {time.monotonic() - t0:.1f} s")
 
 
-@pytest.mark.slow
 def test_a_learner_on_a_finished_run_exits_0_before_loading_anything(
     tracker, client, make_run, tiny_model, tmp_path
 ):

@@ -19,6 +19,7 @@ from runtime.service.server import ThreadedServer
 from services.learner.batch import collate
 from services.learner.ingest import Refused, TrajectoryBuffer, ingest_app
 from services.learner.update import staleness_stats
+from spopp import staleness
 from spopp.loss import policy_loss
 from spopp.trajectory import Trajectory
 
@@ -240,3 +241,15 @@ def test_staleness_diagnostics_reach_prometheus():
     assert "spopp_learner_behaviour_weight_mean 0.9" in text
     assert "spopp_learner_behaviour_cut_fraction 0.1" in text
     assert "spopp_learner_clip_fraction 0.25" in text
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_the_window_rule_the_intake_and_the_replica_share(k):
+    """spopp.staleness: exactly the versions version-k..version train; the future never does."""
+    version = 5
+    assert [v for v in range(-2, 9) if staleness.trainable(v, version, k)] == list(
+        range(version - k, version + 1)
+    )
+    assert staleness.oldest_trainable(version, k) == version - k
+    assert staleness.describe(version, k) == ("version 5" if k == 0 else f"versions {5 - k}..5")
+    assert staleness.describe(1, 3) == "versions 0..1"  # no negative version is named

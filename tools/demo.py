@@ -111,6 +111,14 @@ def demo_parser(doc: str, out: str, *, seeds: str, quick: str, data_seed: str) -
     return p
 
 
+def add_cold_start_flag(p: argparse.ArgumentParser) -> None:
+    """--cold-start DIR: the toy-calc demo's and the map's (their cold start is tools.cold_start's)."""
+    p.add_argument(
+        "--cold-start", type=Path, default=None, metavar="DIR",
+        help="a cold start trained already (a folder of tools.cold_start): copied in instead of training one",
+    )  # fmt: skip
+
+
 def demo_size(a: argparse.Namespace, full: dict, quick: dict, tiny: dict) -> tuple[dict, str]:
     """(the size the flags pick, with --updates applied; the run seeds as "0,1,2")."""
     size = dict(tiny if a.tiny else quick if a.quick else full)
@@ -149,9 +157,11 @@ def run_and_report(out: Path, config: dict, *, seeds: str, ablate: bool, updates
     return 0
 
 
-def prepare(out: Path, size: dict, data_seed: int, max_positions: int = 128) -> None:
+def prepare(
+    out: Path, size: dict, data_seed: int, max_positions: int = 128, cold_start: Path | None = None
+) -> None:
     """Stages 1-3, each skipped when its output is there: the tasks, the cold start (with a context
-    of `max_positions`), the prior."""
+    of `max_positions`, or a copy of `cold_start`, a folder trained already), the prior."""
     from runtime.envs.toy_calc import write_toy_calc_tasks
 
     _say(f"1/5 data: {size['n_train']} training and {size['n_heldout']} held-out toy-calc tasks")
@@ -160,7 +170,10 @@ def prepare(out: Path, size: dict, data_seed: int, max_positions: int = 128) -> 
             out / "data", seed=data_seed, n_train=size["n_train"], n_heldout=size["n_heldout"]
         )
 
-    _say(f"2/5 cold start: {size['cold_start_steps']} supervised steps on imperfect teacher traces")
+    if cold_start is not None:
+        copy_cold_start(cold_start, out / "cold-start", max_positions)
+    else:
+        _say(f"2/5 cold start: {size['cold_start_steps']} supervised steps on imperfect teacher traces")
     if not (out / "cold-start" / "cold_start.json").is_file():
         _run([sys.executable, "-m", "tools.cold_start", "--out", str(out / "cold-start"), "--seed", str(data_seed),
               "--steps", str(size["cold_start_steps"]), "--eval-tasks", "0", "--log-every", "250",
@@ -169,6 +182,26 @@ def prepare(out: Path, size: dict, data_seed: int, max_positions: int = 128) -> 
     _say("3/5 prior: 8 rollouts per training task with the cold-start policy, Jeffreys mass 8")
     if not (out / "prior.json").is_file():
         make_prior(out, env="toy-calc", rollouts=8, concurrency=64, seed=data_seed, budget=BUDGET)
+
+
+def copy_cold_start(source: Path, target: Path, max_positions: int) -> None:
+    """Stage 2 from a folder trained already: checked (a tools.cold_start folder, with the context
+    the episodes need) and copied, unless the output has its cold start already."""
+    import shutil
+
+    if (target / "cold_start.json").is_file():
+        return
+    if not (source / "cold_start.json").is_file():
+        raise SystemExit(f"demo: --cold-start {source}: not a cold start (no cold_start.json there)")
+    positions = json.loads((source / "config.json").read_text())["max_position_embeddings"]
+    if positions < max_positions:
+        raise SystemExit(
+            f"demo: --cold-start {source}: {positions} positions, the episodes need {max_positions}"
+        )
+    report = json.loads((source / "cold_start.json").read_text())
+    _say(f"2/5 cold start: copied from {source} ({report['steps']} steps trained there)")
+    shutil.copytree(source, target.with_name(target.name + ".copying"), dirs_exist_ok=True)
+    target.with_name(target.name + ".copying").rename(target)
 
 
 def finish(out: Path, t0: float) -> None:
@@ -184,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "--lora", type=int, default=0, metavar="RANK",
         help="train rank-RANK LoRA adapters on the frozen cold start (snapshots carry the adapters alone)",
     )  # fmt: skip
+    add_cold_start_flag(p)
     a = p.parse_args(argv)
     size, seeds = demo_size(a, FULL, QUICK, TINY)
     out = a.out.resolve()
@@ -191,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    prepare(out, size, a.data_seed)
+    prepare(out, size, a.data_seed, cold_start=a.cold_start)
     config = base_config(out, size, a.wandb)
     if a.lora:
         _say(f"LoRA: rank {a.lora} adapters on every linear layer, alpha {2 * a.lora}, lr {LORA_LR}")

@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from services.launch.map import SE_TARGET
-from tools.demo import FULL, TINY, _say, base_config, prepare
+from tools.demo import FULL, TINY, _say, add_cold_start_flag, base_config, prepare
 
 # Room for the extra turns on the coupled side (toy-calc's extra_turns, 3 by default).
 MAP_BUDGET = {"max_turns": 6, "max_tokens_per_turn": 32, "max_total_tokens": 256}
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-minutes", type=float, default=BUDGET_MINUTES,
         help=f"minutes for the whole map, cold start included; seeds are added while they fit (default {BUDGET_MINUTES:g})",
     )  # fmt: skip
+    add_cold_start_flag(p)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
     a = p.parse_args(argv)
     size = dict(MAP_TINY if a.tiny else MAP_SIZE)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
-    prepare(out, size, data_seed=0, max_positions=MAP_BUDGET["max_total_tokens"])
+    prepare(out, size, data_seed=0, max_positions=MAP_BUDGET["max_total_tokens"], cold_start=a.cold_start)
     config = map_config(out, size)
     config["env_options"] = {"latency_median_s": a.latency_median, "time_neutral": a.time_neutral}
     path = out / "map.yaml"

@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from runtime.service.routes import add_service_routes
+from spopp import staleness
 from spopp.asgi import BearerAuth, BodyLimit
 from spopp.trajectory import INTAKE, INTAKE_BATCH, Delivered, Trajectory, TrajectoryBatch
 
@@ -135,14 +136,11 @@ class TrajectoryBuffer:
 
     def _stale(self, t: Trajectory) -> Refused:
         k = self.max_staleness
-        window = (
-            f"version {self.version}" if k == 0 else f"versions {max(0, self.version - k)}..{self.version}"
-        )
         return Refused(
             409,
             "stale_policy",
-            f"trajectory of policy version {t.policy_version}; this learner takes {window} "
-            f"(max_staleness {k})",
+            f"trajectory of policy version {t.policy_version}; this learner takes "
+            f"{staleness.describe(self.version, k)} (max_staleness {k})",
             policy_version=self.version,
         )
 
@@ -155,7 +153,7 @@ class TrajectoryBuffer:
         """Queue `t`: (its position in this version's stream, whether it is new) or Refused."""
         self.check_run(t)
         with self._cond:
-            if not 0 <= self.version - t.policy_version <= self.max_staleness:
+            if not staleness.trainable(t.policy_version, self.version, self.max_staleness):
                 self.refused["stale"] += 1
                 raise self._stale(t)
             if t.request_id in self._seen:
@@ -205,7 +203,7 @@ class TrajectoryBuffer:
         """A new policy version is out: what is now more than max_staleness versions old goes."""
         with self._cond:
             self.version = version
-            floor = version - self.max_staleness
+            floor = staleness.oldest_trainable(version, self.max_staleness)
             self._items = [t for t in self._items if t.policy_version >= floor]
             self._seen = {rid: vp for rid, vp in self._seen.items() if vp[0] >= floor}
             self._count, self._taken = len(self._items), 0

@@ -54,6 +54,7 @@ from runtime.agent import (
 from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Environment, Task
+from spopp import staleness
 from spopp.client import AsyncTrackerClient, RunFinished, StalePolicy, TrackerError
 from spopp.retry import RETRYABLE_STATUS, RetryPolicy
 from spopp.snapshots import snapshot_path
@@ -214,7 +215,7 @@ class Worker:
         so they go on (`swap: turn`: under the new weights from their next turn; `episode`: to
         their end under the old ones, new episodes waiting). Those older than that can only feed
         the tracker's evidence now: `drain` says whether they finish (and report) or are released."""
-        floor = version - self.max_staleness
+        floor = staleness.oldest_trainable(version, self.max_staleness)
         late = [lease for lease in self.ready if lease.policy_version < floor]
         if late:
             self.ready = [lease for lease in self.ready if lease.policy_version >= floor]
