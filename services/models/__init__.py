@@ -1,0 +1,1 @@
+"""Models a user brings: `spopp model import` (GGUF, or a package that ships one, to a Hugging Face folder)."""
