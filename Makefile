@@ -18,13 +18,10 @@ setup: $(STAMP) system
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	@# Byte-compiled on every core afterwards (pip compiles one file at a time): every process of
-	@# the suite imports from these .pyc files, and PYTHONDONTWRITEBYTECODE keeps them from being written later.
-	$(PIP) install -q --no-compile -c requirements.lock -e '.[tracker,math,rollout,evaluator,vllm,learner,report,wandb,alfworld,models,dev]'
+	$(PIP) install -q -c requirements.lock -e '.[tracker,math,rollout,evaluator,vllm,learner,report,wandb,alfworld,models,dev]'
 	@# PyPI's torchvision/torchaudio/torchcodec that vLLM pulls in are CUDA-linked and break
 	@# `import vllm` and transformers beside the CPU torch: nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") >/dev/null || true
 	@touch $(STAMP)
 
 # System binaries the tests run for real: redis-server, bubblewrap (which isolates model-written

@@ -81,6 +81,7 @@ def check_runs_and_report(out, stdout: str, *, updates: int, versions: list[int]
     return scored
 
 
+@pytest.mark.slow  # every stage of the demo, two launched runs (the stages' commands are in make test alone)
 @pytest.mark.timeout(DEMO_LIMIT_S + 60)
 def test_demo_smallest_path_every_stage(tmp_path):
     out = tmp_path / "demo"

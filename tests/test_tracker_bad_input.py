@@ -174,6 +174,15 @@ CASES = [
         413,
         "too_many_tasks",
     ),
+    (
+        # Over the cap and all one id: the cap answers (the duplicate check is never reached).
+        "one task id repeated past the cap",
+        "PUT",
+        "/tasks",
+        {"tasks": [{"task_id": "same", "alpha0": 1, "beta0": 1}] * 10_001},
+        413,
+        "too_many_tasks",
+    ),
     ("unknown task", "GET", "/tasks/nope", None, 404, "unknown_task"),
     ("values of unknown task", "POST", "/values", {"task_ids": ["q0", "nope"]}, 404, "unknown_task"),
     (
