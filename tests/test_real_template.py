@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from scripted import ScriptedEngine
 
 from runtime.agent import Budget, run_episode
 from runtime.chat import ChatRenderer
-from runtime.engines.base import Engine, Generation, SamplingConfig
+from runtime.engines.base import SamplingConfig
 from runtime.envs.base import Environment, StepResult, Task
 from runtime.envs.toy_calc import ToyCalcEnv
 
@@ -30,26 +31,6 @@ def tokenizer(smollm2):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2)
-
-
-class ScriptedEngine(Engine):
-    """Answers each turn with the next list of ids of its script; records the prompts it saw."""
-
-    def __init__(self, tokenizer, script: list[list[int]], context_tokens: int | None = None) -> None:
-        self.tokenizer, self.script, self.context_tokens = tokenizer, list(script), context_tokens
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, prompt_ids: list[int], sampling: SamplingConfig) -> Generation:
-        self.prompts.append(list(prompt_ids))
-        ids = self.script.pop(0)[: sampling.max_tokens]
-        finish = "stop" if len(ids) < sampling.max_tokens else "length"
-        return Generation(token_ids=ids, logprobs=[-0.25] * len(ids), finish_reason=finish)
-
-    async def load_weights(self, snapshot_dir) -> None:  # pragma: no cover - never swapped here
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        pass
 
 
 def _char_by_char(tokenizer, text: str) -> list[int]:

