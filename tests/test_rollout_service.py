@@ -75,14 +75,14 @@ def test_replica_drains_reloads_and_its_leases_come_back(tiny_model, tracker, cl
         with replica(
             tiny_model, tracker, sink, run_name, port, tmp_path / "replica.log", env_extra=fast_renew
         ) as proc:
-            first = sink.wait_for(6, timeout=180, version=0)
+            first = sink.wait_for(6, timeout=180, version=0, proc=proc)
             assert {t.task_id for t in first} <= {t.task_id for t in tasks}
             assert all(t.run == run_name and t.value is not None for t in first)
             # A new policy: different weights in a snapshot folder on "shared storage".
             snap = perturb_weights(tiny_model, tmp_path / "snapshots" / "v000001", scale=0.5, seed=1)
             sink.version = 1
             client.publish(run_name, 1, f"file://{snap}")
-            later = sink.wait_for(4, timeout=180, version=1)
+            later = sink.wait_for(4, timeout=180, version=1, proc=proc)
             assert _renewals(tracker) > renews_before
             health = httpx.get(replica_url + "/healthz").json()
             assert health["policy_version"] == 1
@@ -145,7 +145,7 @@ def test_abort_drain_releases_leases_and_sigterm_stops_cleanly(
         )
         sink = LearnerSink(run_name, port=learner_port)  # the learner is back, on its port
         with sink:
-            sink.wait_for(3, timeout=180, version=0)
+            sink.wait_for(3, timeout=180, version=0, proc=proc)
             # Publish while episodes are in flight; abort releases their leases at once (long
             # leases here, so nothing comes back by expiry). Episodes are short: try a few times.
             for version in range(1, 6):

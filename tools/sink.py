@@ -50,12 +50,13 @@ class LearnerSink:
     def __exit__(self, *exc) -> None:
         self._server.stop()
 
-    def wait_for(self, n: int, timeout: float, version: int | None = None) -> list[Trajectory]:
-        """The first `n` or more trajectories (of `version`, when given) once they are here."""
+    def wait_for(self, n: int, timeout: float, version: int | None = None, proc=None) -> list[Trajectory]:
+        """The first `n` or more trajectories (of `version`, when given) once they are here; with
+        `proc` (the process that sends them), its exit ends the wait at once (ProcessExited)."""
 
         def got() -> list[Trajectory] | None:
             self._drain()
             found = [t for t in self.accepted if version is None or t.policy_version == version]
             return found if len(found) >= n else None
 
-        return wait_until(got, timeout, f"{n} trajectories (version {version})")
+        return wait_until(got, timeout, f"{n} trajectories (version {version})", proc=proc)
