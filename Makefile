@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map
+.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map
 
 setup: $(STAMP) system
 
@@ -121,6 +121,14 @@ demo-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --quick $(if $(SEEDS),--seeds "$(SEEDS)") \
 		$(if $(LORA),--lora $(if $(filter 1,$(LORA)),8,$(LORA)) --out demo-quick-lora-out,--out demo-quick-out)
 
+# SPO++ with LoRA on a real pretrained instruct model (SmolLM2-135M-Instruct, imported from its PyPI
+# package): about 45 minutes on 2 cores (README, "Your own model"). PAIRED=1 adds SPO; DEVICE=cuda
+# runs it on GPU 0. Output: demo-real-out/ (summary.json and each run's folder).
+PAIRED ?=
+DEVICE ?= cpu
+demo-real: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo_real --out demo-real-out --device $(DEVICE) $(if $(PAIRED),--paired)
+
 # When does SPO++ beat SPO? The demo's setting over a coupling x latency grid (tools/map.py):
 # SPO, SPO++ (trajectory norm.) and SPO++ on every seed of every cell; resumable. SEEDS="0 1 2 3".
 map: setup
@@ -157,4 +165,4 @@ compose-clean:
 	python3 deploy/compose_cpu.py --clean
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-quick-lora-out demo-alfworld-out demo-alfworld-quick-out map-out
+	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-real-out demo-quick-lora-out demo-alfworld-out demo-alfworld-quick-out map-out

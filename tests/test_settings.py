@@ -115,3 +115,20 @@ def test_text_stays_text_and_structured_values_are_read_as_yaml():
         env={"SPOPP_ROLLOUT_ENGINE_OPTIONS": "{device: cpu, max_model_len: 512}"}, flags={"model": "m"}
     )
     assert r.engine_options == {"device": "cpu", "max_model_len": 512}
+
+
+@pytest.mark.parametrize("command", ["rollout serve", "evaluator run"])
+def test_an_engine_option_that_is_a_field_of_its_own_is_refused(command):
+    """engine_options.lora_rank would be passed to the engine beside the section's own lora_rank:
+    the evaluator died on it at start-up, again at every restart. Refused where the settings are
+    read, with the field to use."""
+    required, _ = COMMANDS[command]
+    flags = [x for k, v in required.items() for x in (f"--{k.replace('_', '-')}", v)]
+    out = CliRunner().invoke(
+        build(), [*command.split(), *flags, "--engine-options", "{lora_rank: 8}", "--print-config"]
+    )
+    assert out.exit_code != 0
+    assert "engine_options.lora_rank is not an engine option here" in out.output
+    assert "set the section's own lora_rank" in out.output
+    ok = CliRunner().invoke(build(), [*command.split(), *flags, "--lora-rank", "8", "--print-config"])
+    assert ok.exit_code == 0 and yaml.safe_load(ok.output)["lora_rank"] == 8

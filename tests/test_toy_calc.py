@@ -19,10 +19,13 @@ from runtime.engines.base import SamplingConfig
 from runtime.envs import env_factory
 from runtime.envs.base import Task
 from runtime.envs.toy_calc import (
+    SHOTS,
+    TOOL_PROMPT,
     ToolError,
     ToyCalcEnv,
     evaluate_tool_code,
     generate_toy_calc_tasks,
+    heldout_expression,
     make_task,
     write_toy_calc_tasks,
 )
@@ -281,3 +284,51 @@ def test_cold_start_smoke_writes_a_loadable_model_and_seeded_evaluation_ignores_
     assert r["episodes"] == 4
     assert len(together) == 12 and [e.token_ids for e in together] == [e.token_ids for e in alone]
     assert [e.token_ids for e in together] != [e.token_ids for e in other]
+
+
+# -- for instruct models: the tool described, worked episodes before the task --------------------
+
+
+def test_describe_tool_and_shots_open_the_chat_with_worked_episodes():
+    env = ToyCalcEnv(describe_tool=True, shots=2)
+    messages = env.reset(Task("t", "518*40+73", "20793"))
+    assert messages[0] == {"role": "system", "content": TOOL_PROMPT}
+    assert [m["role"] for m in messages[1:]] == ["user", "assistant", "tool", "assistant"] * 2 + ["user"]
+    assert messages[-1] == {"role": "user", "content": "518*40+73"}
+    for k, (expr, value) in enumerate(SHOTS):
+        user, call, out, ans = messages[1 + 4 * k : 5 + 4 * k]
+        assert (user["content"], call["content"]) == (expr, f"<code>{expr}</code>")
+        # Each worked episode is one the environment itself scores as a win, through the tool.
+        demo = ToyCalcEnv()
+        demo.reset(Task("shot", expr, str(value)))
+        assert demo.step(call["content"]).messages == [out]
+        assert demo.step(ans["content"]).reward == 1.0
+    # The examples come from the training split: no held-out task is shown with its answer.
+    for expr, _ in SHOTS:
+        a, rest = expr.split("*")
+        b, c = rest.split("+")
+        assert not heldout_expression(int(a), int(b), int(c)), expr
+    # The episode itself is scored as before: the examples are context, not turns of its own.
+    assert env.step("<code>518*40+73</code>").messages == [{"role": "tool", "content": "<out>20793</out>"}]
+    assert env.step("<ans>20793</ans>").reward == 1.0
+
+
+def test_shots_alone_keep_the_models_own_system_prompt():
+    messages = ToyCalcEnv(shots=1).reset(Task("t", "1*2+3", "5"))
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "user"]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"shots": 3}, "shots must be an integer in 0..2"),
+        ({"shots": -1}, "shots must be an integer in 0..2"),
+        ({"shots": True}, "shots must be an integer"),
+        ({"shots": "2"}, "shots must be an integer"),
+        ({"describe_tool": "yes"}, "describe_tool must be true or false"),
+        ({"describe_tool": True, "system_prompt": "x"}, "not both"),
+    ],
+)
+def test_bad_instruct_options_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        ToyCalcEnv(**options)

@@ -252,6 +252,16 @@ CASES = [
     ("heartbeat worker id with a quote", "POST", "/workers/a%22b", {"trajectories": 1, "episodes": 1}, 422, "invalid"),
     ("release worker id of 129", "POST", "/workers/" + "w" * 129 + "/release", None, 422, "invalid"),
     ("release worker id with a space", "POST", "/workers/a%20b/release", None, 422, "invalid"),
+    # Strict types on the wire: JSON's true is no number, "0.25" no reward, 1.0 no integer (before,
+    # {"version": true} published version 1 and each of these was accepted).
+    ("policy version true", "POST", "/policy", {"version": True, "snapshot": "s1"}, 422, "invalid"),
+    ("policy version 1.0", "POST", "/policy", {"version": 1.0, "snapshot": "s1"}, 422, "invalid"),
+    ("reward true", "POST", "/outcomes", {"outcomes": [{"request_id": "REQ2", "reward": True}]}, 422, "invalid"),
+    ("reward as text", "POST", "/outcomes", {"outcomes": [{"request_id": "REQ2", "reward": "0.25"}]}, 422, "invalid"),
+    ("max_requests true", "POST", "/dispatch", {"worker_id": "w", "policy_version": 0, "max_requests": True}, 422,
+     "invalid"),
+    ("alpha0 as text", "PUT", "/tasks", {"tasks": [{"task_id": "q9", "alpha0": "1", "beta0": 1.0}]}, 422, "invalid"),
+    ("outcomes of true", "PUT", "/tasks", {"tasks": [{"task_id": "q9", "outcomes": [True, 0]}]}, 422, "invalid"),
 ]  # fmt: skip
 
 
@@ -278,6 +288,14 @@ def test_bad_input_is_refused_and_changes_nothing(
     detail = resp.json()["detail"]
     assert detail["code"] == code and detail["message"]
     assert snapshot(client, run) == before
+
+
+def test_an_integer_is_still_a_number_where_a_number_is_asked(api, live):
+    """Strictness refuses other types, not an integer for a real: reward 1 (JSON 1, not 1.0) is a reward."""
+    run, reqs = live
+    resp = _send(api, "POST", f"/v1/runs/{run}/outcomes", raw=b'{"outcomes": [{"request_id": "%s", "reward": 1}]}'
+                 % reqs[2].request_id.encode(), headers={"content-type": "application/json"})  # fmt: skip
+    assert resp.status_code == 200, resp.text
 
 
 def test_validation_message_names_the_field(api, live):

@@ -13,6 +13,14 @@ Anything else (text around a block, an unclosed block, two blocks) ends the epis
 beyond `max_tool_calls` end it with reward 0 (`finish == "tool_budget"`). Stop strings `</code>` and
 `</ans>` end a turn right after its block, so the model never writes the tool output itself.
 
+For a pretrained instruct model (env_options, both off by default): `describe_tool` opens the
+conversation with a system message that describes the tool and the answer format (TOOL_PROMPT), and
+`shots` (0-2) puts that many worked episodes before the task, as earlier turns of the same chat
+(user: the expression; assistant: the tool call; tool: its output; assistant: the answer). A small
+instruct model follows a demonstrated format far more often than a described one: SmolLM2-135M,
+sampled at T = 1 on 32 held-out tasks, wrote the exact tool call for 0 of them with one example and
+20 with two. The examples are fixed expressions of the training split, never a held-out task.
+
 Two knobs for `spopp map` and a switch for the first (env_options; all off by default, and nothing
 else changes with them):
 
@@ -58,6 +66,8 @@ from .base import Environment, StepResult, Task
 
 __all__ = [
     "ToyCalcEnv",
+    "SHOTS",
+    "TOOL_PROMPT",
     "ToolError",
     "evaluate_tool_code",
     "generate_toy_calc_tasks",
@@ -68,6 +78,15 @@ __all__ = [
 SPLITS = ("train", "heldout")
 # One expression in eight is held out: about 911k of the 7.29M expressions, far more than any run sees.
 HELDOUT_EIGHTHS = 1
+
+# The system message of `describe_tool`: the tool, the one-block-per-turn rule and both formats.
+TOOL_PROMPT = (
+    "You are a calculator assistant. To compute, write <code>EXPRESSION</code>; the tool replies "
+    "<out>VALUE</out>. Then give the final answer as <ans>NUMBER</ans>."
+)
+# The worked episodes of `shots`, (expression, value): training-split expressions (checked by
+# tests/test_toy_calc.py), so that no held-out task is ever shown with its answer.
+SHOTS = (("123*45+6", 5541), ("402*17+88", 6922))
 
 MAX_CODE_CHARS = 64
 MAX_DEPTH = 16
@@ -198,6 +217,8 @@ class ToyCalcEnv(Environment):
         *,
         max_tool_calls: int = 2,
         system_prompt: str | None = None,
+        describe_tool: bool = False,
+        shots: int = 0,
         coupling: float = 0.0,
         extra_turns: int = 3,
         latency_sigma: float = 0.0,
@@ -212,8 +233,15 @@ class ToyCalcEnv(Environment):
             raise ValueError(f"latency_sigma must lie in [0, 4], got {latency_sigma!r}")
         if not 0.0 < latency_median_s <= 10.0:
             raise ValueError(f"latency_median_s must lie in (0, 10], got {latency_median_s!r}")
+        if not isinstance(describe_tool, bool):
+            raise ValueError(f"describe_tool must be true or false, got {describe_tool!r}")
+        if describe_tool and system_prompt is not None:
+            raise ValueError("give system_prompt or describe_tool, not both")
+        if isinstance(shots, bool) or not isinstance(shots, int) or not 0 <= shots <= len(SHOTS):
+            raise ValueError(f"shots must be an integer in 0..{len(SHOTS)}, got {shots!r}")
         self.max_tool_calls = max_tool_calls
-        self.system_prompt = system_prompt
+        self.system_prompt = TOOL_PROMPT if describe_tool else system_prompt
+        self.shots = shots
         self.coupling = coupling
         self.padding = round(abs(coupling) * extra_turns)
         self.latency_sigma = latency_sigma
@@ -237,6 +265,13 @@ class ToyCalcEnv(Environment):
         self.done = False
         self._decided = None
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        for expr, value in SHOTS[: self.shots]:
+            messages += [
+                {"role": "user", "content": expr},
+                {"role": "assistant", "content": f"<code>{expr}</code>"},
+                {"role": "tool", "content": f"<out>{value}</out>"},
+                {"role": "assistant", "content": f"<ans>{value}</ans>"},
+            ]
         return messages + [{"role": "user", "content": task.prompt}]
 
     def _info(self, **extra: Any) -> dict[str, Any]:

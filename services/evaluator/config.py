@@ -11,8 +11,9 @@ import re
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from runtime.engines.options import check_engine_options
 from spopp.claim_settings import ClaimSettings
 from spopp.settings import Settings
 from spopp.snapshots import HOLDER_PATTERN
@@ -34,6 +35,12 @@ class EpisodeSettings(Settings):
         description="extra engine arguments, a mapping: {device: cuda:1} (transformers), "
         "{gpu_memory_utilization: 0.8} (vllm)",
     )
+
+    @field_validator("engine_options")
+    @classmethod
+    def _engine_options(cls, v: dict) -> dict:
+        return check_engine_options(v)
+
     lora_rank: int = Field(
         0,
         ge=0,

@@ -77,6 +77,7 @@ def _echo(settings, service: str, **context):
 def _launch(
     config: Path, sets: tuple[str, ...], run_dir: Path | None, print_config: bool, check: bool, log_format
 ) -> None:
+    from .preflight import package_model, render_first_prompt
     from .run import Launcher, LaunchError
 
     try:
@@ -86,6 +87,12 @@ def _launch(
     if print_config:
         click.echo(yaml.safe_dump(settings.redacted(), sort_keys=False), nl=False)
         return
+    try:
+        imported = package_model(settings.model, echo=click.echo)
+    except ValueError as exc:
+        _fail(f"{config}: {exc}")
+    if imported is not None:
+        settings.model = imported
     launcher = Launcher(settings, echo=_echo(settings, "launch", run=settings.run))
     try:
         plan = launcher.prepare()
@@ -102,6 +109,23 @@ def _launch(
             click.echo(f"  {r.worker_id} port {r.port}, devices {devices}")
         if plan.evaluator is not None:
             click.echo(f"  evaluator port {plan.evaluator.port}, devices {settings.gpus.evaluator or 'none'}")
+        try:
+            shown = render_first_prompt(
+                Path(settings.model), Path(settings.tasks), settings.env, settings.env_options
+            )
+        except ValueError as exc:
+            _fail(f"{config}: the model cannot render a task: {exc}")
+        budget = plan.rollouts[0].max_total_tokens if plan.rollouts else None
+        click.echo(
+            f"  model    {shown['model']}: vocabulary {shown['vocab']}, context {shown['context']}; task "
+            f"{shown['task_id']} opens with {shown['tokens']} tokens (episode budget {budget}):"
+        )
+        click.echo("    " + shown["text"].replace("\n", "\n    ").rstrip())
+        if budget is not None and shown["tokens"] >= budget:
+            _fail(
+                f"{config}: the first task's prompt is {shown['tokens']} tokens, not under "
+                f"rollout.max_total_tokens {budget}: no episode could generate a token"
+            )
         return
     raise SystemExit(launcher.run())
 

@@ -13,6 +13,7 @@ rewards and drifts in receipt order (/consume).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -310,6 +311,12 @@ class Learner:
             reward_mean=sum(rewards) / len(rewards),
             success_rate=sum(r >= 1.0 for r in rewards) / len(rewards),
             response_tokens_mean=sum(lengths) / len(lengths),
+            # Every token the update ran through (prompts and observations too), per second of its
+            # own time: the learner's throughput, where tokens_per_s counts action tokens only.
+            sequence_tokens=float(sum(len(t.token_ids) for t in batch)),
+            sequence_tokens_per_s=sum(len(t.token_ids) for t in batch) / stats["update_seconds"]
+            if stats.get("update_seconds")
+            else math.nan,
             advantage_raw_mean=sum(raw) / len(raw),
             length_advantage_corr=length_advantage_corr(lengths, raw),
             batch_wait_s=waited,

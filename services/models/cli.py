@@ -34,3 +34,33 @@ def import_command(source: str, out: Path, dtype: str, cache: Path | None) -> No
     except ImportRefused as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(manifest, indent=2))
+
+
+@group.command("render")
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option(
+    "--tasks", required=True, type=click.Path(path_type=Path), help="task file; its first task is rendered"
+)
+@click.option("--env", required=True, help="environment: toy-calc, math-tir, alfworld")
+@click.option("--env-options", default="{}", help="the environment's options, a JSON or YAML mapping")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object instead of text")
+def render_command(model: Path, tasks: Path, env: str, env_options: str, as_json: bool) -> None:
+    """Render the first task of TASKS for MODEL as a replica would: the environment's opening
+    messages through the model's own chat template. Prints the token count and the prompt."""
+    import yaml
+
+    from .render import render_first_prompt
+
+    try:
+        options = yaml.safe_load(env_options)
+        if not isinstance(options, dict):
+            raise ValueError(f"--env-options {env_options!r}: not a mapping")
+        shown = render_first_prompt(model, tasks, env, options)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(shown.as_dict()))
+        return
+    click.echo(f"{shown.model}: vocabulary {shown.vocab}, context {shown.context}; task {shown.task_id} "
+               f"opens with {shown.tokens} tokens:")  # fmt: skip
+    click.echo(shown.text)

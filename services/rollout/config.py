@@ -8,8 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from runtime.engines.options import check_engine_options
 from spopp.claim_settings import ClaimSettings
 
 
@@ -29,6 +30,12 @@ class RolloutSettings(ClaimSettings):
         description="extra engine arguments, a mapping: {max_model_len: 4096}; the transformers engine "
         "runs in a process of its own unless {process: false}",
     )
+
+    @field_validator("engine_options")
+    @classmethod
+    def _engine_options(cls, v: dict) -> dict:
+        return check_engine_options(v)
+
     env: Literal["math-tir", "toy-calc", "alfworld"] = Field("math-tir", description="environment plug-in")
     env_options: dict = Field(
         default_factory=dict,

@@ -71,6 +71,10 @@ class RolloutMetrics:
             "spopp_rollout_tokens_per_second", "generated tokens/s, last minute", registry=r
         )
         self._window: list[tuple[float, int]] = []
+        # The replica's whole life, for the summary it logs when the run finishes.
+        self.total_episodes = 0
+        self.total_tokens = 0
+        self._first: float | None = None
 
     def observe_episode(self, ep) -> None:
         self.episodes.labels(ep.finish_reason).inc()
@@ -79,6 +83,18 @@ class RolloutMetrics:
         self.sandbox_failures.inc(ep.info.get("sandbox_failures", 0))
         self.engine_seconds.observe(ep.timings.get("generate_s", 0.0))
         now = time.monotonic()
+        self.total_episodes += 1
+        self.total_tokens += ep.generated_tokens
+        if self._first is None:
+            self._first = now - ep.timings.get("total_s", 0.0)
         self._window = [(t, n) for t, n in self._window if now - t < 60.0] + [(now, ep.generated_tokens)]
         span = max(now - self._window[0][0], 1.0)
         self.tokens_per_s.set(sum(n for _, n in self._window) / span)
+
+    def summary(self) -> str:
+        """Episodes and generated tokens over the replica's life, and their rate since its first
+        episode began: the line a run's summary (tools/demo_real.py) reads from the replica's log."""
+        span = time.monotonic() - self._first if self._first is not None else 0.0
+        rate = self.total_tokens / span if span > 0 else 0.0
+        return (f"{self.total_episodes} episodes, {self.total_tokens} generated tokens "
+                f"in {span:.0f} s ({rate:.1f} tokens/s)")  # fmt: skip

@@ -430,6 +430,7 @@ class Worker:
 
     def _say_finished(self, version: int) -> None:
         log.info("run %s is finished (version %d): replica %s exits", self.s.run, version, self.s.worker_id)
+        log.info("replica %s generated %s", self.s.worker_id, self.metrics.summary())
 
     # -- heartbeats ---------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
