@@ -30,7 +30,13 @@ def test_the_curve_has_task_level_standard_errors(tmp_path):
     _episodes(eps, 0, {"a": [1.0], "b": [0.0], "c": [0.0], "d": [1.0]})
     # Two samples per task: the s.e. is over the 4 task means, not the 8 episodes.
     _episodes(eps, 4, {"a": [1.0, 1.0], "b": [1.0, 0.0], "c": [1.0, 1.0], "d": [0.0, 0.0]})
-    first, second = demo_real.curve(tmp_path)
+    # A committed run's episodes are gzipped (docs/results/demo-real): read alike.
+    import gzip
+
+    with gzip.open(eps / "v000008.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"policy_version": 8, "task_id": "a", "reward": 1.0}) + "\n")
+    first, second, third = demo_real.curve(tmp_path)
+    assert (third["version"], third["success"], third["tasks"]) == (8, 1.0, 1)
     assert (first["version"], first["success"], first["tasks"]) == (0, 0.5, 4)
     # One sample per task: sqrt(p (1 - p) / (n - 1)) with the sample s.d. (n - 1 in the variance).
     assert first["se"] == pytest.approx(math.sqrt(0.25 * 4 / 3 / 4))

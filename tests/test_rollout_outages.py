@@ -160,6 +160,7 @@ def test_sigterm_stops_a_replica_in_bounded_time_while_the_learner_is_gone(
         assert took < 2 + 10, f"stopping took {took:.1f} s"
         assert proc.returncode == 0
     assert "cancelled" in log_path.read_text()  # the undelivered work is named, not dropped silently
+    assert "replica rollout-0 generated " in log_path.read_text()  # its lifetime line, at a signal too
     with httpx.Client() as h:  # and its leases were released: every task is idle again
         tasks = [
             h.get(f"{tracker.url}/v1/runs/{run_name}/tasks/{t.task_id}").json()

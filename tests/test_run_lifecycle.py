@@ -273,6 +273,11 @@ def test_a_replica_exits_0_when_its_run_finishes_and_leaves_its_counts(
         accepted = len(sink.trajectories())
     text = " ".join(log_path.read_text().split())
     assert f"run {run_name} is finished (version 0): replica rollout-0 exits" in text
+    # Its lifetime line, once: what `make demo-real` reads the replica's tokens/s from.
+    assert (
+        len(re.findall(r"replica rollout-0 generated \d+ episodes, \d+ generated tokens in \d+ s \(", text))
+        == 1
+    )
     got = client.get_run(run_name)
     assert got.counts.in_flight == 0  # every lease it held went back
     stats = got.workers["rollout-0"]

@@ -26,6 +26,7 @@ GPU: learner, replica and evaluator share GPU 0, with the transformers engine on
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -117,10 +118,12 @@ def curve(run_dir: Path) -> list[dict]:
     sqrt(p (1 - p) / (n - 1)) with one sample per task and stays honest if there are more (samples
     of one task are not independent)."""
     points = []
-    for path in sorted((run_dir / "eval" / "episodes").glob("v*.jsonl")):
+    for path in sorted((run_dir / "eval" / "episodes").glob("v*.jsonl*")):
         by_task: dict[str, list[float]] = {}
         version = None
-        for line in path.read_text().splitlines():
+        # .jsonl.gz: a run's episodes as committed under docs/results/ (the data behind the README)
+        text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+        for line in text.splitlines():
             row = json.loads(line)
             version = row["policy_version"]
             by_task.setdefault(row["task_id"], []).append(float(row["reward"] > 0))
@@ -141,7 +144,7 @@ def costs(run_dir: Path) -> dict:
     times = [r["time"] for r in rows]
     gaps = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
     rollout = []
-    for log in sorted((run_dir / "logs").glob("rollout-*.log")):
+    for log in sorted(run_dir.glob("logs/rollout-*.log")):
         for line in log.read_text(errors="replace").splitlines():
             if " generated tokens in " in line and "tokens/s)" in line:
                 rollout.append(float(line.rsplit("(", 1)[1].split()[0]))
@@ -229,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=None, help="learner updates per run")
     p.add_argument("--pilot", action="store_true", help="only measure version-0 success on the pilot's seed")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the wiring check's size
+    p.add_argument("--summary", type=Path, default=None, metavar="RUN_DIR",
+                   help="only print the summary of a finished run's folder (e.g. docs/results/demo-real)")  # fmt: skip
     a = p.parse_args(argv)
+    if a.summary is not None:
+        for line in summarize(a.summary)[1]:
+            print(line)
+        return 0
     size = dict(TINY if a.tiny else FULL)
     if a.updates is not None:
         size["updates"] = a.updates

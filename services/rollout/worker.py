@@ -430,7 +430,14 @@ class Worker:
 
     def _say_finished(self, version: int) -> None:
         log.info("run %s is finished (version %d): replica %s exits", self.s.run, version, self.s.worker_id)
-        log.info("replica %s generated %s", self.s.worker_id, self.metrics.summary())
+        self._log_summary()
+
+    def _log_summary(self) -> None:
+        """The replica's lifetime line (episodes, generated tokens, tokens/s), once, however it stops:
+        a finished run or a signal (the launcher stops replicas once the budget is reached)."""
+        if not getattr(self, "_summarised", False):
+            self._summarised = True
+            log.info("replica %s generated %s", self.s.worker_id, self.metrics.summary())
 
     # -- heartbeats ---------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
@@ -476,6 +483,7 @@ class Worker:
         (leases released; what was not delivered is logged and counted as lost)."""
         await self._release_ready()
         await self._settle(self.s.shutdown_seconds)
+        self._log_summary()
 
     async def _settle(self, seconds: float, include_episodes: bool = True) -> None:
         """Wait up to `seconds` for episodes, then reports, then deliveries; cancel what is left."""
