@@ -206,6 +206,10 @@ def test_a_package_model_is_imported_once_and_rendered_with_its_own_template(smo
         cli("launch", str(bad), "--check"), capture_output=True, text=True, timeout=240, env=env
     )
     assert r.returncode != 0 and "not a package name" in r.stderr
+    # spopp ablate (and map) take the same model setting, through the same import.
+    r = subprocess.run(cli("ablate", str(bad), "--out", str(tmp_path / "ab")), capture_output=True, text=True,
+                       timeout=240, env=env)  # fmt: skip
+    assert r.returncode != 0 and "not a package name" in r.stderr
 
 
 def test_set_reaches_into_sections_and_wins_over_the_file(toy, tmp_path):

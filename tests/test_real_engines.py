@@ -25,6 +25,7 @@ import asyncio
 
 import pytest
 import torch
+from test_engines import logprobs_at
 
 from runtime.chat import ChatRenderer
 from runtime.engines.base import SamplingConfig
@@ -121,8 +122,7 @@ def logprob_error(gens, prompts, model, temperature=0.0) -> float:
     worst = 0.0
     for p, g in zip(prompts, gens, strict=True):
         logits = teacher_forced(model, p, g.token_ids)
-        t = temperature if temperature > 0 else 1.0
-        want = torch.log_softmax(logits / t, -1)[torch.arange(len(g.token_ids)), torch.tensor(g.token_ids)]
+        want = logprobs_at(logits, g.token_ids, temperature)
         worst = max(worst, float((torch.tensor(g.logprobs, dtype=torch.float64) - want).abs().max()))
     return worst
 

@@ -74,10 +74,22 @@ def _echo(settings, service: str, **context):
     return click.echo
 
 
+def _import_package_model(settings: LaunchSettings, config: Path) -> None:
+    """`model: pkg:<package>`: imported once (preflight), then the run uses the imported folder."""
+    from .preflight import package_model
+
+    try:
+        imported = package_model(settings.model, echo=click.echo)
+    except ValueError as exc:
+        _fail(f"{config}: {exc}")
+    if imported is not None:
+        settings.model = imported
+
+
 def _launch(
     config: Path, sets: tuple[str, ...], run_dir: Path | None, print_config: bool, check: bool, log_format
 ) -> None:
-    from .preflight import package_model, render_first_prompt
+    from .preflight import render_first_prompt
     from .run import Launcher, LaunchError
 
     try:
@@ -87,12 +99,7 @@ def _launch(
     if print_config:
         click.echo(yaml.safe_dump(settings.redacted(), sort_keys=False), nl=False)
         return
-    try:
-        imported = package_model(settings.model, echo=click.echo)
-    except ValueError as exc:
-        _fail(f"{config}: {exc}")
-    if imported is not None:
-        settings.model = imported
+    _import_package_model(settings, config)
     launcher = Launcher(settings, echo=_echo(settings, "launch", run=settings.run))
     try:
         plan = launcher.prepare()
@@ -239,6 +246,7 @@ def _matched(
 
     try:
         base = resolve(config, sets)
+        _import_package_model(base, config)
         seed_list = [int(x) for x in seeds.split(",") if x.strip()]
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from None

