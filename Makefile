@@ -73,7 +73,9 @@ test-slow: setup
 # tier". It runs where the dependencies already are and installs nothing (no setup, no index): the
 # venv of `make setup` when there is one, else the machine's python3 (a cluster image, or the wheels
 # of ../shared/gpu/wheelhouse.sh after `source .whl/install.sh`). Without a CUDA GPU it says so in
-# one line and stops.
+# one line and stops. The launched runs (mostly CPU-bound processes around a toy model) run as a
+# second pytest beside the in-process tests: the tier's wall time is what a GPU lease is short of,
+# and each test reads its own process's peak memory, which the other process does not touch.
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 test-gpu:
 	@if ! $(GPU_PY) -c "import torch" >/dev/null 2>&1; then \
@@ -82,8 +84,13 @@ test-gpu:
 		echo "make test-gpu: skipped, no CUDA GPU here (torch.cuda.is_available() is False)"; exit 0; fi; \
 	if ! $(GPU_PY) -c "import deepspeed, transformers, fastapi, redis, pytest" >/dev/null 2>&1; then \
 		echo "make test-gpu: $(GPU_PY) cannot import deepspeed, transformers, fastapi, redis and pytest all" >&2; exit 2; fi; \
-	SPOPP_GPU_TIER=1 PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" PATH="$(CURDIR)/$(VENV)/bin:$$PATH" \
-		$(GPU_PY) -m pytest -q -p no:xdist -rs --durations=10 tests/gpu
+	export SPOPP_GPU_TIER=1 PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; \
+	launch_log=$$(mktemp); \
+	$(GPU_PY) -m pytest -q -p no:xdist -p no:cacheprovider -rs tests/gpu/test_launch_gpu.py >$$launch_log 2>&1 & launch=$$!; \
+	$(GPU_PY) -m pytest -q -p no:xdist -rs --durations=10 --ignore=tests/gpu/test_launch_gpu.py tests/gpu; rest=$$?; \
+	wait $$launch; launched=$$?; \
+	echo "== tests/gpu/test_launch_gpu.py, run beside the rest (exit $$launched) =="; cat $$launch_log; rm -f $$launch_log; \
+	test $$rest -eq 0 && test $$launched -eq 0
 
 # The in-process tier: pure functions, the services' apps through TestClient, a real redis-server
 # where the store needs one; no test of the `process` tier (nor of the slow tier). Meant to take under 2 minutes (2 min 43 s measured: README).

@@ -122,7 +122,7 @@ def memory_settings(model: Path, repeats: int) -> dict:
 
     from services.learner.batch import collate, plan_micro_batches
     from services.learner.config import LearnerSettings
-    from services.learner.engine import build_engine
+    from services.learner.engine import build_engine, release_engine
     from services.learner.logprobs import token_logprobs
     from services.learner.plan import saved_bytes
 
@@ -170,7 +170,7 @@ def memory_settings(model: Path, repeats: int) -> dict:
                 exclude=list(engine.module.parameters()),
             )
         print(f"{name}: {out[name]:,.0f} tok/s", file=sys.stderr, flush=True)
-        engine.destroy()
+        release_engine(engine)
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return out

@@ -104,7 +104,7 @@ def run_task(
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from services.learner.config import LearnerSettings
-    from services.learner.engine import build_engine
+    from services.learner.engine import build_engine, release_engine
     from services.learner.snapshot import gather_state_dict, publish_snapshot
     from services.learner.update import run_update
 
@@ -166,7 +166,7 @@ def run_task(
         "trainable": sorted(n for n, p in engine.module.named_parameters() if p.requires_grad),
     }
     if hasattr(engine, "destroy"):
-        engine.destroy()
+        release_engine(engine)  # ZeRO-3 would keep the model alive in DeepSpeed's module state
     del engine
     gc.collect()
     return result

@@ -18,9 +18,11 @@ import torch
 from learner_worker import run_task
 from test_learner_update import (
     BF16_GRAD_RTOL,
+    U,
     _bf16_cfg,
     _cfg,
     _dist_env,
+    _norm,
     _token_cfg,
     batch,
     bounded_reference,
@@ -29,6 +31,7 @@ from test_learner_update import (
     model_rel_err,
     reference_update,
     rel_err,
+    within_noise,
 )
 
 pytestmark = [
@@ -57,18 +60,44 @@ def cuda_reference(tiny_model, batch):
     return bounded_reference(tiny_model, trajs, adv, _cfg(1, 2, 2), device="cuda")
 
 
-def check_on_both_devices(result: dict, cuda_ref: dict, cpu_ref: dict, initial: dict) -> None:
+def check_on_both_devices(
+    result: dict, cuda_ref: dict, cpu_ref: dict, initial: dict, report: list[str]
+) -> None:
     """The CUDA update within the GPU's fp32 noise of the GPU's float64 reference; then, as a second
-    check, within the noise of either device (the larger) of the CPU's float64 reference. The two
-    float64 references agree to ~1e-15 (checked), so the second check can only fail where the CUDA
-    learner is off by more than the two devices' fp32 noise, which is what the first bounds more
-    tightly: it guards the reference's own device code. On an H200 the old fixed bound of 1e-5
-    failed at 1.07e-5 over the whole model against the CPU's fp32 reference; that was the devices'
-    different roundings, which this bound measures rather than guesses."""
+    check, within the noise of either device (the larger) of the CPU's float64 reference.
+
+    The two float64 references are not one function to 1e-15: transformers computes the rotary
+    tables in fp32 whatever the model's dtype (autocast off, `.float()`), each device with its own
+    cos and sin, so they differ by what that fp32 rounding carries through the update. On an H200
+    the updated embedding of the two differed by 3.0e-8 (relative; 1e-12 was asked and failed).
+    That is a sliver of the fp32 noise the variants measure (every operation rounded to fp32, not
+    one table), so the references must agree within it: a CUDA reference whose own device code were
+    wrong would not, and the second check would then catch what the first, against that reference,
+    could miss. On an H200 the old fixed bound of 1e-5 failed at 1.07e-5 over the whole model
+    against the CPU's fp32 reference; that was the devices' different roundings, which these bounds
+    measure rather than guess."""
     check_against_reference(result, cuda_ref, initial)
-    for name, want in cpu_ref["exact"]["state"].items():
-        assert rel_err(cuda_ref["exact"]["state"][name], want) < 1e-12, name
-    cross = {**cpu_ref, "variants": cpu_ref["variants"] + cuda_ref["variants"]}
+    cpu, cuda = cpu_ref["exact"], cuda_ref["exact"]
+    variants = cpu_ref["variants"] + cuda_ref["variants"]
+    for m, grads in enumerate(cpu["grads"]):
+        within_noise(
+            "float64 across devices, gradients", cuda["grads"][m], grads, [v["grads"][m] for v in variants]
+        )
+    names = list(cpu["state"])
+
+    def change(state: dict) -> dict:
+        return {n: state[n].double() - initial[n].double() for n in names}
+
+    floors = {n: 2 * U * _norm(initial[n]) for n in names}
+    within_noise("float64 across devices, change", change(cuda["state"]), change(cpu["state"]),
+                 [change(v["state"]) for v in variants], floors)  # fmt: skip
+    line = (
+        f"float64 references, CUDA against CPU: gradients {model_rel_err(cuda['grads'][0], cpu['grads'][0]):.1e}, "
+        f"change {model_rel_err(change(cuda['state']), change(cpu['state'])):.1e} (relative, whole model)"
+    )
+    if line not in report:
+        report.append(line)
+    cross = {**cpu_ref, "variants": variants}
     check_against_reference(result, cross, initial)
 
 
@@ -86,17 +115,19 @@ def test_the_process_group_is_nccl_on_cuda():
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp32_update_on_cuda_matches_the_reference(
-    tiny_model, batch, reference, cuda_reference, initial, stage
+    tiny_model, batch, reference, cuda_reference, initial, stage, gpu_report
 ):
     trajs, adv = batch
     result = run_task(tiny_model, trajs, adv, {"cfg": _cfg(stage, 2, 2), "grads": True})
-    check_on_both_devices(result, cuda_reference, reference, initial)
+    check_on_both_devices(result, cuda_reference, reference, initial, gpu_report)
 
 
-def test_token_budget_on_cuda_matches_the_reference(tiny_model, batch, reference, cuda_reference, initial):
+def test_token_budget_on_cuda_matches_the_reference(
+    tiny_model, batch, reference, cuda_reference, initial, gpu_report
+):
     trajs, adv = batch
     result = run_task(tiny_model, trajs, adv, {"cfg": _token_cfg(2, 2, 400), "grads": True})
-    check_on_both_devices(result, cuda_reference, reference, initial)
+    check_on_both_devices(result, cuda_reference, reference, initial, gpu_report)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
