@@ -437,7 +437,7 @@ def section(result: dict, setup: Setup) -> str:
     lines = [
         HEAD,
         "",
-        f"Command: `source .whl/install.sh && python3 -m bench.learner_gpu --out BENCHMARKS.md` on "
+        f"Command: `source .whl/install.sh && python3 -m bench.learner_gpu {' '.join(sys.argv[1:])}` on "
         f"{result['device']} ({result['gpu_gib']:.0f} GiB), {time.strftime('%Y-%m-%d')}: {setup.dtype}, sdpa, "
         f"random weights, {setup.batch} ALFWorld-like trajectories in one mini-batch, micro_batch_tokens "
         f"{setup.budget}, median of {setup.repeats} updates after a warm-up. Dense {setup.dtype} peak measured "

@@ -23,6 +23,7 @@ from spopp.net import free_port
 from .batch import accumulation_steps
 from .config import LearnerSettings
 from .lora import apply_lora
+from .zero3_state import forget_model
 
 
 def init_distributed() -> tuple[int, int]:
@@ -159,43 +160,12 @@ def build_engine(cfg: LearnerSettings, model_dir: str | Path | None = None) -> t
 
 
 def release_engine(engine: Any) -> None:
-    """Destroy `engine` and drop what DeepSpeed's ZeRO-3 keeps of it in module-level state, so its
-    weights, gradients and optimizer states can be freed (the learner builds one engine per process;
-    the bench and the tests build several in one and would otherwise hold each one's GPU memory).
-
-    In deepspeed 0.19.8, ZeRO-3 pushes the model onto parameter_offload.FWD_MODULE_STACK when the
-    engine is made and never pops it; PartitionedParameterCoordinator.__params_to_release is an
-    lru_cache on the class, keyed by the coordinator and the modules; and ZeRO-3 swaps
-    torch.nn.functional.linear for its own "until manually reset" (partition_parameters.py). On an
-    H200 a destroyed 1.5B ZeRO-3 engine left 23 GiB allocated through these. Each is undone only
-    where it exists, so another DeepSpeed version loses nothing but the clean-up."""
+    """Destroy `engine` and drop what DeepSpeed's ZeRO-3 keeps of it in module-level state
+    (zero3_state.py), so its weights, gradients and optimizer states can be freed: the learner
+    builds one engine per process, but the bench and the tests build several in one."""
     import gc
-
-    import torch
 
     module = getattr(engine, "module", None)
     engine.destroy()
-    try:
-        from deepspeed.runtime.zero import parameter_offload
-        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
-        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-    except ImportError:  # pragma: no cover - a DeepSpeed without these modules keeps none of this
-        return
-    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
-    if isinstance(stack, list) and module is not None:
-        stack[:] = [m for m in stack if m is not module]
-    # The cache sits under DeepSpeed's nvtx wrapper (a closure), not always a functools.wraps one.
-    method = getattr(
-        PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__params_to_release", None
-    )
-    inner = [method, getattr(method, "__wrapped__", None)]
-    inner += [
-        c.cell_contents for c in getattr(method, "__closure__", None) or () if callable(c.cell_contents)
-    ]
-    for f in inner:
-        if hasattr(f, "cache_clear"):
-            f.cache_clear()
-    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
-    if original is not None:
-        torch.nn.functional.linear = original
+    forget_model(module)
     gc.collect()

@@ -36,6 +36,7 @@ from spopp.loss import policy_loss
 from .batch import Batch, TrajectoryLike, action_tokens, collate, mini_batches, plan_micro_batches
 from .config import LearnerSettings
 from .logprobs import token_logprobs
+from .zero3_state import forward_stack_depth, trim_forward_stack
 
 # Token-weighted statistics of policy_loss that are averaged over the whole update.
 _MEAN_STATS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "is_weight_mean", "is_capped_fraction")
@@ -115,18 +116,24 @@ def run_update(
     gas = int(engine.gradient_accumulation_steps())
     plan = _plan(trajs, cfg, rank, world, gas)
     engine.train()
-    batches = _collate_with_old_logp(engine, trajs, adv, plan, version)
-    tally = _Tally()
-    grad_norms: list[float] = []
-    # Undo DeepSpeed's mean over accumulation steps (engine.backward) and over ranks (reduction).
-    scale = float(world * gas)
-    for m, ((part, _), row) in enumerate(zip(plan, batches, strict=True)):
-        # Every rank holds the whole mini-batch, so each computes the same global N locally.
-        # A mini-batch without action tokens contributes zero loss; 1 avoids dividing by zero.
-        denom = max(action_tokens(trajs[part]), 1)
-        norm = _mini_batch_step(engine, row, cfg, denom, scale, tally, before_step, m)
-        if norm is not None:
-            grad_norms.append(float(norm))
+    # ZeRO-3 under gradient checkpointing leaves entries on DeepSpeed's forward-module stack every
+    # backward (zero3_state.py): put it back as it was once the update's forwards are done.
+    depth = forward_stack_depth()
+    try:
+        batches = _collate_with_old_logp(engine, trajs, adv, plan, version)
+        tally = _Tally()
+        grad_norms: list[float] = []
+        # Undo DeepSpeed's mean over accumulation steps (engine.backward) and over ranks (reduction).
+        scale = float(world * gas)
+        for m, ((part, _), row) in enumerate(zip(plan, batches, strict=True)):
+            # Every rank holds the whole mini-batch, so each computes the same global N locally.
+            # A mini-batch without action tokens contributes zero loss; 1 avoids dividing by zero.
+            denom = max(action_tokens(trajs[part]), 1)
+            norm = _mini_batch_step(engine, row, cfg, denom, scale, tally, before_step, m)
+            if norm is not None:
+                grad_norms.append(float(norm))
+    finally:
+        trim_forward_stack(depth)
     return _update_stats(engine, tally, len(plan), grad_norms, started)
 
 
