@@ -1,4 +1,5 @@
-"""ASGI middleware shared by the services: body-size limits (413) and bearer-token auth (401).
+"""ASGI middleware shared by the services: body-size limits (413), bearer-token auth (401), JSON
+objects with a repeated key refused (400); and the short form of a validation error's reply.
 
 Serving an app (uvicorn beside a service's loop, or in a thread) is the service shell's:
 runtime/service/server.py."""
@@ -75,3 +76,90 @@ class BearerAuth:
             return await self.app(scope, receive, send)
         detail = {"code": "unauthorized", "message": "missing or wrong bearer token"}
         await send_error(send, 401, detail, [(b"www-authenticate", b"Bearer")])
+
+
+# A validation error's reply lists this many errors and counts the rest: a list of 10,000 bad items
+# once answered a 13.5 MB 422 naming every one, and no reply echoes what was sent.
+MAX_ERRORS_SHOWN = 5
+MAX_ERROR_MESSAGE_CHARS = 200
+
+
+def field_name(loc) -> str:
+    """A pydantic error's location as the API names fields: "tasks.3.reward", or "body"."""
+    return ".".join(str(p) for p in loc if p != "body") or "body"
+
+
+def short_errors(errors: list[dict]) -> tuple[list[dict], int]:
+    """(the first MAX_ERRORS_SHOWN of pydantic's errors as {field, message, type}, how many there
+    were); messages cut at MAX_ERROR_MESSAGE_CHARS, inputs never included."""
+    shown = [
+        {"field": field_name(e["loc"]), "message": str(e["msg"])[:MAX_ERROR_MESSAGE_CHARS], "type": e["type"]}
+        for e in errors[:MAX_ERRORS_SHOWN]
+    ]
+    return shown, len(errors)
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _RepeatedKey(key)
+    return out
+
+
+def repeated_key(body: bytes) -> str | None:
+    """The first key that some object of this JSON document has twice; None when there is none or
+    the body is no JSON at all (the app's own parser answers that)."""
+    try:
+        json.loads(body, object_pairs_hook=_unique_keys)
+    except _RepeatedKey as exc:
+        return str(exc)
+    except ValueError:  # malformed JSON, bad UTF-8: not this check's to answer
+        return None
+    return None
+
+
+class UniqueJsonKeys:
+    """Refuse (400) a JSON body in which an object has the same key twice.
+
+    Python's json module, and so FastAPI and pydantic, keep the last of repeated keys silently:
+    `{"reward": 1, "reward": 0}` would be read as 0 by us and as 1 by a parser that keeps the
+    first. Sits inside BodyLimit and BearerAuth: only an authorised body of bounded size is read
+    here, once more than the app reads it (object_pairs_hook runs per object, linear in the body).
+    """
+
+    METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in self.METHODS:
+            return await self.app(scope, receive, send)
+        ctype = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+        # FastAPI parses a body as JSON when it says so, or when it gives no content type at all.
+        if ctype and not (ctype == b"application/json" or ctype.endswith(b"+json")):
+            return await self.app(scope, receive, send)
+        messages, chunks = [], []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        key = repeated_key(b"".join(chunks))
+        if key is not None:
+            message = f"JSON key {key[:64]!r} appears twice in one object"
+            return await send_error(send, 400, {"code": "duplicate_key", "message": message})
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)

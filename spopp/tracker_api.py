@@ -2,8 +2,8 @@
 
 Validation lives here so that the service answers 422 before it touches Redis and the client
 fails before it sends: finite numbers, rewards in [0, 1], positive priors, bounded batch sizes.
-Batch-size caps answered with 413 (tasks per call; see the README's route table) are checked by the
-service, not here.
+Every list has a max_length, which pydantic checks before the list's items; the tasks-per-call cap
+is answered 413 by the service (see the README's route table), the others 422.
 
 Every number has both bounds (the LIMITS below), chosen generous for real use and small enough
 that nothing the tracker computes from them later overflows or turns into nan: prior masses and
@@ -19,17 +19,31 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 # The one definition of an id the tracker keys on (tasks, runs' updates): the prior file and
 # `spopp prior` check task ids against TASK_ID, so no file carries a task PUT /tasks would refuse.
+# Every id is also a path segment (/v1/runs/{run}/tasks/{task_id}, .../workers/{worker_id}): no "/",
+# and not "." or ".." (which a client or proxy resolves as a path step). An id that could be created
+# but not read back (a task "a/b") was once accepted; now it is refused at creation with 422.
 MAX_ID_CHARS = 256
-ID_CHARS = "A-Za-z0-9_.:@/+=-"
+ID_CHARS = "A-Za-z0-9_.:@+=-"
 ID_PATTERN = rf"^[{ID_CHARS}]+$"
-TASK_ID = re.compile(rf"^[{ID_CHARS}]{{1,{MAX_ID_CHARS}}}$")
-Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ID_PATTERN)]
-# A worker (replica) id: also a path segment (POST /v1/runs/{run}/workers/{worker_id}), so no "/".
-WorkerId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@+=-]+$")]
+TASK_ID = re.compile(rf"^(?!\.{{1,2}}$)[{ID_CHARS}]{{1,{MAX_ID_CHARS}}}$")
+
+
+def _not_a_path_step(value: str) -> str:
+    if value in (".", ".."):
+        raise ValueError(f"{value!r} is a path step, not an id")
+    return value
+
+
+Id = Annotated[
+    str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ID_PATTERN), AfterValidator(_not_a_path_step)
+]
+WorkerId = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=ID_PATTERN), AfterValidator(_not_a_path_step)
+]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Reward = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
@@ -233,7 +247,8 @@ class TaskPrior(_Body):
 
 
 class PutTasks(_Body):
-    tasks: list[TaskPrior]
+    # The cap is checked before any task is (the service answers it 413, as before).
+    tasks: list[TaskPrior] = Field(max_length=MAX_TASKS_PER_CALL)
 
 
 class PutTasksResult(BaseModel):

@@ -48,19 +48,22 @@ class Trajectory(BaseModel):
     policy_version: int = Field(ge=0)
     # Field order matters: the mask and log-prob validators read the fields validated before them.
     token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_TOKENS)
-    action_mask: list[Annotated[int, Field(ge=0, le=1)]]
-    rollout_logprobs: list[Annotated[float, Field(allow_inf_nan=False)]]
+    # Every list is capped (checked before its items): a reply never grows with a long bad list.
+    action_mask: list[Annotated[int, Field(ge=0, le=1)]] = Field(max_length=MAX_TOKENS)
+    rollout_logprobs: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(max_length=MAX_TOKENS)
     # The policy version that generated each token, where a swap fell inside the episode (bounded
     # staleness): same length as token_ids, each >= policy_version (the dispatch's). None: every
     # token is of policy_version.
-    token_versions: list[Annotated[int, Field(ge=0, le=MAX_VERSION)]] | None = None
+    token_versions: list[Annotated[int, Field(ge=0, le=MAX_VERSION)]] | None = Field(
+        None, max_length=MAX_TOKENS
+    )
     reward: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
     value: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     # reward - value with both in [0, 1]; anything outside is a broken sender, not a big signal.
     advantage: float | None = Field(None, ge=-1.0, le=1.0, allow_inf_nan=False)
     num_turns: int = Field(ge=0)
     finish_reason: str = Field(max_length=64)
-    timings: dict[str, float] = Field(default_factory=dict)
+    timings: dict[str, float] = Field(default_factory=dict, max_length=64)
 
     @field_validator("action_mask")
     @classmethod

@@ -74,7 +74,7 @@ def test_every_task_type_is_generated_and_the_task_rows_point_at_the_games(games
     root, rels, tasks, _ = games
     assert sorted(t.meta["task_type"] for t in tasks) == sorted(TASK_TYPES)
     for rel, task in zip(rels, tasks, strict=True):
-        assert task.task_id == f"alfworld/{rel}" and task.answer == rel
+        assert task.task_id == "alfworld:" + rel.replace("/", ":") and task.answer == rel
         assert task.meta["alfworld_data"] == str(Path(root).resolve())
         assert task.prompt and "UNKNOWN" not in task.prompt
 

@@ -33,7 +33,7 @@ PRIOR = """{
  "success_rate": 0.25,
  "tasks": [
   {"task_id": "q-a", "successes": 1, "rollouts": 2, "alpha0": 4.0, "beta0": 4.0},
-  {"task_id": "q:b/1", "successes": 0, "rollouts": 2, "alpha0": 1.3333333333333333, "beta0": 6.666666666666667}
+  {"task_id": "q:b.1", "successes": 0, "rollouts": 2, "alpha0": 1.3333333333333333, "beta0": 6.666666666666667}
  ]
 }
 """
@@ -75,7 +75,7 @@ def test_a_prior_file_in_todays_format_loads_and_is_written_back_the_same(tmp_pa
     path = tmp_path / "prior.json"
     path.write_text(PRIOR)
     prior = read_prior(path)
-    assert [t.task_id for t in prior.tasks] == ["q-a", "q:b/1"] and prior.prior_mass == 8.0
+    assert [t.task_id for t in prior.tasks] == ["q-a", "q:b.1"] and prior.prior_mass == 8.0
     assert prior.meta["model"] == "/abs/model" and prior.meta["rollouts"] == 2
     write_prior(tmp_path / "again.json", prior)
     assert (tmp_path / "again.json").read_text() == PRIOR

@@ -152,6 +152,32 @@ def test_each_malformed_trajectory_is_422_naming_the_field(intake, model_limits,
     assert post(url, traj(0)).status_code == 200
 
 
+def test_a_repeated_key_is_400_and_buffers_nothing(intake):
+    """{"reward": 0.0, ..., "reward": 1.0}: Python's parser would keep the last value silently, a
+    sender's another; refused whole, counted as invalid, before any field is read."""
+    buffer, url = intake
+    body = json.dumps(traj(0)).replace('"reward": 1.0', '"reward": 0.0, "reward": 1.0').encode()
+    r = post(url, body)
+    assert r.status_code == 400 and r.json()["detail"]["code"] == "duplicate_key", r.text
+    assert "'reward'" in r.json()["detail"]["message"]
+    assert len(buffer) == 0 and buffer.accepted == 0
+    assert refused(scrape(url), "invalid") == 1
+
+
+def test_a_long_bad_list_gets_a_short_reply(intake):
+    """Every item of a 15,000-token mask bad: the reply lists the first few errors and counts them
+    all, never an echo of the list (it was one error entry per item)."""
+    buffer, url = intake
+    n = 15_000  # about 200 KB, under this intake's 256 KB body limit
+    body = traj(0, token_ids=[1] * n, action_mask=["x"] * n, rollout_logprobs=[0.0] * n)
+    r = post(url, json.dumps(body).encode())
+    assert r.status_code == 422 and len(r.content) < 4096, len(r.content)
+    detail = r.json()["detail"]
+    assert len(detail["errors"]) <= 5 and detail["error_count"] == n
+    assert detail["errors"][0]["field"] == "action_mask.0"
+    assert len(buffer) == 0
+
+
 def test_the_edges_themselves_are_accepted(intake, model_limits):
     buffer, url = intake
     limits = model_limits[0]

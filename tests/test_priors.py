@@ -29,7 +29,7 @@ def _prior() -> PriorFile:
     outcomes = {
         "q-b": [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0],
         "q-a": [0.0] * 8,
-        "q:c/1": [1.0] * 8,
+        "q:c.1": [1.0] * 8,
         "q-d": [0.5, 0.99, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # partial rewards are failures
     }
     return build_prior(outcomes, 8.0, META)
@@ -37,7 +37,7 @@ def _prior() -> PriorFile:
 
 def test_build_prior_is_the_jeffreys_prior_of_the_counts():
     prior = _prior()
-    assert [t.task_id for t in prior.tasks] == ["q-b", "q-a", "q:c/1", "q-d"]  # the order given
+    assert [t.task_id for t in prior.tasks] == ["q-b", "q-a", "q:c.1", "q-d"]  # the order given
     assert [t.successes for t in prior.tasks] == [3, 0, 8, 1]
     for t in prior.tasks:
         assert t.rollouts == 8

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 
 from runtime.service.routes import add_service_routes
 from spopp import staleness
-from spopp.asgi import BearerAuth, BodyLimit
+from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, short_errors
 from spopp.trajectory import INTAKE, INTAKE_BATCH, Delivered, Trajectory, TrajectoryBatch
 
 from .metrics import LearnerMetrics
@@ -246,9 +246,9 @@ class TrajectoryBuffer:
 
 
 class _CountDoorRefusals:
-    """Counts the intake's 401 and 413: middlewares answer those before any handler could."""
+    """Counts the intake's 400, 401 and 413: middlewares answer those before any handler could."""
 
-    _REASON = {401: "unauthorized", 413: "too_large"}
+    _REASON = {400: "invalid", 401: "unauthorized", 413: "too_large"}
 
     def __init__(self, app, metrics: LearnerMetrics) -> None:
         self.app, self.metrics = app, metrics
@@ -333,11 +333,11 @@ def _add_refusal_handlers(app: FastAPI, metrics: LearnerMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def schema(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {"field": ".".join(str(p) for p in e["loc"] if p != "body") or "body", "message": e["msg"]}
-            for e in exc.errors()
-        ]
-        return await refused(request, invalid(errors or [{"field": "body", "message": "invalid trajectory"}]))
+        shown, total = short_errors(exc.errors())
+        errors = [{"field": e["field"], "message": e["message"]} for e in shown]
+        reply = invalid(errors or [{"field": "body", "message": "invalid trajectory"}])
+        reply.detail["error_count"] = total
+        return await refused(request, reply)
 
 
 def ingest_app(
@@ -367,7 +367,9 @@ def ingest_app(
         metrics=metrics.registry,
     )
     _add_refusal_handlers(app, metrics)
-    # Added innermost first: auth is decided before the body is read, and counted outside both.
+    # Added innermost first: auth is decided before the body is read, and counted outside both;
+    # repeated JSON keys are looked for in an authorised body of bounded size only.
+    app.add_middleware(UniqueJsonKeys)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(BearerAuth, token=token)
     app.add_middleware(_CountDoorRefusals, metrics=metrics)

@@ -23,8 +23,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
 from spopp import __version__
-from spopp.asgi import BearerAuth, BodyLimit
+from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, field_name, short_errors
 from spopp.retry import RetryPolicy
+from spopp.tracker_api import MAX_TASKS_PER_CALL
 
 from .config import TrackerSettings
 from .errors import ApiError, error_response, unavailable
@@ -114,14 +115,29 @@ async def wait_for_redis(client: aioredis.Redis, seconds: float) -> None:
             await asyncio.sleep(delay)
 
 
-def _field(loc) -> str:
-    return ".".join(str(p) for p in loc if p != "body") or "body"
-
-
 def _validation_message(exc: RequestValidationError) -> JSONResponse:
-    errors = [{"field": _field(e["loc"]), "message": e["msg"], "type": e["type"]} for e in exc.errors()]
+    raw = exc.errors()
+    # Tasks per PUT are capped by the model, checked before any task (pydantic checks a list's
+    # max_length first), and answered 413 as the API has always answered that cap.
+    for e in raw:
+        if e["type"] == "too_long" and field_name(e["loc"]) == "tasks":
+            count = (e.get("ctx") or {}).get("actual_length")
+            return error_response(
+                413,
+                {
+                    "code": "too_many_tasks",
+                    "message": f"at most {MAX_TASKS_PER_CALL} tasks per call",
+                    "count": count,
+                },
+            )
+    errors, total = short_errors(raw)
     first = errors[0] if errors else {"field": "body", "message": "invalid request"}
-    detail = {"code": "invalid", "message": f"{first['field']}: {first['message']}", "errors": errors}
+    detail = {
+        "code": "invalid",
+        "message": f"{first['field']}: {first['message']}",
+        "errors": errors,
+        "error_count": total,
+    }
     return JSONResponse({"detail": detail}, status_code=422)
 
 
@@ -154,6 +170,9 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
     for module in V1_ROUTERS:
         app.include_router(module.router, prefix="/v1")
     health.add_health_routes(app)
+    # Outermost last: auth, then the size limit, then metrics, then repeated JSON keys (only an
+    # authorised, bounded body is read for them).
+    app.add_middleware(UniqueJsonKeys)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, token=settings.api_token)

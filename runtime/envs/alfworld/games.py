@@ -7,7 +7,7 @@ object: `pddl_domain`, `grammar` with the goal text filled in, `pddl_problem`, `
 (the paper's 128 tasks are one such list); `write_alfworld_tasks` turns it into the JSONL that every
 spopp service loads with `runtime.tasks.load_tasks`:
 
-    {"task_id": "alfworld/<rel>", "prompt": <the game's goal text>, "answer": "<rel>",
+    {"task_id": "alfworld:<rel with ':' for '/'>", "prompt": <the game's goal text>, "answer": "<rel>",
      "task_type": ..., "alfworld_data": <root, unless the tasks are written portable>}
 
 The `answer` is the game itself (the game, not a string, decides the reward). A row without
@@ -41,7 +41,9 @@ __all__ = [
 
 DATA_DIR = "json_2.1.1"
 GAME_FILE = "game.tw-pddl"
-TASK_ID_PREFIX = "alfworld/"
+# Ids carry no "/" (they are path segments of the tracker's API): the game's path with ":" between
+# its parts, which no ALFWorld folder name contains. The answer keeps the path itself.
+TASK_ID_PREFIX = "alfworld:"
 TASK_TYPES = (
     "pick_and_place_simple",
     "look_at_obj_in_light",
@@ -177,7 +179,12 @@ def task_for_game(rel: str, root: str | os.PathLike | None = None, *, portable: 
     meta = {"task_type": _task_type(rel, path.parent)}
     if not portable:
         meta["alfworld_data"] = str(data_root(root).resolve())
-    return Task(task_id=TASK_ID_PREFIX + _check_rel(rel, "game"), prompt=spec.goal, answer=rel, meta=meta)
+    return Task(
+        task_id=TASK_ID_PREFIX + _check_rel(rel, "game").replace("/", ":"),
+        prompt=spec.goal,
+        answer=rel,
+        meta=meta,
+    )
 
 
 def write_alfworld_tasks(
