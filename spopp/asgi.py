@@ -58,18 +58,22 @@ class BodyLimit:
 
 
 class BearerAuth:
-    """Every /v1 route needs `Authorization: Bearer <token>` when a token is configured.
+    """Every /v1 route needs `Authorization: Bearer <token>` when a token is configured, and so do
+    the exact paths in `also` (the tracker's /metrics where it binds beyond loopback).
 
     A middleware rather than a route dependency so that auth is decided before the body is
     parsed: a caller without the token learns nothing from validation errors.
     """
 
-    def __init__(self, app, token: str | None) -> None:
+    def __init__(self, app, token: str | None, also: tuple[str, ...] = ()) -> None:
         self.app = app
         self.token = token.encode() if token else None
+        self.also = frozenset(also)
 
     async def __call__(self, scope, receive, send):
-        if self.token is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if self.token is None or scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if not scope["path"].startswith("/v1/") and scope["path"] not in self.also:
             return await self.app(scope, receive, send)
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer" and secrets.compare_digest(given, self.token):

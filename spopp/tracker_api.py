@@ -61,6 +61,7 @@ MIN_RHO = 1e-6
 MAX_DRIFT = 1e6
 MAX_SNAPSHOT_CHARS = 4096
 MAX_WORKERS_PER_RUN = 4096  # workers a run keeps stats of (the tracker's default bound)
+MAX_RUNS = 4096  # runs one tracker keeps (its default bound; a new run beyond it is 409)
 MAX_COUNT = 2**53 - 1  # a worker's reported counts: exact in a double, as Lua keeps them
 MAX_REASON_CHARS = 200
 MAX_STALENESS = 64  # policy versions a trajectory may lag the learner (a bound, not a target)

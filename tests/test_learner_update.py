@@ -8,8 +8,10 @@ the update, within the rounding noise of fp32 arithmetic.
 
 How close is close enough is not guessed: it is measured on the machine running the test, with the
 kernels it runs (see `bounded_reference` and `check_against_reference`). The reference runs once in
-float64, which is the truth to about 1e-16 and so to far below anything fp32 can show, and twice in
-fp32 with its reductions in different orders. The distance of each fp32 run from the float64 one is
+float64 (all but RMSNorm's normalisation and the rotary tables, which transformers computes in fp32
+whatever the model's dtype: so it is the truth up to those few fp32 roundings, which the fp32 runs
+contain too; the GPU tier measured what they leave, 1.7e-6 between a CPU and a GPU float64 run's
+gradients), and twice in fp32 with its reductions in different orders. The distance of each fp32 run from the float64 one is
 the fp32 noise of this very computation on these kernels (AVX2, AVX-512, the scalar fallback or a
 GPU's); the learner, another fp32 evaluation of the same function in yet another order (padded
 micro-batches, ZeRO's flat buffers, DeepSpeed's reductions), must be within NOISE_FACTOR times that

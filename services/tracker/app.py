@@ -27,7 +27,7 @@ from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, field_name, short_
 from spopp.retry import RetryPolicy
 from spopp.tracker_api import MAX_TASKS_PER_CALL
 
-from .config import TrackerSettings
+from .config import TrackerSettings, metrics_need_token
 from .errors import ApiError, error_response, unavailable
 from .metrics import Metrics, MetricsMiddleware
 from .routes import (
@@ -153,7 +153,9 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
             settings.redis_url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout
         )
         await wait_for_redis(client, settings.redis_wait_seconds)
-        app.state.store = Store(client, settings.idempotency_ttl_seconds, settings.max_workers_per_run)
+        app.state.store = Store(
+            client, settings.idempotency_ttl_seconds, settings.max_workers_per_run, settings.max_runs
+        )
         app.state.health = RedisHealth(client, settings.redis_down_seconds, redis_supervisor)
         watcher = asyncio.create_task(app.state.health.watch())
         try:
@@ -175,7 +177,9 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
     app.add_middleware(UniqueJsonKeys)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(BearerAuth, token=settings.api_token)
+    app.add_middleware(
+        BearerAuth, token=settings.api_token, also=("/metrics",) if metrics_need_token(settings) else ()
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

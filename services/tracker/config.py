@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from spopp.settings import Settings
-from spopp.tracker_api import MAX_WORKERS_PER_RUN
+from spopp.tracker_api import MAX_RUNS, MAX_WORKERS_PER_RUN
 
 
 class TrackerSettings(Settings):
@@ -68,6 +68,28 @@ class TrackerSettings(Settings):
         description="workers a run keeps stats of (GET /v1/runs/{run} `workers`, /metrics); a new "
         "worker beyond it is refused with 409 too_many_workers, so no caller grows Redis without bound",
     )
+    max_runs: int = Field(
+        MAX_RUNS,
+        ge=1,
+        le=1_000_000,
+        description="runs this tracker keeps; a new run beyond it is refused with 409 too_many_runs "
+        "(existing runs answer as before), so that no caller grows Redis or a /metrics scrape without bound",
+    )
+    metrics_auth: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="whether /metrics needs the api_token too (it names runs and workers): auto is on "
+        "when the tracker binds beyond loopback (host other than 127.0.0.1, ::1, localhost) and a token is set",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn log level"
     )
+
+
+LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+def metrics_need_token(settings: TrackerSettings) -> bool:
+    """Whether /metrics asks for the bearer token (never without one to ask for)."""
+    if settings.api_token is None or settings.metrics_auth == "off":
+        return False
+    return settings.metrics_auth == "on" or settings.host not in LOOPBACK

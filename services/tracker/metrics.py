@@ -35,13 +35,10 @@ class Metrics:
     async def registries(self, store, health=None) -> list[CollectorRegistry]:
         """This process's request metrics, and a registry of the run, worker and Redis series
         read now (rendered by the service shell, runtime.service.prometheus)."""
-        runs, workers = {}, {}
-        for run in await store.runs():
-            try:
-                got = await store.get_run(run)
-            except Exception:  # a run deleted under us: skip it rather than fail the scrape
-                continue
-            runs[run], workers[run] = got["counts"], got["workers"]
+        # Two Redis round trips whatever the number of runs (Store.scrape).
+        scraped = await store.scrape()
+        runs = {run: got["counts"] for run, got in scraped.items()}
+        workers = {run: got["workers"] for run, got in scraped.items()}
         registry = CollectorRegistry()
         registry.register(_RunCollector(runs))
         registry.register(_WorkerCollector(workers))

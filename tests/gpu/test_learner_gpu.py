@@ -66,12 +66,13 @@ def check_on_both_devices(
     """The CUDA update within the GPU's fp32 noise of the GPU's float64 reference; then, as a second
     check, within the noise of either device (the larger) of the CPU's float64 reference.
 
-    The two float64 references are not one function to 1e-15: transformers computes the rotary
-    tables in fp32 whatever the model's dtype (autocast off, `.float()`), each device with its own
-    cos and sin, so they differ by what that fp32 rounding carries through the update. On an H200
-    the updated embedding of the two differed by 3.0e-8 (relative; 1e-12 was asked and failed).
-    That is a sliver of the fp32 noise the variants measure (every operation rounded to fp32, not
-    one table), so the references must agree within it: a CUDA reference whose own device code were
+    The two float64 references are not one function to 1e-15: transformers computes RMSNorm's
+    normalisation (`hidden_states.to(torch.float32)`) and the rotary tables (autocast off,
+    `.float()`) in fp32 whatever the model's dtype, and each device rounds those its own way. On an
+    H200 the updated embedding of the two differed by 3.0e-8 (relative; 1e-12 was asked and
+    failed), their gradients by 1.7e-6 and their parameter changes by 4.6e-6 over the model. That
+    is part of the fp32 noise the variants measure (every operation rounded to fp32, not these
+    few), so the references must agree within it: a CUDA reference whose own device code were
     wrong would not, and the second check would then catch what the first, against that reference,
     could miss. On an H200 the old fixed bound of 1e-5 failed at 1.07e-5 over the whole model
     against the CPU's fp32 reference; that was the devices' different roundings, which these bounds

@@ -1,9 +1,12 @@
--- ARGV: prefix, run, config_json, then field/value pairs of the run's derived settings
+-- ARGV: prefix, run, config_json, max_runs, then field/value pairs of the run's derived settings
 -- (recipe, lam, floor, lease_ms, seed, prior_mass, d_half, rho_min, rho_max, snapshot).
--- Every field is checked against the LIMITS before the run is written.
-if (#ARGV - 3) % 2 ~= 0 then return invalid('field/value pairs', #ARGV) end
+-- Every field is checked against the LIMITS before the run is written; a new run past max_runs
+-- (the tracker's bound on runs, so that no caller grows Redis or a scrape without bound) is 409.
+if (#ARGV - 4) % 2 ~= 0 then return invalid('field/value pairs', #ARGV) end
+local max_runs = tonumber(ARGV[4])
+if not max_runs or max_runs < 1 then return invalid('max_runs', ARGV[4]) end
 local f = {}
-for i = 4, #ARGV, 2 do f[ARGV[i]] = ARGV[i + 1] end
+for i = 5, #ARGV, 2 do f[ARGV[i]] = ARGV[i + 1] end
 if f.recipe ~= 'spopp' and f.recipe ~= 'spo' then return invalid('recipe', f.recipe) end
 if not positive(f.lam, MAX_LAM) then return invalid('lam', f.lam) end
 if not positive(f.floor, 1) then return invalid('floor', f.floor) end
@@ -22,9 +25,12 @@ if existing then
   if existing == ARGV[3] then return ok({ created = 0 }) end
   return fail(409, 'run_conflict', 'run exists with another configuration', { config = cjson.decode(existing) })
 end
+if redis.call('SCARD', 'spopp:runs') >= max_runs then
+  return fail(409, 'too_many_runs', 'this tracker keeps at most ' .. ARGV[4] .. ' runs', { max_runs = max_runs })
+end
 redis.call('HSET', RUN, 'config', ARGV[3], 'version', 0, 'clock', '0', 'reqseq', 0, 'draws', 0,
   'dispatches', 0, 'outcomes', 0, 'releases', 0, 'expirations', 0, 'consumed', 0)
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   if ARGV[i + 1] ~= '' then redis.call('HSET', RUN, ARGV[i], ARGV[i + 1]) end
 end
 redis.call('SADD', 'spopp:runs', ARGV[2])
