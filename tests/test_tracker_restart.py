@@ -86,15 +86,18 @@ def test_tracker_waits_for_redis_that_starts_late(tmp_path, run_name):
     import threading
     import time
 
-    from services.tracker.embedded import EmbeddedRedis
+    from services.tracker.embedded import EmbeddedRedis, redis_password
     from spopp.net import free_port
 
     port = free_port()
     got = {}
+    # The password the Redis below will ask for, made before it starts (it keeps one per folder).
+    redis_password(tmp_path)
+    env = {"SPOPP_TRACKER_REDIS_PASSWORD_FILE": str(tmp_path / "redis.password")}
     # The tracker's launcher blocks until ready, so it waits in a thread; Redis starts here, in
     # the main thread, because its death signal follows the thread that started it.
     waiter = threading.Thread(
-        target=lambda: got.setdefault("proc", TrackerProcess(f"redis://127.0.0.1:{port}/0"))
+        target=lambda: got.setdefault("proc", TrackerProcess(f"redis://127.0.0.1:{port}/0", env=env))
     )
     waiter.start()
     time.sleep(1.5)

@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import AuthenticationError, MasterDownError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MasterDownError, ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
@@ -27,7 +27,7 @@ from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, field_name, short_
 from spopp.retry import RetryPolicy
 from spopp.tracker_api import MAX_TASKS_PER_CALL
 
-from .config import TrackerSettings, metrics_need_token
+from .config import TrackerSettings, metrics_need_token, redis_password
 from .errors import ApiError, error_response, unavailable
 from .metrics import Metrics, MetricsMiddleware
 from .routes import (
@@ -107,6 +107,11 @@ async def wait_for_redis(client: aioredis.Redis, seconds: float) -> None:
         try:
             await client.ping()
             return
+        except (AuthenticationError, ResponseError) as exc:
+            # A Redis that answers but refuses us will not change its mind: say so now.
+            raise RuntimeError(
+                f"redis refused this tracker ({exc}): give its password in redis_password_file"
+            ) from exc
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             delay = attempts.next_delay()
             if delay is None:
@@ -149,9 +154,11 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         timeout = settings.redis_timeout_seconds
+        # A password in the URL (the embedded Redis's, in this process only) wins over the file's.
         client = aioredis.Redis.from_url(
-            settings.redis_url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout
-        )
+            settings.redis_url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout,
+            password=redis_password(settings),
+        )  # fmt: skip
         await wait_for_redis(client, settings.redis_wait_seconds)
         app.state.store = Store(
             client, settings.idempotency_ttl_seconds, settings.max_workers_per_run, settings.max_runs

@@ -17,6 +17,12 @@ class TrackerSettings(Settings):
     redis_url: str | None = Field(
         None, description="Redis that keeps all state (redis://host:port/db); unset: an embedded redis-server"
     )
+    redis_password_file: Path | None = Field(
+        None,
+        description="a file holding the Redis password (compose: the secrets volume's); read at start, "
+        "never given on the command line, where process lists show it. The embedded Redis makes its own "
+        "(redis.password under data_dir, 0600)",
+    )
     data_dir: Path = Field(Path("spopp-data/tracker"), description="the embedded Redis's AOF folder")
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free port)")
@@ -93,3 +99,18 @@ def metrics_need_token(settings: TrackerSettings) -> bool:
     if settings.api_token is None or settings.metrics_auth == "off":
         return False
     return settings.metrics_auth == "on" or settings.host not in LOOPBACK
+
+
+def redis_password(settings: TrackerSettings) -> str | None:
+    """The password in redis_password_file (its first line, stripped); None without one. A missing
+    or empty file is an error that names it, not a silent unauthenticated connection."""
+    if settings.redis_password_file is None:
+        return None
+    path = settings.redis_password_file
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"redis_password_file {path}: {exc.strerror or exc}") from exc
+    if not text:
+        raise ValueError(f"redis_password_file {path} is empty")
+    return text.splitlines()[0]

@@ -18,12 +18,14 @@ import collections
 import logging
 import math
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 from spopp.lifetime import die_with_parent
 from spopp.net import free_port
@@ -51,16 +53,57 @@ def find_redis_server() -> str:
     )
 
 
+PASSWORD_FILE = "redis.password"
+CONFIG_FILE = "redis.conf"
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write `text` to a new file that only its owner may read (0600 from its creation on, not
+    chmod-ed afterwards, so no other user can open it in between)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def redis_password(data_dir: Path) -> str:
+    """The embedded Redis's password: made once per data folder (32 random bytes, URL-safe) into
+    `redis.password` (0600), then read from there, so that a restart keeps it."""
+    path = Path(data_dir) / PASSWORD_FILE
+    if not path.exists():
+        Path(data_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            write_secret(path, secrets.token_urlsafe(32))
+        except FileExistsError:  # another process made it first: use theirs
+            pass
+    return path.read_text().strip()
+
+
 class EmbeddedRedis:
+    """A redis-server on 127.0.0.1 that asks for a password: anyone else on the host reaches the
+    port, so the state is behind `requirepass` (read from a 0600 config file under the data folder,
+    never on the command line, where `ps` shows it). `url` carries the password for this process's
+    clients; `address` is what may be logged."""
+
     def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.appendonly = appendonly
         self.proc: subprocess.Popen | None = None
+        self.password = redis_password(self.data_dir)
 
     @property
     def url(self) -> str:
+        return f"redis://:{quote(self.password, safe='')}@127.0.0.1:{self.port}/0"
+
+    @property
+    def address(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def _config_file(self) -> Path:
+        path = self.data_dir / CONFIG_FILE
+        path.unlink(missing_ok=True)
+        write_secret(path, f"requirepass {self.password}\n")
+        return path
 
     @property
     def pidfile(self) -> Path:
@@ -70,6 +113,7 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             find_redis_server(),
+            str(self._config_file()),
             "--port",
             str(self.port),
             "--bind",
@@ -117,8 +161,14 @@ class EmbeddedRedis:
     def _answers(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+                s.sendall(b"AUTH %s\r\nPING\r\n" % self.password.encode())
+                reply = b""
+                while reply.count(b"\r\n") < 2:
+                    chunk = s.recv(64)
+                    if not chunk:
+                        break
+                    reply += chunk
+                return reply == b"+OK\r\n+PONG\r\n"
         except OSError:
             return False
 
@@ -175,6 +225,10 @@ class SupervisedRedis:
     @property
     def url(self) -> str:
         return self.redis.url
+
+    @property
+    def address(self) -> str:
+        return self.redis.address
 
     @property
     def data_dir(self) -> Path:
@@ -264,6 +318,6 @@ class SupervisedRedis:
                 code = self.redis.proc.returncode if self.redis.proc is not None else None
                 self._stop.wait(backoff.next_delay())
                 continue
-            log.warning("embedded redis-server restarted (pid %d) on %s", self.redis.proc.pid, self.url)
+            log.warning("embedded redis-server restarted (pid %d) on %s", self.redis.proc.pid, self.address)
             self.state = "running"
             return

@@ -34,7 +34,12 @@ def serve(settings: TrackerSettings) -> None:
             start_timeout=settings.redis_wait_seconds,
         ).start()
         settings = settings.model_copy(update={"redis_url": embedded.url})
-        log.info("spopp tracker: embedded redis on %s, AOF under %s", embedded.url, embedded.data_dir)
+        log.info(
+            "spopp tracker: embedded redis on %s (password in %s), AOF under %s",
+            embedded.address,
+            embedded.data_dir / "redis.password",
+            embedded.data_dir,
+        )
     try:
         app = create_app(settings, redis_supervisor=embedded)
         asyncio.run(http.serve(app, settings.host, settings.port, log_level=settings.log_level))
