@@ -65,6 +65,16 @@ def test_a_tracker_reads_the_password_from_its_file_and_stops_at_once_without_it
             assert server.password not in open(f"/proc/{tracker.proc.pid}/cmdline").read()
         finally:
             tracker.stop()
+        # Given a URL with the password in it (an EmbeddedRedis's), TrackerProcess hands the
+        # password over in a file that is gone once the tracker has started.
+        tracker = TrackerProcess(server.url)
+        try:
+            assert server.password not in open(f"/proc/{tracker.proc.pid}/cmdline").read()
+            assert tracker._password_file is not None and not os.path.exists(tracker._password_file)
+            with TrackerClient(tracker.url) as c:
+                assert c.get_run(run_name).run == run_name
+        finally:
+            tracker.stop()
         # Without the password the tracker does not wait out redis_wait_seconds (30 s): it stops
         # at once (start-up failure, exit 3), saying that Redis refused it; a password file that is
         # not there is named, not ignored.

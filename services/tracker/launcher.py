@@ -6,11 +6,13 @@ process speaking real HTTP. It is stopped by its own pid, never by name.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from spopp.net import free_port
 from spopp.settings import environ_without_settings
@@ -40,7 +42,16 @@ class TrackerProcess:
             str(self.port),
             *args,
         ]
+        # A password in the URL (an EmbeddedRedis's) goes to the child in a 0600 file, not in its
+        # command line, where process lists would show it.
+        self._password_file: str | None = None
         if redis_url:
+            redis_url, password = _split_password(redis_url)
+            if password is not None:
+                fd, self._password_file = tempfile.mkstemp(prefix="spopp-redis-", suffix=".password")
+                with os.fdopen(fd, "w") as f:
+                    f.write(password)
+                env = {**(env or {}), "SPOPP_TRACKER_REDIS_PASSWORD_FILE": self._password_file}
             argv += ["--redis-url", redis_url]
         if data_dir:
             argv += ["--data-dir", str(data_dir)]
@@ -49,7 +60,12 @@ class TrackerProcess:
         full_env.update(env or {})
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(argv, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait_ready(timeout)
+        try:
+            self._wait_ready(timeout)
+        finally:
+            # The tracker reads the password once, at start-up: the file need not outlive that.
+            if self._password_file is not None:
+                os.unlink(self._password_file)
 
     def output(self) -> str:
         self.log.seek(0)
@@ -82,3 +98,15 @@ class TrackerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(15)
+
+
+def _split_password(url: str) -> tuple[str, str | None]:
+    """(the URL without its password, the password or None)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    host = parts.hostname or ""
+    netloc = (
+        (f"{parts.username}@" if parts.username else "") + host + (f":{parts.port}" if parts.port else "")
+    )
+    return urlunsplit(parts._replace(netloc=netloc)), unquote(parts.password)
