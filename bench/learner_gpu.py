@@ -29,7 +29,9 @@ H100 as on a 141 GB H200).
     python -m bench.learner_gpu --smoke      # CPU, gloo, a tiny shape: the same code path in seconds
     python -m bench.learner_gpu --chunking [--out BENCHMARKS.md]   # chunked log-probs vs the whole vocabulary
 
-The GPU figures still need a GPU run: the session that wrote this had none (BENCHMARKS.md says so).
+Measured on an H200 on 2026-11-27 (BENCHMARKS.md, with where the time goes; logs under
+docs/results/gpu-h200-2026-11-27/). Not yet on an H100, where the plan skips the 1.5B cases without
+checkpointing.
 """
 
 from __future__ import annotations
