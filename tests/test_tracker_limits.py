@@ -55,9 +55,13 @@ def test_a_scrape_costs_the_same_round_trips_for_one_run_or_forty(redis_url, mon
     sends: list[bytes] = []
     original = Connection.send_packed_command
 
+    # Not round trips of the scrape: the health watcher's PING, and the handshake of a connection
+    # the pool opens when the watcher holds the other one (HELLO, AUTH, CLIENT SETINFO, SELECT).
+    others = (b"PING", b"HELLO", b"AUTH", b"CLIENT", b"SELECT")
+
     async def counted(self, command, check_health=True):
         packed = command if isinstance(command, bytes | bytearray) else b"".join(command)
-        if b"PING" not in packed:
+        if not any(word in packed for word in others):
             sends.append(bytes(packed))
         return await original(self, command, check_health)
 
