@@ -18,6 +18,29 @@ async def send_error(send, status: int, detail: dict, headers: list | None = Non
     await send({"type": "http.response.body", "body": body})
 
 
+async def read_body(receive, max_bytes: int | None = None):
+    """(the request's body, a `receive` that replays what was read and then goes on); the body is
+    None once it passes `max_bytes`. For middlewares that must see a body before the app does."""
+    messages, chunks, seen = [], [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            break
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        seen += len(chunk)
+        if max_bytes is not None and seen > max_bytes:
+            return None, None
+        if not message.get("more_body", False):
+            break
+
+    async def replay():
+        return messages.pop(0) if messages else await receive()
+
+    return b"".join(chunks), replay
+
+
 class BodyLimit:
     def __init__(self, app, max_bytes: int) -> None:
         self.app = app
@@ -33,21 +56,9 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         # A chunked body has no length up front: read it (up to the limit) before the app does,
         # then replay it, so that an oversized one is refused before anything is parsed.
-        messages, seen = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                return await self._refuse(send)
-            if not message.get("more_body", False):
-                break
-
-        async def replay():
-            return messages.pop(0) if messages else await receive()
-
+        body, replay = await read_body(receive, self.max_bytes)
+        if body is None:
+            return await self._refuse(send)
         await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
@@ -149,21 +160,9 @@ class UniqueJsonKeys:
         # FastAPI parses a body as JSON when it says so, or when it gives no content type at all.
         if ctype and not (ctype == b"application/json" or ctype.endswith(b"+json")):
             return await self.app(scope, receive, send)
-        messages, chunks = [], []
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        key = repeated_key(b"".join(chunks))
+        body, replay = await read_body(receive)  # bounded by BodyLimit, outside this one
+        key = repeated_key(body)
         if key is not None:
             message = f"JSON key {key[:64]!r} appears twice in one object"
             return await send_error(send, 400, {"code": "duplicate_key", "message": message})
-
-        async def replay():
-            return messages.pop(0) if messages else await receive()
-
         await self.app(scope, replay, send)

@@ -27,7 +27,7 @@ from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, field_name, short_
 from spopp.retry import RetryPolicy
 from spopp.tracker_api import MAX_TASKS_PER_CALL
 
-from .config import TrackerSettings, metrics_need_token, redis_password
+from .config import TrackerSettings, metrics_need_token, password_from_file
 from .errors import ApiError, error_response, unavailable
 from .metrics import Metrics, MetricsMiddleware
 from .routes import (
@@ -157,7 +157,7 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
         # A password in the URL (the embedded Redis's, in this process only) wins over the file's.
         client = aioredis.Redis.from_url(
             settings.redis_url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout,
-            password=redis_password(settings),
+            password=password_from_file(settings),
         )  # fmt: skip
         await wait_for_redis(client, settings.redis_wait_seconds)
         app.state.store = Store(

@@ -101,7 +101,7 @@ def metrics_need_token(settings: TrackerSettings) -> bool:
     return settings.metrics_auth == "on" or settings.host not in LOOPBACK
 
 
-def redis_password(settings: TrackerSettings) -> str | None:
+def password_from_file(settings: TrackerSettings) -> str | None:
     """The password in redis_password_file (its first line, stripped); None without one. A missing
     or empty file is an error that names it, not a silent unauthenticated connection."""
     if settings.redis_password_file is None:
