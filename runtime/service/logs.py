@@ -10,6 +10,10 @@ servers in `server.py` leave uvicorn's own logging config out, so its loggers pr
 
 plus the event's own fields (`log.info("...", extra={"version": 3})`) and `exc_info` with the
 traceback. `bind(worker=...)` adds context learnt later (a replica's claimed worker id).
+
+Warnings and errors that repeat are rate-limited (`RepeatLimit`): a process that fails the same
+way thousands of times a second (asyncio's accept loop out of file descriptors once wrote 202 MB in
+a minute) logs the first few of each kind per minute, then one line with the count it left out.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -41,6 +46,47 @@ class _Context(logging.Filter):
             if not hasattr(record, key):  # an event's own field wins
                 setattr(record, key, value)
         return True
+
+
+class RepeatLimit(logging.Filter):
+    """At most `burst` records of one kind (logger, level, the message's first line up to 60
+    characters) per `window` seconds, for WARNING and above; the first record of a kind after a
+    window in which some were dropped says how many. INFO and below pass: a request's access line
+    is one per request, and requests are bounded by the server (runtime/service/connections.py)."""
+
+    MAX_KINDS = 1024  # kinds remembered; the oldest window is forgotten first
+
+    def __init__(self, burst: int = 10, window: float = 60.0, clock=time.monotonic) -> None:
+        super().__init__()
+        self.burst, self.window, self.clock = burst, window, clock
+        self.kinds: dict[tuple, list] = {}  # kind -> [window start, passed, dropped]
+        self.lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        first_line = str(record.msg).split("\n", 1)[0][:60]
+        kind = (record.name, record.levelno, first_line)
+        now = self.clock()
+        with self.lock:
+            state = self.kinds.get(kind)
+            if state is None or now - state[0] >= self.window:
+                dropped = state[2] if state is not None else 0
+                self.kinds.pop(kind, None)
+                if len(self.kinds) >= self.MAX_KINDS:
+                    self.kinds.pop(next(iter(self.kinds)))
+                self.kinds[kind] = [now, 1, 0]
+                if dropped:
+                    record.msg = (
+                        f"{record.msg} [{dropped} more like this in the last {self.window:.0f} s, not logged]"
+                    )
+                    record.suppressed = dropped
+                return True
+            if state[1] < self.burst:
+                state[1] += 1
+                return True
+            state[2] += 1
+            return False
 
 
 class _AccessFields(logging.Filter):
@@ -94,6 +140,7 @@ def setup_logging(
     for old in list(root.handlers):
         root.removeHandler(old)
     handler = _handler(fmt)
+    handler.addFilter(RepeatLimit())
     handler.addFilter(_Context(service=service, **context))
     root.addHandler(handler)
     root.setLevel(level)

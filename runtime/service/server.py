@@ -4,12 +4,20 @@ uvicorn's own logging config and signal capture are left out everywhere. Its log
 the one handler of `logs.setup_logging` (so `--log-format json` covers its lines too), and the
 service owns SIGTERM and SIGINT: `serve()` turns them into the service's own stop (a replica
 drains its episodes, the evaluator drops its hold), then stops the server.
+
+Every server runs under `ServerLimits` (connections.py: header and body deadlines, a connection
+cap under the file limit). Once the server is told to stop, requests in flight get
+`shutdown_timeout`; if the process is still not done SHUTDOWN_GRACE seconds after that (a lifespan
+that hangs, a loop flooded with callbacks), a watchdog thread runs the overrun hooks (the tracker's:
+stop its embedded Redis) and exits the process with EXIT_OVERRUN.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import signal
 import threading
 from collections.abc import Awaitable, Callable
@@ -20,8 +28,42 @@ import uvicorn
 from spopp.net import free_port
 from spopp.wait import WaitTimeout, wait_until
 
+from .connections import ACCEPT_BURST, ServerLimits, protocol_class
+
+log = logging.getLogger("spopp.http")
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STARTUP_FAILURE = 3  # uvicorn's exit code when the app's start-up fails
+EXIT_OVERRUN = 70  # the process did not stop within its bound and was ended by the watchdog
+SHUTDOWN_GRACE = 5.0
+
+_overrun_hooks: list[Callable[[], Any]] = []
+
+
+def on_overrun(hook: Callable[[], Any]) -> None:
+    """Run `hook` (in the watchdog's thread) before an overrunning process is ended: what must not
+    outlive the process, such as a child server it started."""
+    _overrun_hooks.append(hook)
+
+
+def _end_overrun(bound: float) -> None:
+    log.critical("still not stopped %.0f s after the stop began: exiting now", bound)
+    for hook in _overrun_hooks:
+        try:
+            hook()
+        except Exception:  # the exit must happen whatever a hook does
+            log.exception("overrun hook %r failed", hook)
+    logging.shutdown()
+    os._exit(EXIT_OVERRUN)
+
+
+def arm_shutdown_watchdog(limits: ServerLimits) -> threading.Timer:
+    """A daemon timer that ends the process `shutdown_timeout + SHUTDOWN_GRACE` s from now."""
+    bound = limits.shutdown_timeout + SHUTDOWN_GRACE
+    timer = threading.Timer(bound, _end_overrun, (bound,))
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 class _Server(uvicorn.Server):
@@ -30,8 +72,18 @@ class _Server(uvicorn.Server):
         yield  # the service's loop owns the signals
 
 
-def _config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None)
+def _config(app, host: str, port: int, log_level: str, limits: ServerLimits) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        log_config=None,
+        http=protocol_class(limits),
+        backlog=ACCEPT_BURST,
+        timeout_keep_alive=limits.idle_timeout,
+        timeout_graceful_shutdown=limits.shutdown_timeout,
+    )
 
 
 async def serve(
@@ -41,6 +93,7 @@ async def serve(
     work: Awaitable[Any] | None = None,
     on_signal: Callable[[], Any] | None = None,
     log_level: str = "warning",
+    limits: ServerLimits | None = None,
 ) -> Any:
     """Serve `app` until `work` ends (answering its result), or without `work` until a signal.
 
@@ -48,10 +101,20 @@ async def serve(
     itself), else `work` is cancelled (its CancelledError reaches the caller). The server stops
     after `work`, so /healthz and /metrics answer while the service winds down. Without `work`,
     SystemExit(3) when the app's start-up failed, as uvicorn.run exits."""
-    server = _Server(_config(app, host, port, log_level))
+    limits = limits or ServerLimits()
+    server = _Server(_config(app, host, port, log_level, limits))
+    watchdog: threading.Timer | None = None
+
+    def stop_server() -> None:
+        # From here the stop is bounded, whatever the connections or the app's shutdown do.
+        nonlocal watchdog
+        server.should_exit = True
+        if watchdog is None:
+            watchdog = arm_shutdown_watchdog(limits)
+
     http = asyncio.ensure_future(server.serve())
     main = asyncio.ensure_future(work) if work is not None else http
-    stop = on_signal or (main.cancel if work is not None else lambda: setattr(server, "should_exit", True))
+    stop = on_signal or (main.cancel if work is not None else stop_server)
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop)
@@ -60,8 +123,11 @@ async def serve(
     finally:
         # The handlers stay until the loop closes: a second signal while the service cleans up
         # must not kill it half-way (its leases, its hold).
-        server.should_exit = True
-        await http
+        stop_server()
+        try:
+            await http
+        finally:
+            watchdog.cancel()
     if work is None and not server.started:
         raise SystemExit(STARTUP_FAILURE)
     return result
@@ -71,10 +137,17 @@ class ThreadedServer:
     """An ASGI app under uvicorn in a background thread: the learner's intake beside its training
     loop, and the stand-in learner of rollout tests. `port=0` picks a free port."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        limits: ServerLimits | None = None,
+    ) -> None:
         port = port or free_port(host)
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(_config(app, host, port, log_level))
+        self.server = uvicorn.Server(_config(app, host, port, log_level, limits or ServerLimits()))
         self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"http-{port}")
 
     def start(self, timeout: float = 10.0) -> ThreadedServer:

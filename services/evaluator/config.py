@@ -14,6 +14,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from runtime.engines.options import check_engine_options
+from runtime.service.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
 from spopp.settings import Settings
 from spopp.snapshots import HOLDER_PATTERN
@@ -57,7 +58,7 @@ class EpisodeSettings(Settings):
     concurrency: int = Field(32, ge=1, le=4096, description="episodes in flight on the engine")
 
 
-class EvaluatorSettings(EpisodeSettings, ClaimSettings):
+class EvaluatorSettings(EpisodeSettings, ClaimSettings, HttpServerSettings):
     env_prefix: ClassVar[str] = "SPOPP_EVALUATOR_"
 
     # -- what to follow ------------------------------------------------------------------------

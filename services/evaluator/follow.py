@@ -337,6 +337,7 @@ async def follow(s: EvaluatorSettings) -> None:
     """The process: the follower loop beside /healthz and /metrics, until done or signalled."""
     follower = Follower(s)
     try:
-        await http.serve(health_app(follower), s.host, s.port, follower.run())  # a signal cancels run()
+        # A signal cancels run().
+        await http.serve(health_app(follower), s.host, s.port, follower.run(), limits=s.server_limits())
     except asyncio.CancelledError:
         log.info("stopped by a signal")

@@ -13,11 +13,11 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from spopp.settings import Settings
+from runtime.service.http_settings import HttpServerSettings
 from spopp.tracker_api import MAX_STALENESS
 
 
-class LearnerSettings(Settings):
+class LearnerSettings(HttpServerSettings):
     env_prefix: ClassVar[str] = "SPOPP_LEARNER_"
 
     # -- where ---------------------------------------------------------------------------------

@@ -191,7 +191,9 @@ class Learner:
             metrics=self.prometheus,
             device=self.device,
         )
-        self.server = ThreadedServer(app, self.cfg.host, self.cfg.port).start()
+        self.server = ThreadedServer(
+            app, self.cfg.host, self.cfg.port, limits=self.cfg.server_limits()
+        ).start()
         log.info(
             "learner intake on %s (run %s, version %d): training on %s, %d rank(s), process group %s",
             self.server.url, self.cfg.run, self.version, self.device, self.world, dist.get_backend(),

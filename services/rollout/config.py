@@ -11,10 +11,11 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from runtime.engines.options import check_engine_options
+from runtime.service.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
 
 
-class RolloutSettings(ClaimSettings):
+class RolloutSettings(ClaimSettings, HttpServerSettings):
     env_prefix: ClassVar[str] = "SPOPP_ROLLOUT_"
 
     model: Path = Field(..., description="model folder of policy version 0 (Hugging Face layout)")

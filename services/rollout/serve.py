@@ -61,7 +61,7 @@ async def serve(s: RolloutSettings) -> None:
         # A signal stops dispatching and drains (worker.shutdown); run() then returns by itself.
         await http.serve(
             health_app(worker), s.host, s.port, worker.run(max_episodes=s.max_episodes),
-            on_signal=lambda: asyncio.ensure_future(worker.shutdown()),
+            on_signal=lambda: asyncio.ensure_future(worker.shutdown()), limits=s.server_limits(),
         )  # fmt: skip
     finally:
         await worker.close()

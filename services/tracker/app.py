@@ -49,6 +49,7 @@ log = logging.getLogger("spopp.tracker")
 V1_ROUTERS = (runs, tasks, dispatch, outcomes, requests, values, consume, policy, export, workers)
 # Redis cannot serve now, but may soon: refused or reset (BusyLoadingError, a Redis loading its
 # AOF, is a ConnectionError too), too slow, or a replica that cannot take writes mid-failover.
+REDIS_POOL_SIZE = 64  # within runtime.service.connections.FD_RESERVE
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, MasterDownError)
 
 
@@ -155,10 +156,14 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
     async def lifespan(app: FastAPI):
         timeout = settings.redis_timeout_seconds
         # A password in the URL (the embedded Redis's, in this process only) wins over the file's.
-        client = aioredis.Redis.from_url(
-            settings.redis_url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout,
-            password=password_from_file(settings),
+        # A bounded pool: requests beyond REDIS_POOL_SIZE wait for a connection (503 after the
+        # timeout) rather than each opening one, which would spend two descriptors per request (one
+        # here, one in Redis) and run the process out of files under a flood.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=REDIS_POOL_SIZE, timeout=timeout, decode_responses=True,
+            socket_timeout=timeout, socket_connect_timeout=timeout, password=password_from_file(settings),
         )  # fmt: skip
+        client = aioredis.Redis.from_pool(pool)
         await wait_for_redis(client, settings.redis_wait_seconds)
         app.state.store = Store(
             client, settings.idempotency_ttl_seconds, settings.max_workers_per_run, settings.max_runs

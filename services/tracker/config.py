@@ -7,11 +7,11 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from spopp.settings import Settings
+from runtime.service.http_settings import HttpServerSettings
 from spopp.tracker_api import MAX_RUNS, MAX_WORKERS_PER_RUN
 
 
-class TrackerSettings(Settings):
+class TrackerSettings(HttpServerSettings):
     env_prefix: ClassVar[str] = "SPOPP_TRACKER_"
 
     redis_url: str | None = Field(

@@ -7,6 +7,7 @@ process speaking real HTTP. It is stopped by its own pid, never by name.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -28,8 +29,9 @@ class TrackerProcess:
         port: int | None = None,
         timeout: float = 30.0,
         args: tuple[str, ...] = ("--log-level", "warning"),
+        file_limit: int | None = None,
     ) -> None:
-        """`args`: more flags of `spopp tracker serve`."""
+        """`args`: more flags of `spopp tracker serve`; `file_limit`: the child's `ulimit -n`."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
@@ -59,7 +61,10 @@ class TrackerProcess:
         full_env = environ_without_settings()
         full_env.update(env or {})
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(argv, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
+        limit = None if file_limit is None else (lambda: _limit_files(file_limit))
+        self.proc = subprocess.Popen(
+            argv, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=limit
+        )
         try:
             self._wait_ready(timeout)
         finally:
@@ -98,6 +103,10 @@ class TrackerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(15)
+
+
+def _limit_files(n: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
 
 def _split_password(url: str) -> tuple[str, str | None]:

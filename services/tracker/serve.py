@@ -42,7 +42,13 @@ def serve(settings: TrackerSettings) -> None:
         )
     try:
         app = create_app(settings, redis_supervisor=embedded)
-        asyncio.run(http.serve(app, settings.host, settings.port, log_level=settings.log_level))
+        if embedded is not None:
+            # A stop that overruns its bound must not orphan Redis.
+            http.on_overrun(lambda: embedded.stop(2.0))
+        limits = settings.server_limits()
+        asyncio.run(
+            http.serve(app, settings.host, settings.port, log_level=settings.log_level, limits=limits)
+        )
     finally:
         _exit_on_sigterm()  # the loop's handler went with the loop
         if embedded is not None:
