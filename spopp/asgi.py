@@ -97,21 +97,43 @@ class BearerAuth:
 # once answered a 13.5 MB 422 naming every one, and no reply echoes what was sent.
 MAX_ERRORS_SHOWN = 5
 MAX_ERROR_MESSAGE_CHARS = 200
+# A location names keys the caller chose (an unknown field, a key of a dict field): a field name is
+# cut too, or a 1 MB key would come back twice per error (in `field` and in `message`).
+MAX_FIELD_CHARS = 128
 
 
 def field_name(loc) -> str:
-    """A pydantic error's location as the API names fields: "tasks.3.reward", or "body"."""
-    return ".".join(str(p) for p in loc if p != "body") or "body"
+    """A pydantic error's location as the API names fields: "tasks.3.reward", or "body"; cut at
+    MAX_FIELD_CHARS. A JSON decode error's location is the body (pydantic gives its offset)."""
+    parts = [str(p) for p in loc if p != "body"]
+    if len(loc) == 2 and loc[0] == "body" and isinstance(loc[1], int):
+        parts = []  # ("body", offset): the body itself, not an item of a list
+    name = ".".join(parts) or "body"
+    return name if len(name) <= MAX_FIELD_CHARS else name[: MAX_FIELD_CHARS - 3] + "..."
 
 
 def short_errors(errors: list[dict]) -> tuple[list[dict], int]:
     """(the first MAX_ERRORS_SHOWN of pydantic's errors as {field, message, type}, how many there
-    were); messages cut at MAX_ERROR_MESSAGE_CHARS, inputs never included."""
+    were); messages cut at MAX_ERROR_MESSAGE_CHARS, field names at MAX_FIELD_CHARS, inputs never
+    included."""
     shown = [
         {"field": field_name(e["loc"]), "message": str(e["msg"])[:MAX_ERROR_MESSAGE_CHARS], "type": e["type"]}
         for e in errors[:MAX_ERRORS_SHOWN]
     ]
     return shown, len(errors)
+
+
+def invalid_detail(errors: list[dict], total: int | None = None) -> dict:
+    """The 422 body's detail of every service: {"code": "invalid", "message": "<first field>:
+    <its message>", "errors": [{field, message, ...}], "error_count"}; `errors` already short
+    (short_errors), `total` how many there were (default: those given)."""
+    first = errors[0] if errors else {"field": "body", "message": "invalid request"}
+    return {
+        "code": "invalid",
+        "message": f"{first['field']}: {first['message']}",
+        "errors": errors or [first],
+        "error_count": len(errors) if total is None else total,
+    }
 
 
 class _RepeatedKey(ValueError):
@@ -134,7 +156,10 @@ def repeated_key(body: bytes) -> str | None:
         json.loads(body, object_pairs_hook=_unique_keys)
     except _RepeatedKey as exc:
         return str(exc)
-    except ValueError:  # malformed JSON, bad UTF-8: not this check's to answer
+    # Malformed JSON, bad UTF-8, an integer past Python's 4300 digits, arrays nested past the
+    # recursion limit ('[' * 100_000 fits any body limit): not this check's to answer; the app's
+    # own parser refuses the same body (FastAPI: 422 or 400). RecursionError once escaped here: 500.
+    except (ValueError, RecursionError):
         return None
     return None
 

@@ -22,6 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from .tracker_api import MAX_VERSION, Id
 
 MAX_TOKENS = 1 << 20
+# Token ids fit an int32 (what an embedding is indexed with); the learner's own check is the model's
+# vocabulary (services.learner.ingest.IntakeLimits), this bound holds where none is given.
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TIMINGS = 64
+MAX_LABEL_CHARS = 64
 # The learner's intake routes (rank 0): one record, and many in one call.
 INTAKE = "/v1/trajectories"
 INTAKE_BATCH = INTAKE + "/batch"
@@ -40,14 +45,16 @@ def count_action_tokens(action_mask: Sequence[int]) -> int:
 
 
 class Trajectory(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # As the tracker's bodies (spopp.tracker_api._Body): unknown fields refused, strict types (JSON's
+    # true is no token id or count, "0.5" no reward, 1.0 no integer; an integer is a float).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     run: Id
     request_id: Id
     task_id: Id
-    policy_version: int = Field(ge=0)
+    policy_version: int = Field(ge=0, le=MAX_VERSION)
     # Field order matters: the mask and log-prob validators read the fields validated before them.
-    token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_TOKENS)
+    token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] = Field(min_length=1, max_length=MAX_TOKENS)
     # Every list is capped (checked before its items): a reply never grows with a long bad list.
     action_mask: list[Annotated[int, Field(ge=0, le=1)]] = Field(max_length=MAX_TOKENS)
     rollout_logprobs: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(max_length=MAX_TOKENS)
@@ -61,9 +68,12 @@ class Trajectory(BaseModel):
     value: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     # reward - value with both in [0, 1]; anything outside is a broken sender, not a big signal.
     advantage: float | None = Field(None, ge=-1.0, le=1.0, allow_inf_nan=False)
-    num_turns: int = Field(ge=0)
-    finish_reason: str = Field(max_length=64)
-    timings: dict[str, float] = Field(default_factory=dict, max_length=64)
+    num_turns: int = Field(ge=0, le=MAX_TOKENS)
+    finish_reason: str = Field(max_length=MAX_LABEL_CHARS)
+    # Seconds per phase: named by the sender (a key is cut like any field name in an error reply).
+    timings: dict[
+        Annotated[str, Field(max_length=MAX_LABEL_CHARS)], Annotated[float, Field(allow_inf_nan=False)]
+    ] = Field(default_factory=dict, max_length=MAX_TIMINGS)
 
     @field_validator("action_mask")
     @classmethod
@@ -126,7 +136,7 @@ class TrajectoryBatch(BaseModel):
     policy swap carries records of both versions and only the old ones are stale.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     trajectories: list[Trajectory] = Field(min_length=1, max_length=MAX_TRAJECTORIES_PER_CALL)
 

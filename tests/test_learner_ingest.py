@@ -81,7 +81,12 @@ def test_other_version_is_409_and_advance_drops_leftovers(intake):
         ({"run": "other"}, None, "trains run"),
         ({"action_mask": [0, 1, 1]}, "action_mask", "one length"),
         ({"action_mask": [1, 0, 1, 1]}, "action_mask", "action_mask[0] must be 0"),
-        ({"rollout_logprobs": [0.0, 0.0, "NaN", -0.2]}, "rollout_logprobs.2", "finite"),
+        # Strict types: the string "NaN" is no number (a bare NaN token is refused as not finite,
+        # test_learner_intake_security).
+        ({"rollout_logprobs": [0.0, 0.0, "NaN", -0.2]}, "rollout_logprobs.2", "valid number"),
+        ({"reward": True}, "reward", "valid number"),
+        ({"token_ids": [1, "2", 3, 4]}, "token_ids.1", "valid integer"),
+        ({"policy_version": 0.0}, "policy_version", "valid integer"),
         ({"reward": 1.5}, "reward", "less than or equal to 1"),
         ({"token_ids": []}, "token_ids", "at least 1"),
     ],

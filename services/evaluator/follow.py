@@ -32,7 +32,7 @@ import httpx
 from fastapi import FastAPI
 
 from runtime.service import server as http
-from runtime.service.routes import add_service_routes
+from runtime.service.routes import service_app
 from spopp.client import AsyncTrackerClient, TrackerError
 from spopp.snapshots import (
     Hold,
@@ -328,9 +328,7 @@ class Follower:
 
 
 def health_app(follower: Follower) -> FastAPI:
-    app = FastAPI(title="spopp evaluator")
-    add_service_routes(app, health=follower.health, metrics=follower.metrics.registry)
-    return app
+    return service_app("spopp evaluator", health=follower.health, metrics=follower.metrics.registry)
 
 
 async def follow(s: EvaluatorSettings) -> None:

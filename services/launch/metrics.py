@@ -13,7 +13,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
 
-from runtime.service.routes import add_service_routes
+from runtime.service.routes import service_app
 from runtime.service.server import ThreadedServer
 
 disable_created_metrics()
@@ -32,6 +32,8 @@ class LaunchMetrics:
             self.restarts.labels(process=name).inc(n)
 
     def serve(self, port: int) -> ThreadedServer:
-        app = FastAPI(title="spopp launch", docs_url=None, redoc_url=None, openapi_url=None)
-        add_service_routes(app, health=lambda: {"status": "ok"}, metrics=self.registry)
-        return ThreadedServer(app, port=port).start()
+        return ThreadedServer(self.app(), port=port).start()
+
+    def app(self) -> FastAPI:
+        """The app `serve` serves: /healthz and /metrics (runtime.service.routes.service_app)."""
+        return service_app("spopp launch", health=lambda: {"status": "ok"}, metrics=self.registry)

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 
 from runtime.service.routes import add_service_routes
 from spopp import staleness
-from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, short_errors
+from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, invalid_detail, short_errors
 from spopp.trajectory import INTAKE, INTAKE_BATCH, Delivered, Trajectory, TrajectoryBatch
 
 from .metrics import LearnerMetrics
@@ -46,11 +46,11 @@ class Refused(Exception):
         self.status, self.detail = status, {"code": code, "message": message, **context}
 
 
-def invalid(errors: list[dict], at: str = "") -> Refused:
-    """A 422 in the same shape as a schema error: the first field in the message, all listed."""
-    errors = [{**e, "field": at + e["field"]} for e in errors]
-    first = errors[0]
-    return Refused(422, "invalid", f"{first['field']}: {first['message']}", errors=errors)
+def invalid(errors: list[dict], at: str = "", total: int | None = None) -> Refused:
+    """A 422 in the same shape as a schema error (spopp.asgi.invalid_detail): the first field in
+    the message, the errors listed and counted."""
+    detail = invalid_detail([{**e, "field": at + e["field"]} for e in errors], total)
+    return Refused(422, detail.pop("code"), detail.pop("message"), **detail)
 
 
 @dataclass(frozen=True)
@@ -334,10 +334,7 @@ def _add_refusal_handlers(app: FastAPI, metrics: LearnerMetrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def schema(request: Request, exc: RequestValidationError) -> JSONResponse:
         shown, total = short_errors(exc.errors())
-        errors = [{"field": e["field"], "message": e["message"]} for e in shown]
-        reply = invalid(errors or [{"field": "body", "message": "invalid trajectory"}])
-        reply.detail["error_count"] = total
-        return await refused(request, reply)
+        return await refused(request, invalid(shown, total=total))
 
 
 def ingest_app(

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from runtime.envs import env_factory
 from runtime.envs.base import Task
 from runtime.service import server as http
-from runtime.service.routes import add_service_routes
+from runtime.service.routes import service_app
 
 from .config import RolloutSettings
 from .worker import Worker
@@ -31,9 +31,8 @@ def load_task_table(s: RolloutSettings) -> dict[str, Task]:
 
 
 def health_app(worker: Worker) -> FastAPI:
-    app = FastAPI(title="spopp rollout")
-    add_service_routes(
-        app,
+    return service_app(
+        "spopp rollout",
         health=lambda: {
             "status": "ok",
             "worker_id": worker.s.worker_id,  # a claimed replica's id (rollout-gpu3, rollout-0)
@@ -43,7 +42,6 @@ def health_app(worker: Worker) -> FastAPI:
         },
         metrics=worker.metrics.registry,
     )
-    return app
 
 
 async def serve(s: RolloutSettings) -> None:

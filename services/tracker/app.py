@@ -20,10 +20,9 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import AuthenticationError, MasterDownError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from starlette.exceptions import HTTPException
 
 from spopp import __version__
-from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, field_name, short_errors
+from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, field_name, invalid_detail, short_errors
 from spopp.retry import RetryPolicy
 from spopp.tracker_api import MAX_TASKS_PER_CALL
 
@@ -136,15 +135,7 @@ def _validation_message(exc: RequestValidationError) -> JSONResponse:
                     "count": count,
                 },
             )
-    errors, total = short_errors(raw)
-    first = errors[0] if errors else {"field": "body", "message": "invalid request"}
-    detail = {
-        "code": "invalid",
-        "message": f"{first['field']}: {first['message']}",
-        "errors": errors,
-        "error_count": total,
-    }
-    return JSONResponse({"detail": detail}, status_code=422)
+    return JSONResponse({"detail": invalid_detail(*short_errors(raw))}, status_code=422)
 
 
 def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -> FastAPI:
@@ -197,16 +188,11 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.detail)
 
+    # 404, 405 and a body FastAPI cannot parse (400) are answered by the service shell's handler
+    # (runtime.service.routes.add_error_handlers, added with the health routes).
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _validation_message(exc)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(
-            {"detail": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code
-        )
 
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         return unavailable({"code": "redis_unavailable", "message": f"redis is not reachable: {exc}"})

@@ -47,6 +47,11 @@ class Metrics:
         return [self.registry, registry]
 
 
+# HTTP methods are labelled as they are; any other (a client may send any token as a method)
+# as "other", so that no caller grows the request counter by a series per made-up method.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
 class MetricsMiddleware:
     """Pure ASGI: counts and times every request without BaseHTTPMiddleware's per-call copying
     (which cost about as much as the work of a dispatch here)."""
@@ -73,7 +78,8 @@ class MetricsMiddleware:
             # The router writes the matched route into the scope; label by its template.
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)
-            self.metrics.requests.labels(scope["method"], route, str(status)).inc()
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            self.metrics.requests.labels(method, route, str(status)).inc()
 
 
 class _RunCollector:
