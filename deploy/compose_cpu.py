@@ -11,9 +11,10 @@ What it does, each step skipped when already done:
 3. The images: deploy/image/host.py copies the host's package-index settings into the build
    context, then `docker compose build` builds the tracker, learner, rollout and redis targets of
    deploy/Dockerfile (FLAVOUR=cpu).
-4. `up -d --scale rollout=N` with deploy/compose-cpu.env, then waits until the learner, every
-   replica and the evaluator have exited, printing progress. A non-zero exit anywhere fails with
-   the tail of that container's log.
+4. `up -d --scale rollout=N` with deploy/compose-cpu.env (first redis and the tracker, then
+   checks that Redis refuses a client without its password: NOAUTH), then waits until the learner,
+   every replica and the evaluator have exited, printing progress. A non-zero exit anywhere fails
+   with the tail of that container's log.
 5. Prints `GET /v1/runs/{run}` as one JSON line and checks that every replica reported outcomes,
    then `stop`s the stack, keeping its volumes: a second run finds the run finished and says so.
 Standard library only: it runs on the host before anything is installed.
@@ -197,6 +198,22 @@ def api_token(compose: list[str], env: dict, cfg: dict) -> str | None:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
+def check_redis_auth(compose: list[str], env: dict, cfg: dict) -> None:
+    """Redis answers NOAUTH to a client without the password and PONG to one with the data step's
+    password file (given as REDISCLI_AUTH, as the health check does: never on a command line)."""
+    port = cfg.get("SPOPP_REDIS_PORT", "6379")
+    anonymous = sh([*compose, "exec", "-T", "redis", "redis-cli", "-p", port, "ping"], env=env,
+                   check=False, capture=True).stdout  # fmt: skip
+    if "NOAUTH" not in anonymous:
+        raise SystemExit(f"compose-cpu: redis answered a client without the password: {anonymous.strip()!r}")
+    script = 'REDISCLI_AUTH="$(head -n 1 /secrets/redis-password)" redis-cli -p "$0" ping'
+    authed = sh([*compose, "exec", "-T", "redis", "sh", "-c", script, port], env=env, check=False,
+                capture=True).stdout  # fmt: skip
+    if "PONG" not in authed.split():
+        raise SystemExit(f"compose-cpu: redis refused its own password: {authed.strip()!r}")
+    say("redis: NOAUTH without the password, PONG with the secrets volume's")
+
+
 def up(compose: list[str], env: dict, *args: str) -> None:
     """`up -d`; when a step fails (a one-shot exits non-zero), its log says why."""
     if sh([*compose, "up", "-d", "--no-build", *args], env=env, check=False).returncode == 0:
@@ -353,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     say("starting redis, the tracker and the data step")
     up(compose, env, "redis", "tracker")
     wait_tracker_ready(cfg["SPOPP_TRACKER_PORT"])
+    check_redis_auth(compose, env, cfg)
     token = api_token(compose, env, cfg)
     before = tracker_get(cfg["SPOPP_TRACKER_PORT"], token, f"/v1/runs/{cfg['SPOPP_RUN']}")
     if before and before.get("status") == "finished":

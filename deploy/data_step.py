@@ -1,4 +1,5 @@
-"""The deployment's data step: the shared API token and the default task files, each made once.
+"""The deployment's data step: the shared API token, Redis's password and the default task files,
+each made once.
 
     python3 deploy/data_step.py --data /data --secrets /secrets --env toy-calc \
         --tasks tasks.jsonl --held-out held_out.jsonl
@@ -6,6 +7,12 @@
 - Token: when SPOPP_API_TOKEN is empty and `<secrets>/api-token` does not exist, a new random
   token (64 hex digits) is written there, readable by its owner only; every service's entrypoint
   reads it (deploy/image/entrypoint.sh). A token set in .env is never written to the volume.
+- Redis's password: when `<secrets>/redis-password` does not exist, a new random one (64 hex
+  digits) is written there, and `<secrets>/redis.conf` (`requirepass ...`, the config file Redis
+  starts with: the password is on no command line) is written to match it whenever it does not.
+  Both are mode 0640, group `spopp`: the tracker (user spopp) and the redis image's user (a member
+  of group spopp) read them; nobody else in the volume's containers does. Deleting the password
+  file makes the next data step generate a new one (deploy/README.md: rotating it).
 - Tasks: a training or held-out file that is missing is written with generated tasks of the
   environment (toy-calc: the CPU demo's tasks; math-tir: arithmetic word problems with a boxed
   answer), disjoint and fixed by --seed. A file that exists is left as it is, so your own data
@@ -44,6 +51,48 @@ def ensure_token(folder: Path) -> str:
     return "generated"
 
 
+REDIS_PASSWORD = "redis-password"
+REDIS_CONF = "redis.conf"
+SHARED_MODE = 0o640  # owner spopp (the tracker), group spopp (the redis image's user is a member)
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    """`text` into `path` with `mode` from its first byte on (never a moment more readable), whole
+    or not at all: a step cut off never leaves half a secret."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), mode)  # the umask took bits off os.open's mode; put back exactly these
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def ensure_redis_password(folder: Path) -> str:
+    """'kept' or 'generated': what happened to Redis's password. redis.conf is (re)written whenever
+    it does not say `requirepass <the password>`, so a rotated password reaches Redis at its next
+    start."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / REDIS_PASSWORD
+    text = path.read_text().strip() if path.is_file() else ""
+    password = text.splitlines()[0] if text else ""  # the first line, as the tracker reads it
+    what = "kept"
+    if not password:
+        password = secrets.token_hex(32)
+        _write(path, password + "\n", SHARED_MODE)
+        what = "generated"
+    conf = folder / REDIS_CONF
+    quoted = password.replace("\\", "\\\\").replace('"', '\\"')  # a config file's "string"
+    text = f'# Written by deploy/data_step.py from {REDIS_PASSWORD}; rewritten when that changes.\n' \
+           f'requirepass "{quoted}"\n'  # fmt: skip
+    if not conf.is_file() or conf.read_text() != text:
+        _write(conf, text, SHARED_MODE)
+    for p in (path, conf):  # a file from before keeps no looser mode
+        if (p.stat().st_mode & 0o777) != SHARED_MODE:
+            p.chmod(SHARED_MODE)
+    return what
+
+
 def tasks_for(env: str, n: int, seed: int, split: str) -> list:
     if env == "toy-calc":
         return generate_toy_calc_tasks(n, seed, split)
@@ -76,6 +125,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     print(f"data: token {ensure_token(a.secrets)}", flush=True)
+    print(f"data: redis password {ensure_redis_password(a.secrets)}", flush=True)
     if a.env not in SIZES:
         missing = [n for n in (a.tasks, a.held_out) if not (a.data / n).exists()]
         if missing:

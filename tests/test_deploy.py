@@ -13,9 +13,11 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -364,7 +366,7 @@ def test_compose_starts_without_a_token_and_every_service_reads_the_same_one():
     talkers = {"tracker", "init", "learner", "rollout", "evaluator"}
     assert {
         n for n, spec in COMPOSE["services"].items() if "secrets:/secrets:ro" in spec.get("volumes", [])
-    } == talkers
+    } == talkers | {"redis"}  # redis: its password (redis.conf), no token
     assert "secrets:/secrets" in COMPOSE["services"]["data"]["volumes"]  # the only writer
 
 
@@ -463,6 +465,7 @@ def test_start_order_is_gated_by_health_checks_and_one_shot_steps():
         return {k: v["condition"] for k, v in services[name].get("depends_on", {}).items()}
 
     done = "service_completed_successfully"
+    assert deps("redis") == {"data": done}  # its password exists first
     assert deps("tracker") == {"redis": "service_healthy", "data": done}  # the token exists first
     assert deps("model") == {"data": done}
     assert deps("prior") == {"model": done}
@@ -472,6 +475,41 @@ def test_start_order_is_gated_by_health_checks_and_one_shot_steps():
     for name in ("redis", "tracker", *LONG_RUNNING):
         assert "healthcheck" in services[name], name
     assert "/readyz" in " ".join(services["tracker"]["healthcheck"]["test"])
+
+
+def test_redis_asks_for_the_data_steps_password_which_is_on_no_command_line():
+    """Redis starts with the data step's redis.conf (`requirepass`) as its config file; its health
+    check authenticates through REDISCLI_AUTH; the tracker reads the password file. No password,
+    and no way of giving one (`--requirepass`, redis-cli's `-a`), is on any command line."""
+    services = COMPOSE["services"]
+    redis = services["redis"]
+    secrets = "/secrets"
+    conf = f"{secrets}/{data_step.REDIS_CONF}"
+    password_file = f"{secrets}/{data_step.REDIS_PASSWORD}"
+    assert redis["command"][:2] == ["redis-server", conf]  # the config file first; options add to it
+    assert "secrets:/secrets:ro" in redis["volumes"]
+    assert {k: v["condition"] for k, v in redis["depends_on"].items()} == {
+        "data": "service_completed_successfully"
+    }
+    for name, spec in services.items():
+        words = [*(spec.get("command") or []), *(spec.get("healthcheck", {}).get("test") or [])]
+        text = " ".join(map(str, words))
+        assert "requirepass" not in text and "-a" not in words and "--pass" not in text, name
+        assert not re.search(r"redis-cli[^|;]*\s-a\s", text), name
+    check = redis["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "sh", "-c"]
+    assert f'REDISCLI_AUTH="$$(head -n 1 {password_file})" redis-cli' in check[3]
+    assert check[3].endswith("ping | grep -qx PONG")  # redis-cli exits 0 on NOAUTH too
+    tracker = services["tracker"]
+    assert tracker["environment"]["SPOPP_TRACKER_REDIS_PASSWORD_FILE"] == password_file
+    assert "SPOPP_TRACKER_REDIS_PASSWORD_FILE" in TrackerSettings.env_names()
+    assert str(TrackerSettings.resolve(env=service_env(tracker)).redis_password_file) == password_file
+    assert "secrets:/secrets:ro" in tracker["volumes"]
+    # The redis image's user reads the 0640 files of group spopp; the images' /secrets is spopp's.
+    stage = stages()["redis"]
+    assert stage["from"] == "os" and resolved("redis")["USER"] == "redis"
+    assert "usermod --append --groups spopp redis" in stage["text"]
+    assert "chown spopp:spopp" in stages()["os"]["text"] and "chmod 0750 /secrets" in stages()["os"]["text"]
 
 
 def test_restart_policies_end_a_finished_run():
@@ -608,6 +646,90 @@ def test_data_step_generates_the_token_once_and_never_replaces_files(tmp_path, m
     monkeypatch.setenv(API_TOKEN_ENV, TOKEN)
     assert data_step.main(["--data", str(data), "--secrets", str(tmp_path / "s2")]) == 0
     assert not (tmp_path / "s2" / "api-token").exists()
+
+
+def _redis_files(secrets: Path) -> tuple[str, str]:
+    password = (secrets / data_step.REDIS_PASSWORD).read_text()
+    conf = (secrets / data_step.REDIS_CONF).read_text()
+    for name in (data_step.REDIS_PASSWORD, data_step.REDIS_CONF):
+        assert stat.S_IMODE((secrets / name).stat().st_mode) == 0o640, name  # owner and group spopp
+    return password, conf
+
+
+def test_data_step_generates_the_redis_password_once_and_its_config_file(tmp_path, capsys):
+    data, secrets = tmp_path / "data", tmp_path / "secrets"
+    args = ["--data", str(data), "--secrets", str(secrets), "--env", "toy-calc"]
+    assert data_step.main(args) == 0
+    assert "redis password generated" in capsys.readouterr().out
+    password, conf = _redis_files(secrets)
+    assert re.fullmatch(r"[0-9a-f]{64}\n", password)
+    assert f'\nrequirepass "{password.strip()}"\n' in conf
+    assert password.strip() != (secrets / "api-token").read_text().strip()  # not the token
+    # Kept across runs; a mode loosened by hand is tightened again, a lost redis.conf rewritten.
+    (secrets / data_step.REDIS_PASSWORD).chmod(0o644)
+    (secrets / data_step.REDIS_CONF).unlink()
+    assert data_step.main(args) == 0
+    assert "redis password kept" in capsys.readouterr().out
+    assert _redis_files(secrets) == (password, conf)
+    assert not list(secrets.glob("*.tmp"))
+    # Rotation: the password file deleted, the next step makes a new one and redis.conf follows.
+    (secrets / data_step.REDIS_PASSWORD).unlink()
+    assert data_step.main(args) == 0
+    new, new_conf = _redis_files(secrets)
+    assert new != password and f'requirepass "{new.strip()}"' in new_conf
+    # A password put there by hand: its first line, as the tracker reads it, quoted for Redis.
+    (secrets / data_step.REDIS_PASSWORD).write_text('my "own" \\ pass word\nsecond line\n')
+    assert data_step.ensure_redis_password(secrets) == "kept"
+    conf = (secrets / data_step.REDIS_CONF).read_text()
+    assert conf.endswith('requirepass "my \\"own\\" \\\\ pass word"\n')
+
+
+@pytest.mark.process
+def test_redis_as_compose_starts_it_refuses_clients_without_the_password(tmp_path):
+    """redis-server with compose's command line and the data step's files: NOAUTH without the
+    password, PONG with it, the password in no process's command line, and the health check's
+    script healthy only with the right password."""
+    import redis as redis_client
+
+    from services.tracker.embedded import find_redis_server
+    from spopp.net import free_port
+
+    secrets, state = tmp_path / "secrets", tmp_path / "redis"
+    state.mkdir()
+    data_step.ensure_redis_password(secrets)
+    password = (secrets / data_step.REDIS_PASSWORD).read_text().strip()
+    port = str(free_port())
+    spec = COMPOSE["services"]["redis"]
+
+    def local(text: str) -> str:
+        return interpolate(text, {"SPOPP_REDIS_PORT": port}).replace("/secrets", str(secrets))
+
+    argv = [local(a) for a in spec["command"]]
+    argv[argv.index("/redis")] = str(state)
+    proc = subprocess.Popen([find_redis_server(), *argv[1:]], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        anonymous = redis_client.Redis(port=int(port), socket_timeout=5)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                anonymous.ping()
+                pytest.fail("redis answered PING without the password")
+            except redis_client.exceptions.AuthenticationError:
+                break  # NOAUTH: it is up, and asks for the password
+            except redis_client.exceptions.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        assert redis_client.Redis(port=int(port), password=password, socket_timeout=5).ping() is True
+        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        if shutil.which("redis-cli"):  # the health check's script, as the container runs it
+            script = local(spec["healthcheck"]["test"][3])
+            assert subprocess.run(["sh", "-c", script], timeout=30).returncode == 0
+            (secrets / data_step.REDIS_PASSWORD).write_text("not-the-password\n")
+            assert subprocess.run(["sh", "-c", script], timeout=30).returncode != 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_data_step_math_tasks_and_an_env_without_defaults(tmp_path, capsys):

@@ -3,7 +3,7 @@ renders (`kubectl kustomize`), validates against the Kubernetes schemas in stric
 (kubernetes-validate, offline), and the objects fit together and with the CLI and the settings:
 commands, flags and variables exist, one run's settings everywhere, the learner's rank 0 behind its
 Service and its probes right on every node, one GPU per replica and its worker id from a claim, the
-token from the Secret."""
+token and Redis's password from the Secret (the password on no command line)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 IMAGES = {"spopp/tracker": "tracker", "spopp/rollout": "rollout", "spopp/learner": "learner"}
 # Container name -> the settings it reads (wait-for-run runs `spopp init`).
 CONTAINER_SETTINGS = {**SERVICE_SETTINGS, "wait-for-run": InitSettings}
-OTHER_VARIABLES = {"HF_TOKEN", "NNODES", "GPUS_PER_NODE", "REDIS_ADDR"}
+# REDIS_PASSWORD: the redis pod's config step and its exporter; REDISCLI_AUTH: its probes' redis-cli.
+OTHER_VARIABLES = {"HF_TOKEN", "NNODES", "GPUS_PER_NODE", "REDIS_ADDR", "REDIS_PASSWORD", "REDISCLI_AUTH"}
+REDIS_PASSWORD = "r" * 64  # what the Secret's redis-password holds once edited
 # .env.example's variables that only compose reads (files and ports on the compose host).
 COMPOSE_ONLY = {
     "COMPOSE_FILE", "SPOPP_MODELS", "SPOPP_DATA", API_TOKEN_ENV, "HF_TOKEN", "SPOPP_ENV_FILE",
@@ -118,7 +120,9 @@ def container_env(c: dict, template: dict) -> dict[str, str]:
             env[e["name"]] = expand(str(e["value"]), env)
         elif "secretKeyRef" in e["valueFrom"]:
             ref = e["valueFrom"]["secretKeyRef"]
-            env[e["name"]] = TOKEN if ref["key"] == "api-token" else "hf_secret"
+            env[e["name"]] = {"api-token": TOKEN, "redis-password": REDIS_PASSWORD}.get(
+                ref["key"], "hf_secret"
+            )
         else:
             assert e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", e
             env[e["name"]] = f"{template['metadata']['labels']['app.kubernetes.io/name']}-7d9c-abcde"
@@ -433,11 +437,116 @@ def test_the_token_comes_from_the_secret():
 def test_redis_is_a_statefulset_with_aof_on_a_persistent_volume():
     redis = objects("StatefulSet")["redis"]
     c = redis["spec"]["template"]["spec"]["containers"][0]
-    assert c["args"][:3] == ["redis-server", "--appendonly", "yes"]
+    assert c["args"][:4] == ["redis-server", "/conf/redis.conf", "--appendonly", "yes"]
     claim = redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
     assert {"name": claim, "mountPath": "/data"} in c["volumeMounts"]
     headless = objects("Service")[redis["spec"]["serviceName"]]
     assert headless["spec"]["clusterIP"] == "None"
+
+
+def _from_secret(c: dict, name: str) -> str | None:
+    """The Secret key an env variable of a container comes from, or None."""
+    e = next((e for e in c.get("env", []) if e["name"] == name), None)
+    ref = (e or {}).get("valueFrom", {}).get("secretKeyRef")
+    assert ref is None or ref["name"] == "spopp-secrets", (name, ref)
+    return ref and ref["key"]
+
+
+def test_redis_requires_the_secrets_password_on_no_command_line_and_the_tracker_reads_a_file():
+    secret = objects("Secret")["spopp-secrets"]["stringData"]
+    assert len(secret["redis-password"]) < 16  # the placeholder: the config step refuses it
+    pod = objects("StatefulSet")["redis"]["spec"]["template"]["spec"]
+    config, redis = container("StatefulSet/redis", "config"), container("StatefulSet/redis", "redis")
+    exporter = container("StatefulSet/redis", "exporter")
+    assert [c["name"] for c in pod["initContainers"]] == ["config"]
+    # The config step writes requirepass into redis.conf on this pod's memory-backed volume ...
+    conf = next(v for v in pod["volumes"] if v["name"] == "conf")
+    assert conf["emptyDir"]["medium"] == "Memory"
+    assert {"name": "conf", "mountPath": "/conf"} in config["volumeMounts"]
+    assert {"name": "conf", "mountPath": "/conf", "readOnly": True} in redis["volumeMounts"]
+    assert _from_secret(config, "REDIS_PASSWORD") == "redis-password"
+    script = config["args"][0]
+    assert config["command"] == ["sh", "-c"] and "> /conf/redis.conf" in script and "umask 077" in script
+    # ... which Redis starts with; the probes' redis-cli and the exporter authenticate from the Secret.
+    assert redis["args"][:2] == ["redis-server", "/conf/redis.conf"]
+    assert _from_secret(redis, "REDISCLI_AUTH") == "redis-password"
+    assert _from_secret(exporter, "REDIS_PASSWORD") == "redis-password"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert redis[probe]["exec"]["command"] == ["sh", "-c", "redis-cli ping | grep -qx PONG"], probe
+    # No password and no way of giving one on any command line, in any container of any pod.
+    for where, _, c in all_containers():
+        words = [*c.get("command", []), *c.get("args", [])]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            words += c.get(probe, {}).get("exec", {}).get("command", [])
+        text = " ".join(words)
+        assert "--requirepass" not in text and "-a" not in words and REDIS_PASSWORD not in text, where
+        assert not re.search(r"redis-cli[^|;]*\s-a\s", text), where
+    # The tracker: the password as a file from the Secret (that key alone), readable by its group.
+    tpod = objects("Deployment")["tracker"]["spec"]["template"]["spec"]
+    tracker = container("Deployment/tracker", "tracker")
+    env = container_env(tracker, objects("Deployment")["tracker"]["spec"]["template"])
+    settings = SERVICE_SETTINGS["tracker"].resolve(env=env)
+    assert str(settings.redis_password_file) == "/secrets/redis-password"
+    assert _from_secret(tracker, "SPOPP_TRACKER_REDIS_PASSWORD_FILE") is None  # a path, not the secret
+    mount = next(m for m in tracker["volumeMounts"] if m["mountPath"] == "/secrets")
+    assert mount["readOnly"] is True
+    volume = next(v for v in tpod["volumes"] if v["name"] == mount["name"])["secret"]
+    assert volume["secretName"] == "spopp-secrets"
+    assert volume["items"] == [{"key": "redis-password", "path": "redis-password"}]
+    assert (
+        volume["defaultMode"] == 0o440
+        and tpod["securityContext"]["fsGroup"] == tpod["securityContext"]["runAsGroup"]
+    )
+
+
+@pytest.mark.process
+def test_redis_config_step_and_probes_work_with_a_real_redis(tmp_path):
+    """The config step's script (with its /conf here), then redis-server as the pod starts it: NOAUTH
+    without the password, PONG with it (even one with quotes and backslashes), the probe healthy with
+    REDISCLI_AUTH only; a placeholder password stops the step before it writes anything."""
+    import os
+    import time
+
+    import redis as redis_client
+
+    from services.tracker.embedded import find_redis_server
+    from spopp.net import free_port
+
+    config, redis = container("StatefulSet/redis", "config"), container("StatefulSet/redis", "redis")
+    script = config["args"][0].replace("/conf", str(tmp_path))
+    base = {"PATH": os.environ["PATH"]}
+    short = subprocess.run(["sh", "-c", script], env={**base, "REDIS_PASSWORD": "REPLACE_ME"},
+                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert short.returncode == 1 and "at least 16" in short.stderr
+    assert not (tmp_path / "redis.conf").exists()
+    password = 'p4ss "quoted" \\ and spaces'
+    subprocess.run(["sh", "-c", script], env={**base, "REDIS_PASSWORD": password}, check=True, timeout=30)
+    assert (tmp_path / "redis.conf").stat().st_mode & 0o077 == 0
+    port = free_port()
+    args = [a.replace("/conf", str(tmp_path)).replace("/data", str(tmp_path)) for a in redis["args"][1:]]
+    proc = subprocess.Popen([find_redis_server(), *args, "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", ""], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis_client.Redis(port=port, socket_timeout=5).ping()
+                pytest.fail("redis answered PING without the password")
+            except redis_client.exceptions.AuthenticationError:
+                break
+            except redis_client.exceptions.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        assert redis_client.Redis(port=port, password=password, socket_timeout=5).ping() is True
+        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        if shutil.which("redis-cli"):
+            probe = redis["readinessProbe"]["exec"]["command"]
+            probe = [*probe[:2], probe[2].replace("redis-cli", f"redis-cli -p {port}")]
+            assert subprocess.run(probe, env={**base, "REDISCLI_AUTH": password}, timeout=30).returncode == 0
+            assert subprocess.run(probe, env=base, timeout=30).returncode != 0  # NOAUTH is not healthy
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_tracker_is_replicated_and_ready_on_readyz():
