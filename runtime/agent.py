@@ -186,9 +186,15 @@ async def run_episode(
     budget: Budget,
     sampling: SamplingConfig,
     renderer: ChatRenderer | None = None,
+    env_seed: int | None = None,
 ) -> Episode:
+    """One episode of `engine` against `env` on `task`. `env_seed` (`envs.base.episode_seed` of the
+    run's seed and the episode's identity) seeds the environment's random draws for this episode;
+    None leaves the environment's stream as it is (a fixed one for an environment never seeded)."""
     renderer = renderer or ChatRenderer(engine.tokenizer)
     budget = within_context(budget, engine)
+    if env_seed is not None:
+        env.seed_episode(env_seed)
     t0 = time.perf_counter()
     # A reset may load a game (ALFWorld: about 0.5 s): off the event loop, like every step.
     opening = await asyncio.to_thread(env.reset, task)

@@ -211,6 +211,9 @@ def _environment_args(setup: _Setup) -> list[str]:
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONIOENCODING": "utf-8",
+        # The model's code prints sets and dicts of strings in hash order: fixed, not salted per
+        # process, so that one program answers alike in every episode and every run.
+        "PYTHONHASHSEED": "0",
         "OMP_NUM_THREADS": "1",
         "OPENBLAS_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",

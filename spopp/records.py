@@ -6,7 +6,7 @@ need only some fields and files written by earlier versions lack later ones, so 
 reader can do without is optional; keys a later writer adds are kept (extra="allow").
 
     run.json     {"run", "arm", "recipe", "normalization", "seed", "updates", "final_version",
-                  "identity": {...}, "status", "started", "launches", "updates_done", "finished"}
+                  "identity": {...}, "env", "env_options": {...}, "status", "started", "launches", "updates_done", "finished"}
     evals.jsonl  {"policy_version", "step", "snapshot", "time", "eval/...": ...} when scored,
                  {"policy_version", "skipped": "<reason>", "time"} when not; one line a version
 """
@@ -40,6 +40,12 @@ class RunRecord(BaseModel):
     final_version: StrictInt | None = Field(None, ge=0, description="the budget's last policy version")
     identity: dict[str, Any] = Field(
         default_factory=dict, description="what a resume may not change (see launch's Plan.identity)"
+    )
+    env: str | None = Field(None, description="the environment (math-tir, toy-calc, alfworld)")
+    env_options: dict[str, Any] | None = Field(
+        None,
+        description="every option the environment ran with, its defaults included (identity keeps "
+        "env_options as given, which a resume compares)",
     )
     status: str | None = Field(None, description="running, finished, stopped or failed")
     started: float | None = Field(None, description="unix time of the first launch")

@@ -63,11 +63,10 @@ def test_padded_turns_carry_the_settled_reward_for_a_budget_cut():
 
 
 def test_latency_is_lognormal_with_the_given_median_and_sigma_and_zero_is_none():
-    import random
     import statistics
 
     env = ToyCalcEnv(latency_sigma=1.5, latency_median_s=0.02)
-    env._rng = random.Random(7)  # a fixed stream: the figures below are exact for it
+    env.seed_episode(7)  # a fixed stream: the figures below are exact for it
     logs = [math.log(env.latency()) for _ in range(4000)]
     assert math.exp(statistics.median(logs)) == pytest.approx(0.02, rel=0.1)
     assert statistics.stdev(logs) == pytest.approx(1.5, rel=0.05)
@@ -338,21 +337,22 @@ def test_the_target_adds_seeds_to_the_cell_over_it_and_a_resume_keeps_them(tmp_p
                    target_se=1.5, budget_s=12 * 60 + 3 * 120 + 30, runner=_fake_runner(curves, ran, clock),
                    clock=clock)  # fmt: skip
     assert code == 0
+    # The i-th seed of a cell runs the arms rotated by i, the added seeds too (by their place).
     assert [r for c, r in ran if c == quiet] == [
         "spo-s0",
         "spopp-s0",
-        "spo-s1",
         "spopp-s1",
+        "spo-s1",
         "spo-s2",
         "spopp-s2",
     ]
     assert [r for c, r in ran if c == noisy][6:] == [
-        "spo-s3",
         "spopp-s3",
+        "spo-s3",
         "spo-s4",
         "spopp-s4",
-        "spo-s5",
         "spopp-s5",
+        "spo-s5",
     ]
     assert read_extra(tmp_path) == {noisy: [3, 4, 5]}
     assert any("adding seed 3" in line for line in lines)
@@ -360,6 +360,9 @@ def test_the_target_adds_seeds_to_the_cell_over_it_and_a_resume_keeps_them(tmp_p
     result = json.loads((tmp_path / "map.json").read_text())
     by = {c["cell"]: c for c in result["cells"]}
     assert by[quiet]["seeds"] == [0, 1, 2] and by[noisy]["seeds"] == [0, 1, 2, 3, 4, 5]
+    assert by[noisy]["arm_order"] == {
+        str(seed): ["spo", "spopp"] if seed % 2 == 0 else ["spopp", "spo"] for seed in range(6)
+    }
     d = by[noisy]["diffs"]["spopp-spo"]
     # Areas: spo 0.15, spopp 0.15 + step / 2 ... in points: 100 * step / 2 + ... -> 0, 5, 10, 5, 5, 5.
     assert d["per_seed"] == pytest.approx([0.0, 7.5, 15.0, 7.5, 7.5, 7.5])
@@ -391,3 +394,69 @@ def test_a_bad_seed_file_is_refused_by_name_and_left_as_it_was(tmp_path, content
         run_map(base, [1.0], [0.0], ["spo", "spopp"], [0], tmp_path, echo=lambda _l: None, target_se=1.5,
                 runner=_fake_runner({}, ran))  # fmt: skip
     assert ran == [] and (tmp_path / "extra-seeds.json").read_text() == content
+
+
+# -- counterbalanced arm order, recorded environment options ---------------------------------------
+def test_each_seed_runs_the_arms_rotated_by_its_place():
+    from services.launch.config import LaunchSettings
+    from services.launch.map import arm_order, plan_runs
+
+    arms = ["spo", "spopp-trajnorm", "spopp"]
+    assert [arm_order(arms, i) for i in range(4)] == [
+        ["spo", "spopp-trajnorm", "spopp"],
+        ["spopp-trajnorm", "spopp", "spo"],
+        ["spopp", "spo", "spopp-trajnorm"],
+        ["spo", "spopp-trajnorm", "spopp"],
+    ]
+    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
+    runs = plan_runs(base, [0.0], [0.0], arms, [5, 6, 7], Path("out"), {cell_name(0.0, 0.0): [8]})
+    assert [s.run for _c, s in runs] == [
+        "spo-s5", "spopp-trajnorm-s5", "spopp-s5",
+        "spopp-trajnorm-s6", "spopp-s6", "spo-s6",
+        "spopp-s7", "spo-s7", "spopp-trajnorm-s7",
+        "spo-s8", "spopp-trajnorm-s8", "spopp-s8",
+    ]  # fmt: skip
+
+
+def test_the_map_records_every_environment_option_and_the_arm_order(tmp_path):
+    """map.json's cell has the env_options its runs had (run.json's, defaults included; for a run
+    written before, its identity's with the defaults filled in) and each seed's arm order; map.md
+    and the figure say the options; runs that disagree are a warning."""
+    from runtime.envs import resolved_env_options
+    from services.launch.map import options_line
+
+    cell = cell_name(1.0, 0.5)
+    given = {"coupling": 1.0, "latency_sigma": 0.5, "time_neutral": True}
+    for arm in ("spo", "spopp"):
+        for seed in (0, 1):
+            write_run(tmp_path, cell, arm, seed, [0, 0.1], corr=0.0, late=0)
+            path = tmp_path / "cells" / cell / "runs" / f"{arm}-s{seed}" / "run.json"
+            record = json.loads(path.read_text())
+            if arm == "spo":  # as the launcher writes it now
+                record.update(env="toy-calc", env_options=resolved_env_options("toy-calc", given))
+            else:  # as an earlier launcher wrote it: the identity's options only
+                record["identity"] = {"env": "toy-calc", "env_options": given}
+            path.write_text(json.dumps(record))
+    result = summarize(tmp_path, [1.0], [0.5], ["spo", "spopp"], [0, 1])
+    [c] = result["cells"]
+    assert c["env_options"] == {
+        "coupling": 1.0, "describe_tool": False, "extra_turns": 3, "latency_median_s": 0.02, "latency_sigma": 0.5,
+        "max_tool_calls": 2, "shots": 0, "system_prompt": None, "time_neutral": True,
+    }  # fmt: skip
+    assert c["arm_order"] == {"0": ["spo", "spopp"], "1": ["spopp", "spo"]} and c["warnings"] == []
+    line = options_line(result)
+    assert line is not None and "time_neutral=true" in line and "extra_turns=3" in line
+    assert "coupling=" not in line and "latency_sigma=" not in line  # the cell's own columns
+    md = markdown(result)
+    assert f"besides its coupling and latency σ: {line}." in md
+    assert "seed 0: spo → spopp; seed 1: spopp → spo." in md
+    write(tmp_path / "out", result)
+    saved = json.loads((tmp_path / "out" / "map.json").read_text())["cells"][0]
+    assert saved["env_options"]["time_neutral"] is True and saved["arm_order"]["1"] == ["spopp", "spo"]
+    # One run with another option: no common options for the cell, and a warning that says so.
+    path = tmp_path / "cells" / cell / "runs" / "spo-s1" / "run.json"
+    record = json.loads(path.read_text())
+    record["env_options"] = {**record["env_options"], "time_neutral": False}
+    path.write_text(json.dumps(record))
+    [c] = summarize(tmp_path, [1.0], [0.5], ["spo", "spopp"], [0, 1])["cells"]
+    assert c["env_options"] is None and any("different env_options" in w for w in c["warnings"])

@@ -219,3 +219,35 @@ def test_replicas_host_the_transformers_engine_in_a_process_of_its_own(tiny_mode
     assert kw(engine="vllm", engine_options={"max_model_len": 1024}) == {
         "max_model_len": 1024
     }  # vLLM has its own
+
+
+def test_each_episode_s_environment_is_seeded_from_the_run_seed_task_and_request(
+    tiny_model, tracker, client, make_run
+):
+    """The replica seeds each episode's environment with episode_seed(the run's seed at the tracker,
+    task id, request id): not the replica's own seed, so whichever replica plays a request, its
+    environment draws alike."""
+    from runtime.envs.base import episode_seed
+
+    run = make_run(tasks=[{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in TASKS], seed=41)
+    seeds: list[int] = []
+
+    class Recorded(ToyCalcEnv):
+        def seed_episode(self, seed: int) -> None:
+            seeds.append(seed)
+            super().seed_episode(seed)
+
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model), seconds=0.01)
+    with LearnerSink(run) as sink:
+        worker = Worker(
+            _settings(tiny_model, tracker, run, sink, seed=7), engine, Recorded, {t.task_id: t for t in TASKS}
+        )
+
+        async def scenario():
+            await asyncio.wait_for(worker.run(max_episodes=4), 30)
+            await worker.close()
+
+        asyncio.run(scenario())
+        played = sink.trajectories()
+    assert worker.run_seed == 41 and len(played) == len(seeds) >= 4
+    assert sorted(seeds) == sorted(episode_seed(41, t.task_id, t.request_id) for t in played)

@@ -43,6 +43,14 @@ def test_normal_script_returns_output_quickly():
     assert elapsed < 2.0 and res.duration_s < 2.0
 
 
+def test_hash_order_is_the_same_in_every_run():
+    """Strings hash unsalted (PYTHONHASHSEED=0): a set prints in one order in every episode."""
+    code = "import os\nprint(os.environ['PYTHONHASHSEED'], {f'w{i}' for i in range(12)})\n"
+    first = run_python(code, FAST)
+    assert first.exit_code == 0, first.stderr
+    assert first.stdout.startswith("0 {") and run_python(code, FAST).stdout == first.stdout
+
+
 def test_runs_as_nobody_without_capabilities_or_host_environment(monkeypatch):
     monkeypatch.setenv("SPOPP_SANDBOX_SECRET_ENV", "leaked")
     code = (

@@ -2,12 +2,42 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .base import Environment
 
 ENVIRONMENTS = ("math-tir", "toy-calc", "alfworld")
+
+
+def _env_class(name: str) -> type[Environment] | None:
+    """The class of environment `name` (None for math-tir, which takes no options); imports no
+    optional package (alfworld's engine loads on its first game)."""
+    if name == "toy-calc":
+        from .toy_calc import ToyCalcEnv
+
+        return ToyCalcEnv
+    if name == "alfworld":
+        from .alfworld.env import AlfworldEnv
+
+        return AlfworldEnv
+    if name == "math-tir":
+        return None
+    raise ValueError(f"unknown environment {name!r}; expected one of {', '.join(ENVIRONMENTS)}")
+
+
+def resolved_env_options(name: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every option environment `name` runs with: its keyword defaults, overridden by `options`
+    (what run.json and the map record, so that a default is written down too, e.g. toy-calc's
+    time_neutral: false). Sorted by name; options it does not know are kept as given."""
+    cls = _env_class(name)
+    defaults = {}
+    if cls is not None:
+        for p in inspect.signature(cls.__init__).parameters.values():
+            if p.kind is p.KEYWORD_ONLY and p.default is not p.empty:
+                defaults[p.name] = p.default
+    return dict(sorted({**defaults, **(options or {})}.items()))
 
 
 def env_factory(name: str, options: Mapping[str, Any] | None = None) -> Callable[[], Environment]:

@@ -3,10 +3,19 @@
 Messages are chat messages ({"role", "content"}) that the agent loop renders with the model's
 chat template; everything an environment returns is masked out of the loss. Environments are
 synchronous (the agent loop runs them in a worker thread) and hold the state of one episode.
+
+Randomness. An environment that draws at random (toy-calc's latency and time-neutral waits) draws
+only from `self.rng`, a `random.Random` that `seed_episode(seed)` sets before the episode's
+`reset`; the seed comes from `episode_seed(run_seed, *identity)`, so that one run seed and one
+episode identity give one stream in every process and on every machine. Callers: the rollout
+replica (identity: the task and the tracker's request id), the evaluator (the task and the job).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +37,20 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def episode_seed(seed: int, *identity: str | int) -> int:
+    """A 64-bit seed for one episode's stream, from the run's `seed` and the episode's identity.
+
+    SHA-256 of the JSON of [seed, *identity]: the same in every process (unlike hash(), salted per
+    process), and streams of different identities are unrelated (unlike seed + i)."""
+    text = json.dumps([seed, *identity], separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+# The stream of an episode nobody seeded (tools, tests, `prompts_over_budget`'s probes): fixed, so
+# that even those are reproducible, never OS entropy.
+UNSEEDED = episode_seed(0, "unseeded")
+
+
 class Environment(ABC):
     """One episode at a time. `stop` lists strings that end a model turn (e.g. a code block's end)."""
 
@@ -38,6 +61,20 @@ class Environment(ABC):
     # game loads in about 0.5 s); an episode whose opening fills the budget still ends at once with
     # reward 0 and finish "max_total_tokens".
     cheap_reset: bool = True
+
+    # The episode's random stream (see the module's docstring); built on first use, so that
+    # subclasses need not call a base __init__.
+    _rng: random.Random | None = None
+
+    @property
+    def rng(self) -> random.Random:
+        if self._rng is None:
+            self._rng = random.Random(UNSEEDED)
+        return self._rng
+
+    def seed_episode(self, seed: int) -> None:
+        """Draw the next episode's randomness from `seed` (`episode_seed(...)`); call before reset."""
+        self._rng = random.Random(seed)
 
     @abstractmethod
     def reset(self, task: Task) -> list[dict]:

@@ -44,6 +44,14 @@ else changes with them):
   `latency_median_s`, log-s.d. latency_sigma), slept in the step's thread: a heavy tail of slow
   episodes whose outcomes come back after newer policies were published.
 
+Both draws (the delays, and which recent padding time a time-neutral episode waits) come from the
+episode's stream (`Environment.rng`, seeded per episode from the run's seed and the episode's
+identity: base.py), so one seed and one episode give the same delays and the same draw. The pool a
+time-neutral wait is drawn from holds padding times this process measured, wall-clock times that
+include the model's generation, so the drawn position is reproducible and the seconds at it are as
+reproducible as the timing of the run. The step's info carries both: `latency_s` (the episode's
+delays so far, summed) and `neutral_wait_s` (the wait drawn at its end, when there was one).
+
 Tasks: `generate_toy_calc_tasks(n, seed, split)`. The split is a function of the expression (a hash),
 not of the seed, so train and held-out sets are disjoint for every pair of seeds; the same
 (n, seed, split) gives the same tasks. `write_toy_calc_tasks` writes both as JSONL for `load_tasks`.
@@ -249,7 +257,8 @@ class ToyCalcEnv(Environment):
         if not isinstance(time_neutral, bool):
             raise ValueError(f"time_neutral must be true or false, got {time_neutral!r}")
         self.time_neutral = time_neutral and self.padding > 0
-        self._rng = random.Random()
+        self._latency_s = 0.0  # this episode's drawn delays, summed
+        self._neutral_wait_s: float | None = None  # the time-neutral wait drawn at its end
         self.task: Task | None = None
         self.tool_calls = 0
         self.tool_errors = 0
@@ -262,6 +271,7 @@ class ToyCalcEnv(Environment):
     def reset(self, task: Task) -> list[dict]:
         self.task = task
         self.tool_calls = self.tool_errors = self.turns = self._padded = 0
+        self._latency_s, self._neutral_wait_s = 0.0, None
         self.done = False
         self._decided = None
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -281,6 +291,10 @@ class ToyCalcEnv(Environment):
         }  # fmt: skip
         if self._decided is not None:
             info["decided_reward"] = self._decided[0]
+        if self.latency_sigma > 0:
+            info["latency_s"] = self._latency_s
+        if self._neutral_wait_s is not None:
+            info["neutral_wait_s"] = self._neutral_wait_s
         return info
 
     def _end(self, reward: float, finish: str) -> StepResult:
@@ -297,7 +311,9 @@ class ToyCalcEnv(Environment):
             if coupled:
                 seconds.append(time.monotonic() - self._decided_at)
             elif seconds:
-                time.sleep(self._rng.choice(seconds))  # a deque indexes; full, its length stays 64
+                # A deque indexes; full, its length stays 64. The index is the episode's draw.
+                self._neutral_wait_s = self.rng.choice(seconds)
+                time.sleep(self._neutral_wait_s)
         self.done = True
         return StepResult([], done=True, reward=reward, info=self._info(finish=finish))
 
@@ -306,10 +322,11 @@ class ToyCalcEnv(Environment):
         latency_sigma), 0 when latency_sigma is 0."""
         if self.latency_sigma <= 0:
             return 0.0
-        return self.latency_median_s * math.exp(self.latency_sigma * self._rng.gauss(0.0, 1.0))
+        return self.latency_median_s * math.exp(self.latency_sigma * self.rng.gauss(0.0, 1.0))
 
     def _delay(self) -> None:
         if (seconds := self.latency()) > 0:
+            self._latency_s += seconds
             time.sleep(seconds)
 
     def step(self, action: str) -> StepResult:

@@ -34,7 +34,7 @@ from runtime.agent import (
 from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs import env_factory
-from runtime.envs.base import Task
+from runtime.envs.base import Task, episode_seed
 from runtime.tasks import load_tasks
 
 from .config import EvaluatorSettings
@@ -213,9 +213,13 @@ class Scorer:
             for position, job in pending:
                 env = self.make_env()
                 try:
+                    task = self.tasks[job.index]
+                    # The environment's stream: fixed per (seed, task, job), like the sampling seed,
+                    # so every evaluation plays each job against the same draws.
                     episode = await run_episode(
-                        self.engine, env, self.tasks[job.index], self.budget, job.sampling, self.renderer
-                    )
+                        self.engine, env, task, self.budget, job.sampling, self.renderer,
+                        env_seed=episode_seed(self.s.seed, task.task_id, job.mode),
+                    )  # fmt: skip
                 finally:
                     env.close()
                 on_episode(position, job, episode)

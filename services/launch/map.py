@@ -10,7 +10,10 @@ so SPO++'s two changes are seen apart: trajectory-normalized SPO++ against SPO i
 evidence alone, SPO++ against it is the action-token measure alone.
 
 Runs go one after another into `<out>/cells/<cell>/runs/<arm>-s<seed>/`; a stopped map resumes
-(finished runs are skipped, an unfinished one resumes). Then, per cell: each arm's area and C10,
+(finished runs are skipped, an unfinished one resumes). Within a cell, the i-th seed runs the arms
+in the given order rotated by i (`arm_order`), so that a drift of the machine's load over a map
+falls on every arm alike rather than always on the last one; map.json records each seed's order,
+and every environment option the cell's runs had (time_neutral included, from their run.json). Then, per cell: each arm's area and C10,
 the paired differences with their standard error over seeds, pairs won, and what each knob
 measurably did (the mean correlation of a batch's response lengths with its advantages, from the
 learners' logs; the share of outcomes reported after a newer policy, from the tracker's counts),
@@ -64,6 +67,12 @@ def cells(couplings: list[float], latencies: list[float]) -> list[tuple[str, flo
     return [(cell_name(c, lat), c, lat) for lat in latencies for c in couplings]
 
 
+def arm_order(arms: list[str], index: int) -> list[str]:
+    """The order the `index`-th seed of a cell runs the arms in: `arms` rotated by index mod n."""
+    k = index % len(arms) if arms else 0
+    return list(arms[k:]) + list(arms[:k])
+
+
 def plan_runs(
     base: LaunchSettings,
     couplings: list[float],
@@ -74,14 +83,15 @@ def plan_runs(
     extra: dict[str, list[int]] | None = None,
 ) -> list[tuple[str, LaunchSettings]]:
     """Every (cell, run settings), seed-major within a cell so a stopped map has whole pairs; a
-    cell's added seeds (`extra`) come after the common ones."""
+    cell's added seeds (`extra`) come after the common ones; the i-th seed of a cell runs the arms
+    in `arm_order(arms, i)`."""
     runs = []
     for name, coupling, latency in cells(couplings, latencies):
         cell = cell_settings(base, coupling, latency)
         runs += [
             (name, arm_settings(cell, arm, seed, out / "cells" / name))
-            for seed in seeds + (extra or {}).get(name, [])
-            for arm in arms
+            for i, seed in enumerate(seeds + (extra or {}).get(name, []))
+            for arm in arm_order(arms, i)
         ]
     return runs
 
@@ -203,7 +213,9 @@ def run_map(
         se = "unknown" if d["se"] is None else f"{d['se']:.2f}"
         echo(f"=== map: {name}: SPO++ − SPO standard error {se} over {d['n']} seeds, target {target_se}: "
              f"adding seed {new_seed}")  # fmt: skip
-        _l, code = runner(plan_runs(base, [coupling], [latency], arms, [new_seed], out), echo, "map")
+        # The new seed's runs only, in the order of its place among the cell's seeds.
+        planned = plan_runs(base, [coupling], [latency], arms, seeds, out, {name: extra[name]})
+        _l, code = runner([(c, s) for c, s in planned if s.seed == new_seed], echo, "map")
         if code != 0:
             return code
     write(out, summarize(out, couplings, latencies, arms, seeds, extra))
@@ -258,6 +270,52 @@ def _measured(run_dir: Path) -> dict[str, float | None]:
     }  # fmt: skip
 
 
+def _env_options(run_dir: Path) -> dict | None:
+    """Every environment option one run had: run.json's env_options, or for a run launched before
+    they were written there, its identity's (as given) with the environment's defaults filled in;
+    None without a readable run.json."""
+    from runtime.envs import resolved_env_options
+
+    try:
+        record = RunRecord.model_validate_json((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if record.env_options is not None:
+        return record.env_options
+    env = record.env or record.identity.get("env")
+    if env is None:
+        return None
+    try:
+        return resolved_env_options(env, record.identity.get("env_options"))
+    except ValueError:  # an environment this version does not know
+        return None
+
+
+def _common(options: list[dict | None], warnings: list[str]) -> dict | None:
+    """The environment options a cell's runs share (None when no run says); a warning when they
+    differ, which a cell of one base config never should."""
+    known = [o for o in options if o is not None]
+    if not known:
+        return None
+    if any(o != known[0] for o in known[1:]):
+        warnings.append("the runs of this cell ran with different env_options: " + "; ".join(
+            sorted({json.dumps(o, sort_keys=True) for o in known})))  # fmt: skip
+        return None
+    return known[0]
+
+
+def options_line(result: dict) -> str | None:
+    """The environment options every cell shares besides its two knobs, as `k=v, ...` (None when no
+    cell's runs say)."""
+    each = [c.get("env_options") for c in result["cells"]]
+    known = [o for o in each if o is not None]
+    if not known:
+        return None
+    keys = sorted(set.intersection(*(set(o) for o in known)) - {"coupling", "latency_sigma"})
+    same = [k for k in keys if all(o[k] == known[0][k] for o in known)]
+    return ", ".join(f"{k}={json.dumps(known[0][k])}" for k in same)
+
+
 MEASURES = (
     "length_advantage_corr",
     "batch_reward",
@@ -291,11 +349,14 @@ def summarize(
         warnings: list[str] = []
         curves: dict[str, dict[int, list[float]]] = {arm: {} for arm in arms}
         measured: dict[str, list[dict]] = {arm: [] for arm in arms}
+        env_options: list[dict | None] = []
         for arm in arms:
             for seed in cell_seeds:
                 run_dir = out / "cells" / name / "runs" / f"{arm}-s{seed}"
                 curves[arm][seed] = read_run(run_dir, "eval/sampled/reward_mean", warnings).rewards
                 measured[arm].append(_measured(run_dir))
+                env_options.append(_env_options(run_dir))
+        options = _common(env_options, warnings)
         points = min(len(c) for by_seed in curves.values() for c in by_seed.values())
         per_arm = {
             arm: {
@@ -315,6 +376,8 @@ def summarize(
         everything = [m for arm in arms for m in measured[arm]]
         out_cells.append({
             "cell": name, "coupling": coupling, "latency_sigma": latency, "seeds": cell_seeds, "points": points,
+            "env_options": options,
+            "arm_order": {str(seed): arm_order(arms, i) for i, seed in enumerate(cell_seeds)},
             "start": _mean([curves[arm][s][0] for arm in arms for s in cell_seeds if curves[arm][s]]),
             "arms": per_arm, "diffs": diffs, "warnings": warnings,
             "measured": _means(everything),
@@ -350,6 +413,9 @@ def markdown(result: dict) -> str:
         "many dispatches the newest reported request was past it; batch = mean reward of the training batches "
         "(first completed), against the held-out reward at version 0 (start); n = seeds in the cell (--target-se "
         "adds seeds where the standard error is over the target).", "",
+        *([f"Environment options of every cell besides its coupling and latency σ: {line}.", ""]
+          if (line := options_line(result)) else []),
+        *_order_lines(result),
         "| coupling | latency σ | measured coupling | late | overtaken | distance | batch / start | n | SPO area "
         "| SPO++ area | Δ SPO++ − SPO | pairs won | Δ event-time alone | Δ token measure alone | C10 SPO / traj. / SPO++ |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -383,6 +449,18 @@ def markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _order_lines(result: dict) -> list[str]:
+    """The order each seed ran the arms in (the same in every cell for the common seeds)."""
+    orders: dict[str, list[str]] = {}
+    for c in result["cells"]:
+        for seed, order in c.get("arm_order", {}).items():
+            orders.setdefault(seed, order)
+    if not orders:
+        return []
+    said = "; ".join(f"seed {seed}: {' → '.join(order)}" for seed, order in orders.items())
+    return [f"Arm order (rotated per seed, so that load drift is not one arm's): {said}.", ""]
+
+
 def heatmap(result: dict, path: Path) -> None:
     """One panel per paired difference: Δ area over coupling (x) and latency (y), each cell
     annotated with its mean ± standard error."""
@@ -413,6 +491,8 @@ def heatmap(result: dict, path: Path) -> None:
         ax.set_ylabel("latency σ")
         ax.set_title(DIFF_TITLES[key], fontsize=8)
         fig.colorbar(image, ax=ax, label="Δ area (points)")
+    if line := options_line(result):
+        fig.suptitle(f"toy-calc: {line}", fontsize=6)
     fig.tight_layout()
     fig.savefig(path, format="png")
 

@@ -307,6 +307,8 @@ class Launcher:
         return code
 
     def _write_folder(self, p: Plan, resuming: bool, metrics_url: str) -> None:
+        from runtime.envs import resolved_env_options
+
         p.run_dir.mkdir(parents=True, exist_ok=True)
         (p.run_dir / "launch.yaml").write_text(
             yaml.safe_dump({k: v for k, v in self.s.model_dump(mode="json").items() if k != "api_token"},
@@ -321,6 +323,7 @@ class Launcher:
             "run": self.s.run, "arm": p.arm(), "recipe": self.s.recipe,
             "normalization": p.learner.normalization, "seed": self.s.seed, "updates": self.s.updates,
             "final_version": p.final_version, "identity": p.identity(), "status": "running",
+            "env": self.s.env, "env_options": resolved_env_options(self.s.env, self.s.env_options),
             "started": old.started if old and old.started is not None else now,
             "launches": (old.launches if old else 0) + 1, "metrics_url": metrics_url,
             "replicas": len(p.rollouts),

@@ -53,7 +53,7 @@ from runtime.agent import (
 )
 from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
-from runtime.envs.base import Environment, Task
+from runtime.envs.base import Environment, Task, episode_seed
 from spopp import staleness
 from spopp.client import AsyncTrackerClient, RunFinished, StalePolicy, TrackerError
 from spopp.retry import RETRYABLE_STATUS, RetryPolicy
@@ -151,6 +151,9 @@ class Worker:
         self.fatal: Exception | None = None
         self.lease_seconds = 900.0
         self.max_staleness = 0  # the run's k, read at start
+        # The run's seed at the tracker (read at start): the base of the environments' per-episode
+        # streams, the same whichever replica plays a request (the replicas' `seed`s differ).
+        self.run_seed = 0
         self._episodes = 0
         # This replica's counts for its heartbeats: trajectories the learner accepted, episodes
         # played to the end; `counted` is what the tracker had of this worker id at start.
@@ -314,6 +317,7 @@ class Worker:
         # A run's configuration never changes: read its lease length once, not per episode.
         self.lease_seconds = run.config.lease_seconds
         self.max_staleness = run.config.max_staleness
+        self.run_seed = run.config.seed
         if run.status == "finished":
             raise _finished(run)
         # A restarted replica counts on from what the tracker has of it, so its counts add up.
@@ -535,9 +539,15 @@ class Worker:
         try:
             # Per-episode seed from (seed, request): reproducible across processes, unlike hash().
             seed = zlib.crc32(f"{self.s.seed}:{lease.request_id}".encode())
+            # The environment's stream: from the run's seed, the task and the request id. Request
+            # ids are the tracker's per-run counter (r1, r2, ...: dispatch.lua), so a run that
+            # dispatches in the same order gives each episode the same stream, and no two episodes
+            # of a run share one.
+            env_seed = episode_seed(self.run_seed, lease.task_id, lease.request_id)
             ep = await run_episode(
-                self.engine, env, task, self.budget, replace(self.sampling, seed=seed), self.renderer
-            )
+                self.engine, env, task, self.budget, replace(self.sampling, seed=seed), self.renderer,
+                env_seed=env_seed,
+            )  # fmt: skip
         except asyncio.CancelledError:
             await asyncio.shield(self._release(lease))
             raise
