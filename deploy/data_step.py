@@ -37,17 +37,17 @@ SIZES = {"toy-calc": (128, 32), "math-tir": (2048, 256)}
 
 def ensure_token(folder: Path) -> str:
     """'set in .env', 'kept' or 'generated': what happened to the token."""
-    if os.environ.get("SPOPP_API_TOKEN"):
-        return "set in .env"
     path = folder / "api-token"
-    if path.is_file() and path.read_text().strip():
+    kept = path.read_text().strip() if path.is_file() else ""
+    given = os.environ.get("SPOPP_API_TOKEN", "")
+    # The entrypoint exports the volume's token before this step runs (deploy/image/entrypoint.sh):
+    # the same value in the environment is the kept one, not one set in .env.
+    if given and given != kept:
+        return "set in .env"
+    if kept:
         return "kept"
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "api-token.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    os.replace(tmp, path)  # a step cut off never leaves half a token
+    _write(path, secrets.token_hex(32) + "\n", 0o600)
     return "generated"
 
 

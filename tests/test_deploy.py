@@ -642,6 +642,10 @@ def test_data_step_generates_the_token_once_and_never_replaces_files(tmp_path, m
     assert (secrets / "api-token").read_text().strip() == token
     assert (data / "tasks.jsonl").read_text().startswith('{"task_id": "mine"')
     assert "exists, used as it is" in capsys.readouterr().out
+    # The entrypoint exports the volume's token before the step runs: that is the kept token, not
+    # one from .env.
+    monkeypatch.setenv(API_TOKEN_ENV, token)
+    assert data_step.ensure_token(secrets) == "kept"
     # A token in .env is never written to the volume.
     monkeypatch.setenv(API_TOKEN_ENV, TOKEN)
     assert data_step.main(["--data", str(data), "--secrets", str(tmp_path / "s2")]) == 0
