@@ -69,8 +69,8 @@ test-slow: setup
 
 # The GPU tier (tests/gpu/): the learner on CUDA (NCCL, fp32 and bf16 against the references,
 # ZeRO 1-3, a token budget), memory settings whose savings must show on a 201M-parameter model, two
-# runs launched on one GPU (full and LoRA), vLLM's CUDA engine where installed; README, "The GPU
-# tier". It runs where the dependencies already are and installs nothing (no setup, no index): the
+# runs launched on one GPU (full and LoRA), vLLM's CUDA engine where installed; docs/development.md,
+# "The GPU tier". It runs where the dependencies already are and installs nothing (no setup, no index): the
 # venv of `make setup` when there is one, else the machine's python3 (a cluster image, or the wheels
 # of ../shared/gpu/wheelhouse.sh after `source .whl/install.sh`). Without a CUDA GPU it says so in
 # one line and stops. The launched runs (mostly CPU-bound processes around a toy model) run as a
@@ -93,7 +93,7 @@ test-gpu:
 	test $$rest -eq 0 && test $$launched -eq 0
 
 # The in-process tier: pure functions, the services' apps through TestClient, a real redis-server
-# where the store needs one; no test of the `process` tier (nor of the slow tier). Meant to take under 2 minutes (2 min 43 s measured: README).
+# where the store needs one; no test of the `process` tier (nor of the slow tier). Meant to take under 2 minutes (2 min 43 s measured: docs/development.md).
 test-fast: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not process and not slow" --durations=15
 
@@ -122,14 +122,14 @@ ABLATE ?=
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --out demo-out $(if $(SEEDS),--seeds "$(SEEDS)") $(if $(ABLATE),--ablate)
 
-# The same path, smaller: about 3.5 minutes on 2 idle cores (README). LORA=1: rank-8 adapters on
+# The same path, smaller: about 3.5 minutes on 2 idle cores (docs/results.md). LORA=1: rank-8 adapters on
 # the frozen cold start (LORA=16: rank 16), into demo-quick-lora-out.
 demo-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --quick $(if $(SEEDS),--seeds "$(SEEDS)") \
 		$(if $(LORA),--lora $(if $(filter 1,$(LORA)),8,$(LORA)) --out demo-quick-lora-out,--out demo-quick-out)
 
 # SPO++ with LoRA on a real pretrained instruct model (SmolLM2-135M-Instruct, imported from its PyPI
-# package): about 45 minutes on 2 cores (README, "Your own model"). PAIRED=1 adds SPO; DEVICE=cuda
+# package): about 45 minutes on 2 cores (docs/models.md). PAIRED=1 adds SPO; DEVICE=cuda
 # runs it on GPU 0. Output: demo-real-out/ (summary.json and each run's folder).
 PAIRED ?=
 DEVICE ?= cpu
@@ -143,7 +143,7 @@ map: setup
 
 # The same protocol on ALFWorld's engine with generated games (small rooms, at most 12 interactions):
 # data, cold start of a tiny word-level model, prior, paired SPO / SPO++ runs, report. About 19.5 minutes
-# on 2 cores shared with another job (README). SEEDS and ABLATE as for `demo`. Output: demo-alfworld-out/.
+# on 2 cores shared with another job (docs/rollout.md). SEEDS and ABLATE as for `demo`. Output: demo-alfworld-out/.
 demo-alfworld: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.alfworld_demo --out demo-alfworld-out $(if $(SEEDS),--seeds "$(SEEDS)") $(if $(ABLATE),--ablate)
 
@@ -151,11 +151,13 @@ demo-alfworld: setup
 demo-alfworld-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.alfworld_demo --quick --out demo-alfworld-quick-out $(if $(SEEDS),--seeds "$(SEEDS)")
 
-# ruff, then the import contracts in pyproject.toml ([tool.importlinter]).
+# ruff, then the import contracts in pyproject.toml ([tool.importlinter]), then every relative link
+# and #anchor of the markdown (README.md, docs/, deploy/README.md, BENCHMARKS.md; no network).
 lint: setup
 	$(VENV)/bin/ruff check spopp runtime services tools tests bench
 	$(VENV)/bin/ruff format --check spopp runtime services tools tests bench
 	$(VENV)/bin/lint-imports
+	$(PY) -m tools.check_links
 
 # The whole compose stack with Docker on this CPU machine (deploy/compose_cpu.py): Docker installed
 # and started when missing (root), the Debian base image made locally, the CPU images built, the
@@ -172,4 +174,4 @@ compose-clean:
 	python3 deploy/compose_cpu.py --clean
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-real-out demo-quick-lora-out demo-alfworld-out demo-alfworld-quick-out map-out
+	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-real-out demo-quick-lora-out demo-alfworld-out demo-alfworld-quick-out map-out chaos-out

@@ -3,7 +3,7 @@
 Validation lives here so that the service answers 422 before it touches Redis and the client
 fails before it sends: finite numbers, rewards in [0, 1], positive priors, bounded batch sizes.
 Every list has a max_length, which pydantic checks before the list's items; the tasks-per-call cap
-is answered 413 by the service (see the README's route table), the others 422.
+is answered 413 by the service (see the route table in docs/tracker.md), the others 422.
 
 Every number has both bounds (the LIMITS below), chosen generous for real use and small enough
 that nothing the tracker computes from them later overflows or turns into nan: prior masses and

@@ -1,7 +1,7 @@
 """`make demo-real`'s summary (tools/demo_real.py): the held-out curve with its standard errors and
 the costs, read from a run folder's own files; and its launch config, checked by the launcher's own
 settings. The whole demo runs 45 minutes and is not part of the suite; its wiring ran end to end
-with --tiny (README)."""
+with --tiny (docs/models.md)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ N_HELDOUT = 640
 PILOT_SEED, PILOT_TASKS = 1000, 64
 LORA_RANK = 8
 
-# Sized from measured costs on 2 cores (see the README's "Your own model"): an episode of this task
+# Sized from measured costs on 2 cores (see docs/models.md): an episode of this task
 # costs ~0.8 s of one core under vLLM (0.83 s, 64 episodes in 53 s; the transformers engine took
 # 122 s, it has no prefix cache for the ~200 shared prompt tokens); a LoRA update of 32 episodes
 # (~7.4k tokens, the old log-probs pass included) about 170 s of the other (about 44 tokens/s: the
@@ -121,7 +121,7 @@ def curve(run_dir: Path) -> list[dict]:
     for path in sorted((run_dir / "eval" / "episodes").glob("v*.jsonl*")):
         by_task: dict[str, list[float]] = {}
         version = None
-        # .jsonl.gz: a run's episodes as committed under docs/results/ (the data behind the README)
+        # .jsonl.gz: a run's episodes as committed under docs/results/ (the data behind docs/models.md)
         text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
         for line in text.splitlines():
             row = json.loads(line)
