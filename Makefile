@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map
+.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render
 
 setup: $(STAMP) system
 
@@ -136,10 +136,16 @@ DEVICE ?= cpu
 demo-real: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo_real --out demo-real-out --device $(DEVICE) $(if $(PAIRED),--paired)
 
-# When does SPO++ beat SPO? The demo's setting over a coupling x latency grid (tools/map.py):
-# SPO, SPO++ (trajectory norm.) and SPO++ on every seed of every cell; resumable. SEEDS="0 1 2 3".
+# When does SPO++ beat SPO? The demo's setting over a coupling x latency grid (tools/map.py): the
+# four arms from SPO to SPO++, one change each, a pilot on its own seeds fixing each cell's n before
+# the main runs; resumable. SEEDS="0 1 2" instead runs those seeds in every cell, with no pilot.
 map: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.map --out map-out $(if $(SEEDS),--seeds "$(shell echo $(SEEDS) | tr ' ' ',')")
+
+# The published map (docs/map/map.json, committed) redrawn: docs/map/map.md, map.png and the map
+# section of docs/results.md. tests/test_published.py checks that what is committed is this drawing.
+map-render: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m services.cli map --render docs/map/ --page docs/results.md
 
 # The same protocol on ALFWorld's engine with generated games (small rooms, at most 12 interactions):
 # data, cold start of a tiny word-level model, prior, paired SPO / SPO++ runs, report. About 19.5 minutes

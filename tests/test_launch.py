@@ -276,7 +276,7 @@ def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
 
 
 def test_staleness_arms_set_k_for_the_tracker_run_and_the_learner_alike(toy, tmp_path):
-    from services.launch.compare import parse_arm
+    from services.launch.arms import parse_arm
     from services.launch.config import plan, port_requests
 
     base = resolve(config(toy, tmp_path))

@@ -17,7 +17,8 @@ import pytest
 
 from runtime.envs import env_factory
 from runtime.envs.toy_calc import ToyCalcEnv, make_task
-from services.launch.map import cell_name, markdown, summarize, write
+from services.launch.map import cell_name, summarize
+from services.launch.map_render import markdown, write
 from services.learner.update import length_advantage_corr
 
 TASK = make_task(123, 45, 67)  # 5602
@@ -158,48 +159,97 @@ def write_run(
     (folder / "learner" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
 
 
-def test_summary_pairs_by_seed_with_standard_errors_by_hand(tmp_path):
+FOUR = ["spo", "spo-eventtime", "spopp-trajnorm", "spopp"]
+
+
+def by_cell(seeds: list[int], *cells: str) -> dict[str, list[int]]:
+    return {cell: seeds for cell in cells}
+
+
+def test_the_chain_pairs_each_arm_with_the_one_before_it_and_names_the_change():
+    from services.launch.arms import step_label
+    from services.launch.map_summary import pairs
+
+    assert pairs(FOUR) == [("spo-eventtime", "spo"), ("spopp-trajnorm", "spo-eventtime"),
+                           ("spopp", "spopp-trajnorm"), ("spopp", "spo")]  # fmt: skip
+    assert pairs(["spopp", "spo"]) == [("spopp", "spo")]  # the one step is the total: not twice
+    assert pairs(["spo", "spopp-trajnorm", "spopp"]) == [
+        ("spopp-trajnorm", "spo"), ("spopp", "spopp-trajnorm"), ("spopp", "spo")
+    ]  # fmt: skip
+    assert step_label("spo-eventtime", "spo") == "+ event-time evidence"
+    assert step_label("spopp-trajnorm", "spo-eventtime") == "+ Dual-Clip 2"
+    assert step_label("spopp", "spopp-trajnorm") == "+ action-token measure"
+    assert step_label("spopp-trajnorm", "spo") == "+ event-time evidence + Dual-Clip 2"
+    assert step_label("spopp", "spo") == "SPO++ − SPO"
+
+
+def test_the_sign_test_and_the_t_quantile_by_hand():
+    from services.report.summaries import sign_test, t_quantile
+
+    # Two-sided exact: 2 * P(X <= min(won, lost)), X ~ Binomial(won + lost, 1/2).
+    assert sign_test(3, 0) == pytest.approx(2 / 8)
+    assert sign_test(6, 0) == pytest.approx(2 / 64)  # the 6-of-6 columns of the first map: p = 0.03
+    assert sign_test(5, 1) == pytest.approx(2 * 7 / 64)
+    assert sign_test(1, 1) == 1.0 and sign_test(0, 0) == 1.0
+    # Student's t with 2 degrees of freedom has the closed form (2p - 1) / sqrt(2p(1 - p)).
+    assert t_quantile(0.975, 2) == pytest.approx(0.95 / math.sqrt(2 * 0.975 * 0.025), rel=1e-12)
+    assert t_quantile(0.975, 1) == pytest.approx(math.tan(math.pi * 0.475), rel=1e-12)  # Cauchy
+
+
+def test_summary_of_four_arms_with_t_intervals_and_sign_tests_by_hand(tmp_path):
     cell = cell_name(-1.0, 1.5)
     assert cell == "coupling-1-latency1.5"
-    # Areas (trapezoid over 3 points = mean of the two segment means):
-    # spo s0 [0, .2, .4] -> 0.2; s1 [0, .2, .2] -> 0.15; spopp s0 [0, .4, .4] -> 0.3; s1 [0, .2, .4] -> 0.2
-    # trajnorm s0 [0, .2, .6] -> 0.25; s1 [0, .2, .2] -> 0.15
-    curves = {
-        ("spo", 0): [0, 0.2, 0.4], ("spo", 1): [0, 0.2, 0.2], ("spopp", 0): [0, 0.4, 0.4],
-        ("spopp", 1): [0, 0.2, 0.4], ("spopp-trajnorm", 0): [0, 0.2, 0.6], ("spopp-trajnorm", 1): [0, 0.2, 0.2],
-    }  # fmt: skip
-    for (arm, seed), rewards in curves.items():
-        write_run(
-            tmp_path, cell, arm, seed, rewards, corr=-0.4 if arm == "spo" else -0.2, late=10 * (seed + 1)
-        )
-    result = summarize(tmp_path, [-1.0], [1.5], ["spo", "spopp-trajnorm", "spopp"], [0, 1])
+    # Curves [0, a, a]: trapezoid area (a + a/2) / 2 = 0.75 a. Areas per seed 0, 1, 2:
+    # spo .15 .15 .15; spo-eventtime .15 .18 .12; spopp-trajnorm .18 .18 .18; spopp .21 .21 .21.
+    heights = {
+        "spo": [0.2] * 3,
+        "spo-eventtime": [0.2, 0.24, 0.16],
+        "spopp-trajnorm": [0.24] * 3,
+        "spopp": [0.28] * 3,
+    }
+    for arm, hs in heights.items():
+        for seed, h in enumerate(hs):
+            write_run(
+                tmp_path,
+                cell,
+                arm,
+                seed,
+                [0, h, h],
+                corr=-0.4 if arm == "spo" else -0.2,
+                late=10 * (seed + 1),
+            )
+    result = summarize(tmp_path, [-1.0], [1.5], FOUR, by_cell([0, 1, 2], cell))
     [c] = result["cells"]
-    assert c["points"] == 3 and c["arms"]["spo"]["area"] == pytest.approx(0.175)
-    d = c["diffs"]["spopp-spo"]  # per seed 100 * (0.3 - 0.2) = 10 and 100 * (0.2 - 0.15) = 5
-    assert d["per_seed"] == pytest.approx([10.0, 5.0]) and d["mean"] == pytest.approx(7.5)
-    assert d["sd"] == pytest.approx(math.sqrt(12.5)) and d["se"] == pytest.approx(2.5) and d["won"] == 2
-    assert c["diffs"]["trajnorm-spo"]["per_seed"] == pytest.approx([5.0, 0.0])
-    assert c["diffs"]["spopp-trajnorm"]["per_seed"] == pytest.approx([5.0, 5.0])
-    assert c["diffs"]["spopp-trajnorm"]["se"] == pytest.approx(0.0)
+    assert c["points"] == 3 and c["arms"]["spo-eventtime"]["area"] == pytest.approx(0.15)
+    assert c["arms"]["spo-eventtime"]["per_seed"] == pytest.approx({"0": 0.15, "1": 0.18, "2": 0.12})
+    t2 = 0.95 / math.sqrt(2 * 0.975 * 0.025)  # t quantile, 2 degrees of freedom
+    event = c["diffs"]["spo-eventtime vs spo"]  # 0, +3, -3 points
+    assert event["label"] == "+ event-time evidence" and event["per_seed"] == pytest.approx([0.0, 3.0, -3.0])
+    assert event["mean"] == pytest.approx(0.0) and event["sd"] == pytest.approx(3.0)
+    assert event["se"] == pytest.approx(math.sqrt(3.0)) and event["df"] == 2
+    assert (event["lo"], event["hi"]) == pytest.approx((-t2 * math.sqrt(3.0), t2 * math.sqrt(3.0)))
+    assert (event["won"], event["lost"], event["tied"]) == (1, 1, 1) and event["sign_p"] == 1.0
+    clip = c["diffs"]["spopp-trajnorm vs spo-eventtime"]  # +3, 0, +6
+    assert clip["label"] == "+ Dual-Clip 2" and clip["mean"] == pytest.approx(3.0)
+    assert (clip["won"], clip["tied"]) == (2, 1) and clip["sign_p"] == pytest.approx(0.5)
+    token = c["diffs"]["spopp vs spopp-trajnorm"]  # +3 on every seed: s.e. 0, interval [3, 3]
+    assert token["se"] == pytest.approx(0.0, abs=1e-12) and token["lo"] == pytest.approx(3.0)
+    total = c["diffs"]["spopp vs spo"]  # +6 on every seed
+    assert total["label"] == "SPO++ − SPO" and total["mean"] == pytest.approx(6.0)
+    assert total["won"] == 3 and total["sign_p"] == pytest.approx(0.25)
     # Measured: the correlation averaged over every run's updates, late = late / outcomes.
-    assert c["measured"]["length_advantage_corr"] == pytest.approx((2 * -0.4 + 4 * -0.2) / 6)
-    assert c["measured"]["late_fraction"] == pytest.approx(0.15)  # 10/100 and 20/100 in every arm
-    assert c["measured"]["overtaken_fraction"] == pytest.approx(0.30)
-    assert c["measured"]["reorder_distance"] == pytest.approx(0.75)  # 50/100 and 100/100
+    assert c["measured"]["length_advantage_corr"] == pytest.approx((3 * -0.4 + 9 * -0.2) / 12)
+    assert c["measured"]["late_fraction"] == pytest.approx(0.2)  # 10, 20 and 30 of 100 in every arm
+    assert c["measured"]["overtaken_fraction"] == pytest.approx(0.4)
+    assert c["measured"]["reorder_distance"] == pytest.approx(1.0)
     assert c["measured"]["batch_reward"] == pytest.approx(0.25)  # updates' 0.2 and 0.3 in every run
-    assert c["start"] == 0.0 and c["seeds"] == [0, 1]
-    assert result["largest_se"] == pytest.approx(2.5)  # SPO++ − SPO's
-    assert result["largest_se_parts"] == pytest.approx(2.5)  # event-time alone: [5, 0]
+    assert c["start"] == 0.0 and c["seeds"] == [0, 1, 2]
+    assert result["largest_se"] == pytest.approx(0.0, abs=1e-12)  # SPO++ − SPO's
     md = markdown(result)
-    assert (
-        "| -1 | 1.5 | -0.27 | 0.15 | 0.30 | 0.8 | 0.25 / 0.00 | 2 | 0.175 | 0.250 | +7.5 ± 2.5 | 2/2 | +2.5 ± 2.5 "
-        "| +5.0 ± 0.0 |" in md
-    )
-    assert (
-        "Largest standard error of a cell's paired difference (SPO++ − SPO): 2.50 area points (target ≤ 1.5)."
-        in md
-    )
-    assert "Largest standard error of its parts (each change alone): 2.50 area points." in md
+    assert "| -1 | 1.5 | 3 | 0–2 | 0.150 | 0.210 | +6.0 ± 0.0 | [+6.0, +6.0] | 3/3 | 0.25 |" in md
+    half = t2 * math.sqrt(3.0)
+    assert f"| -1 | 1.5 | +0.0 ± 1.7 [{-half:+.1f}, {half:+.1f}] 1/3 | +3.0 ± 1.7 " in md
+    assert "± is one standard error (s.e.)" in md and "95 % t interval with n − 1 degrees of freedom" in md
     write(tmp_path / "out", result)
     assert json.loads((tmp_path / "out" / "map.json").read_text())["cells"][0]["cell"] == cell
     assert (tmp_path / "out" / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -208,7 +258,7 @@ def test_summary_pairs_by_seed_with_standard_errors_by_hand(tmp_path):
 def test_a_missing_run_names_its_folder(tmp_path):
     write_run(tmp_path, cell_name(0.0, 0.0), "spo", 0, [0.1, 0.2], corr=0.0, late=0)
     with pytest.raises(ValueError, match=r"spopp-s0.*run.json"):
-        summarize(tmp_path, [0.0], [0.0], ["spo", "spopp"], [0])
+        summarize(tmp_path, [0.0], [0.0], ["spo", "spopp"], by_cell([0], cell_name(0.0, 0.0)))
 
 
 def test_a_cell_is_the_base_with_the_two_knobs_set_and_nothing_else():
@@ -216,18 +266,13 @@ def test_a_cell_is_the_base_with_the_two_knobs_set_and_nothing_else():
     from services.launch.map import cell_settings, plan_runs
 
     base = LaunchSettings.model_validate(
-        {
-            "model": "m",
-            "tasks": "t.jsonl",
-            "env": "toy-calc",
-            "env_options": {"latency_median_s": 0.1},
-            "updates": 8,
-        }
-    )
+        {"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "env_options": {"latency_median_s": 0.1}, "updates": 8}
+    )  # fmt: skip
     cell = cell_settings(base, -1.0, 1.5)
     assert cell.env_options == {"latency_median_s": 0.1, "coupling": -1.0, "latency_sigma": 1.5}
     assert cell.model_dump(exclude={"env_options"}) == base.model_dump(exclude={"env_options"})
-    runs = plan_runs(base, [-1.0, 0.0], [0.0], ["spo", "spopp"], [3], Path("out"))
+    seeds = by_cell([3], "coupling-1-latency0", "coupling+0-latency0")
+    runs = plan_runs(base, [-1.0, 0.0], [0.0], ["spo", "spopp"], seeds, Path("out"))
     assert [(c, s.run, str(s.run_dir)) for c, s in runs] == [
         ("coupling-1-latency0", "spo-s3", "out/cells/coupling-1-latency0/runs/spo-s3"),
         ("coupling-1-latency0", "spopp-s3", "out/cells/coupling-1-latency0/runs/spopp-s3"),
@@ -240,6 +285,24 @@ def test_a_cell_is_the_base_with_the_two_knobs_set_and_nothing_else():
         )
 
 
+def test_each_arm_sets_its_one_change_and_the_run_is_named_for_it(tmp_path):
+    from services.launch.compare import arm_settings
+    from services.launch.config import LaunchSettings, plan, port_requests
+
+    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
+    want = {  # arm: (tracker recipe, normalization, Dual-Clip)
+        "spo": ("spo", "trajectory", 10.0), "spo-eventtime": ("spopp", "trajectory", 10.0),
+        "spopp-trajnorm": ("spopp", "trajectory", 2.0), "spopp": ("spopp", "token", 2.0),
+    }  # fmt: skip
+    for arm, (recipe, norm, clip) in want.items():
+        s = arm_settings(base, arm, 0, tmp_path)
+        p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
+        assert (p.run_config.recipe, p.learner.normalization, p.learner.dual_clip) == (recipe, norm, clip), (
+            arm
+        )
+        assert p.arm() == arm
+
+
 def test_the_map_command_refuses_bad_options_by_name(tmp_path):
     from click.testing import CliRunner
 
@@ -247,35 +310,44 @@ def test_the_map_command_refuses_bad_options_by_name(tmp_path):
 
     config = tmp_path / "base.yaml"
     config.write_text("model: m\ntasks: t.jsonl\nenv: toy-calc\n")
+    out = ["--out", str(tmp_path / "out")]
     for args, message in (
-        (["--coupling=a"], "--coupling 'a': expected numbers"),
-        (["--latency=0,0"], "--latency '0,0': give distinct values"),
-        (["--arms", "grpo"], "--arms: choose from spo, spopp, spopp-trajnorm"),
-        (["--seeds", "x"], "--seeds 'x': expected integers"),
+        ([str(config), *out, "--coupling=a"], "--coupling 'a': expected numbers"),
+        ([str(config), *out, "--latency=0,0"], "--latency '0,0': give distinct values"),
+        (
+            [str(config), *out, "--arms", "grpo"],
+            "--arms: choose from spo, spo-eventtime, spopp-trajnorm, spopp",
+        ),
+        ([str(config), *out, "--seeds", "x"], "--seeds 'x': expected integers"),
+        ([str(config), *out, "--pilot-seeds", "1,1"], "--pilot-seeds '1,1': give distinct seeds"),
+        ([str(config), *out, "--seeds", "0", "--pilot-seeds", "9,10"], "not both"),
+        ([str(config), "--render", str(tmp_path)], "give no CONFIG or --out"),
+        ([str(config)], "give CONFIG and --out"),
     ):
-        r = CliRunner().invoke(map_command, [str(config), "--out", str(tmp_path / "out"), *args])
+        r = CliRunner().invoke(map_command, args)
         assert r.exit_code == 2 and message in r.output, (args, r.output)
         assert not (tmp_path / "out").exists()
+    r = CliRunner().invoke(map_command, ["--render", str(tmp_path)])
+    assert r.exit_code == 1 and "no map.json to render" in r.output
 
 
-# -- seeds added where a cell's standard error is over the target ---------------------------------
-def test_seeds_needed_and_the_cell_chosen_by_hand():
-    from services.launch.map import choose_cell, seeds_needed
+# -- the protocol: n per cell fixed from a pilot before the main runs -------------------------------
+def test_n_per_cell_from_the_pilot_and_the_budget_by_hand():
+    from services.launch.map_protocol import fit, wanted
 
-    # sd 3 over 3 seeds: se 1.73 > 1.5; (3 / 1.5)^2 = 4 seeds, one more. sd 6: 16 seeds, 13 more.
-    assert seeds_needed({"sd": 3.0, "n": 3}, 1.5) == 1
-    assert seeds_needed({"sd": 6.0, "n": 3}, 1.5) == 13
-    assert seeds_needed({"sd": 1.0, "n": 3}, 1.5) == 0
-    assert seeds_needed({"sd": None, "n": 1}, 1.5) == math.inf
-
-    def cell(name, sd, n):
-        return {"cell": name, "diffs": {"spopp-spo": {"sd": sd, "n": n, "se": sd / math.sqrt(n)}}}
-
-    result = {"cells": [cell("a", 6.0, 3), cell("b", 3.0, 3), cell("c", 1.0, 3)]}
-    assert choose_cell(result, 1.5)["cell"] == "b"  # the one a single seed may bring under
-    assert choose_cell(result, 4.0) is None  # every se (3.46, 1.73, 0.58) within 4
-    one_seed = {"cells": [{"cell": "d", "diffs": {"spopp-spo": {"sd": None, "n": 1, "se": None}}}]}
-    assert choose_cell(one_seed, 1.5)["cell"] == "d"  # an unknown standard error is over any target
+    # (s.d. / 1.5)^2 seeds: s.d. 3 -> 4; 1 -> 0.44, raised to the least, 3; 6 -> 16.
+    assert wanted(3.0, 1.5, 3) == 4 and wanted(1.0, 1.5, 3) == 3 and wanted(6.0, 1.5, 3) == 16
+    assert wanted(0.0, 1.5, 3) == 3
+    with pytest.raises(ValueError, match="two seeds or more"):
+        wanted(None, 1.5, 3)
+    want = {"a": 16, "b": 4, "c": 3}
+    assert fit(want, math.inf, 3) == want and fit(want, 23, 3) == want
+    # 12 seeds: the cap c = 5 fits (5 + 4 + 3 = 12), 6 would not (13).
+    assert fit(want, 12, 3) == {"a": 5, "b": 4, "c": 3}
+    # Under n_min per cell: every cell still gets n_min (the map says it is over the budget).
+    assert fit(want, 8, 3) == {"a": 3, "b": 3, "c": 3}
+    # What the common cap leaves goes a seed at a time to the capped cells wanting most, then by name.
+    assert fit({"a": 16, "b": 16, "c": 3}, 12, 3) == {"a": 5, "b": 4, "c": 3}
 
 
 class Clock:
@@ -286,21 +358,26 @@ class Clock:
         return self.now
 
 
-def _fake_runner(curves: dict, ran: list, clock: Clock | None = None):
+def _fake_runner(curves: dict, ran: list, clock: Clock | None = None, seen: list | None = None):
     """Stands in for compare.run_in_turn (launching is what tests/test_map_run.py runs for real):
-    each planned run's folder gets the curve `curves[(cell, arm, seed)]`, a run of 60 s on `clock`."""
+    each planned run's folder gets the curve `curves[(cell, arm, seed)]`, a run of 60 s on `clock`;
+    `seen` gets, per call, whether protocol.json existed when the runs started."""
 
     def runner(planned, echo, what):
+        if seen is not None and planned:
+            root = planned[0][1].run_dir.parents[3]
+            seen.append((what, root.name, (root / "protocol.json").exists()))
         for cell, s in planned:
             if (s.run_dir / "run.json").exists():
                 continue
             arm, seed = s.run.rsplit("-s", 1)
-            write_run(s.run_dir.parent.parent.parent.parent, cell, arm, int(seed),
-                      curves[(cell, arm, int(seed))], corr=0.0, late=0)  # fmt: skip
+            write_run(
+                s.run_dir.parents[3], cell, arm, int(seed), curves[(cell, arm, int(seed))], corr=0.0, late=0
+            )
             record = json.loads((s.run_dir / "run.json").read_text())
             record.update(started=1000.0, finished=1060.0)
             (s.run_dir / "run.json").write_text(json.dumps(record))
-            ran.append((cell, s.run))
+            ran.append((what, cell, s.run))
             if clock is not None:
                 clock.now += 60.0
         return [], 0
@@ -308,92 +385,148 @@ def _fake_runner(curves: dict, ran: list, clock: Clock | None = None):
     return runner
 
 
-def test_the_target_adds_seeds_to_the_cell_over_it_and_a_resume_keeps_them(tmp_path):
-    from services.launch.config import LaunchSettings
-    from services.launch.map import read_extra, run_map
-
-    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
+def _two_cells():
+    """A quiet cell (SPO++ − SPO 7.5 points on every seed: s.d. 0) and a noisy one (0, 15, 7.5,
+    ...: pilot s.d. 10.6 on seeds 1000, 1001), curves [0, h, h] with area 0.75 h."""
     quiet, noisy = cell_name(-1.0, 0.0), cell_name(1.0, 0.0)
-    # SPO++ − SPO per seed, in area points: the quiet cell 5, 5, 5 (se 0); the noisy one 0, 10,
-    # 20, then 10 for every added seed (se 5.8 over 3 seeds, 3.3 over 4, 2.4 over 5, 1.9 over 6).
     curves = {}
-    for seed in range(12):
-        gap = 0.05 if seed < 3 else 0.0
-        curves[(quiet, "spo", seed)], curves[(quiet, "spopp", seed)] = (
+    for seed in [*range(20), 1000, 1001]:
+        curves[(quiet, "spo", seed)], curves[(quiet, "spopp", seed)] = [0, 0.2, 0.2], [0, 0.3, 0.3]
+        gap = {1000: 0.0, 1001: 0.2}.get(seed, 0.1)
+        curves[(noisy, "spo", seed)], curves[(noisy, "spopp", seed)] = (
             [0, 0.2, 0.2],
             [0, 0.2 + gap, 0.2 + gap],
         )
-        step = [0.0, 0.1, 0.2][seed] if seed < 3 else 0.1
-        curves[(noisy, "spo", seed)], curves[(noisy, "spopp", seed)] = (
-            [0, 0.2, 0.2],
-            [0, 0.2 + step, 0.2 + step],
-        )
-    ran: list = []
-    lines: list[str] = []
-    # The 12 common runs take 12 min; the budget leaves room for three more seeds of two 60 s runs
-    # (and a little): 3 added, all to the noisy cell.
-    clock = Clock()
-    code = run_map(base, [-1.0, 1.0], [0.0], ["spo", "spopp"], [0, 1, 2], tmp_path, echo=lines.append,
-                   target_se=1.5, budget_s=12 * 60 + 3 * 120 + 30, runner=_fake_runner(curves, ran, clock),
-                   clock=clock)  # fmt: skip
-    assert code == 0
-    # The i-th seed of a cell runs the arms rotated by i, the added seeds too (by their place).
-    assert [r for c, r in ran if c == quiet] == [
-        "spo-s0",
-        "spopp-s0",
-        "spopp-s1",
-        "spo-s1",
-        "spo-s2",
-        "spopp-s2",
-    ]
-    assert [r for c, r in ran if c == noisy][6:] == [
-        "spopp-s3",
-        "spo-s3",
-        "spo-s4",
-        "spopp-s4",
-        "spopp-s5",
-        "spo-s5",
-    ]
-    assert read_extra(tmp_path) == {noisy: [3, 4, 5]}
-    assert any("adding seed 3" in line for line in lines)
-    assert any("the budget is spent" in line and noisy in line for line in lines), lines
-    result = json.loads((tmp_path / "map.json").read_text())
-    by = {c["cell"]: c for c in result["cells"]}
-    assert by[quiet]["seeds"] == [0, 1, 2] and by[noisy]["seeds"] == [0, 1, 2, 3, 4, 5]
-    assert by[noisy]["arm_order"] == {
-        str(seed): ["spo", "spopp"] if seed % 2 == 0 else ["spopp", "spo"] for seed in range(6)
-    }
-    d = by[noisy]["diffs"]["spopp-spo"]
-    # Areas: spo 0.15, spopp 0.15 + step / 2 ... in points: 100 * step / 2 + ... -> 0, 5, 10, 5, 5, 5.
-    assert d["per_seed"] == pytest.approx([0.0, 7.5, 15.0, 7.5, 7.5, 7.5])
-    assert d["se"] == pytest.approx(math.sqrt(sum((x - 7.5) ** 2 for x in d["per_seed"]) / 5) / math.sqrt(6))
-    assert result["largest_se"] == pytest.approx(d["se"])
-    # A resume with more budget finishes nothing twice, keeps the added seeds and adds the next.
-    ran.clear()
-    code = run_map(base, [-1.0, 1.0], [0.0], ["spo", "spopp"], [0, 1, 2], tmp_path, echo=lines.append,
-                   target_se=1.5, budget_s=None, runner=_fake_runner(curves, ran))  # fmt: skip
-    assert code == 0 and ran and all(c == noisy for c, _r in ran)
-    assert read_extra(tmp_path)[noisy][:4] == [3, 4, 5, 6]
-    final = {c["cell"]: c for c in json.loads((tmp_path / "map.json").read_text())["cells"]}
-    assert final[noisy]["diffs"]["spopp-spo"]["se"] <= 1.5 < d["se"]
+        for cell in (quiet, noisy):
+            curves[(cell, "spo-eventtime", seed)] = [0, 0.25, 0.25]
+    return quiet, noisy, curves
 
 
-@pytest.mark.parametrize(
-    "content,message",
-    [("{not json", "is not JSON"), ('{"coupling+1-latency0": ["3"]}', "should map each cell to a list of seeds"),
-     ('{"coupling+7-latency0": [3]}', "cells not in this grid: coupling+7-latency0")],
-)  # fmt: skip
-def test_a_bad_seed_file_is_refused_by_name_and_left_as_it_was(tmp_path, content, message):
+THREE = ["spo", "spo-eventtime", "spopp"]
+
+
+def test_the_pilot_fixes_n_per_cell_before_the_main_runs_and_a_resume_keeps_it(tmp_path):
     from services.launch.config import LaunchSettings
     from services.launch.map import run_map
 
-    (tmp_path / "extra-seeds.json").write_text(content)
+    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
+    quiet, noisy, curves = _two_cells()
+    ran, seen, lines = [], [], []
+    clock = Clock()
+    # Pilot: SPO and SPO++ only, 2 cells x 2 arms x 2 seeds = 8 runs of 60 s. Noisy pilot
+    # differences 0 and 15: s.d. 10.61, wanted ceil((10.61 / 1.5)^2) = 50 seeds; quiet: s.d. 0,
+    # wanted n_min = 3. A budget of 8 runs + 11 x 3 (a main seed of a cell runs the 3 arms, 60 s
+    # each) and 30 s pays for 11 main seeds: quiet 3, noisy 8.
+    code = run_map(base, [-1.0, 1.0], [0.0], THREE, tmp_path, pilot_seeds=[1000, 1001], budget_s=(8 + 33) * 60 + 30,
+                   echo=lines.append, runner=_fake_runner(curves, ran, clock, seen), clock=clock)  # fmt: skip
+    assert code == 0
+    # The pilot ran into pilot/ with no protocol yet; the main runs started with it written.
+    assert seen == [("map pilot", "pilot", False), ("map", tmp_path.name, True)]
+    assert sorted({r for w, _c, r in ran if w == "map pilot"}) == [
+        "spo-s1000",
+        "spo-s1001",
+        "spopp-s1000",
+        "spopp-s1001",
+    ]
+    protocol = json.loads((tmp_path / "protocol.json").read_text())
+    assert protocol["rule"] == "pilot" and protocol["pilot_seeds"] == [1000, 1001]
+    assert protocol["pilot_sd"][noisy] == pytest.approx(15 / math.sqrt(2))  # differences 0 and 15
+    # (10.61 / 1.5)^2 = 112.5 / 2.25 = 50, exactly (not 51 from the float's last bit).
+    assert protocol["wanted"] == {quiet: 3, noisy: 50}
+    assert protocol["seeds"] == {quiet: [0, 1, 2], noisy: list(range(8))} and protocol["capped"] == [noisy]
+    assert protocol["run_seconds"] == 60.0 and protocol["capacity_seeds"] == 11
+    assert any(f"{noisy}: n = 8 (pilot s.d. " in line and "capped by the budget" in line for line in lines), (
+        lines
+    )
+    # The i-th main seed of a cell runs the arms rotated by i.
+    assert [r for w, c, r in ran if w == "map" and c == quiet] == [
+        "spo-s0", "spo-eventtime-s0", "spopp-s0", "spo-eventtime-s1", "spopp-s1", "spo-s1",
+        "spopp-s2", "spo-s2", "spo-eventtime-s2",
+    ]  # fmt: skip
+    result = json.loads((tmp_path / "map.json").read_text())
+    by = {c["cell"]: c for c in result["cells"]}
+    assert by[noisy]["seeds"] == list(range(8)) and by[noisy]["diffs"]["spopp vs spo"]["n"] == 8
+    assert by[noisy]["diffs"]["spopp vs spo"]["per_seed"] == pytest.approx([7.5] * 8)
+    assert result["protocol"]["seeds"] == protocol["seeds"] and result["pilot"]["cells"][1]["seeds"] == [
+        1000,
+        1001,
+    ]
+    assert result["times"]["main"]["runs"] == 33 and result["times"]["pilot"]["runs"] == 8
+    assert result["pilot"]["arms"] == ["spo", "spopp"] and result["arms"] == THREE
+    assert result["machine"]["cpus"] >= 1
+    md = (tmp_path / "map.md").read_text()
+    assert (
+        "a pilot on seeds 1000, 1001 (never reused)" in md and f"could not pay for the aim in {noisy}" in md
+    )
+    assert "| +1 | 0 | 8 (wanted " in md
+    # A resume (even with no budget now) reads the protocol back: nothing runs, nothing changes.
+    ran.clear()
+    code = run_map(base, [-1.0, 1.0], [0.0], THREE, tmp_path, pilot_seeds=[1000, 1001], echo=lines.append,
+                   runner=_fake_runner(curves, ran))  # fmt: skip
+    assert code == 0 and ran == [] and json.loads((tmp_path / "protocol.json").read_text()) == protocol
+    # Another grid, other pilot seeds or fixed seeds: refused by name, the protocol left as it was.
+    for kwargs, message in (
+        ({"couplings": [-1.0], "pilot_seeds": [1000, 1001]}, "fixed the map for"),
+        ({"pilot_seeds": [5, 6]}, "ran the pilot on seeds [1000, 1001], not [5, 6]"),
+        ({"seeds": [0, 1, 2]}, "fixed the seeds per cell as"),
+    ):
+        args = {"couplings": [-1.0, 1.0], **kwargs}
+        with pytest.raises(ValueError, match=re.escape(message)):
+            run_map(base, args.pop("couplings"), [0.0], THREE, tmp_path, echo=lines.append,
+                    runner=_fake_runner(curves, ran), **args)  # fmt: skip
+    assert ran == [] and json.loads((tmp_path / "protocol.json").read_text()) == protocol
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [({"pilot_seeds": [1000]}, "two seeds or more"), ({"pilot_seeds": [0, 1]}, "main seeds [0, 1] are also pilot seeds"),
+     ({"pilot_seeds": [7, 8], "arms": ["spo", "spo-eventtime"]}, "the arms need spo and spopp"),
+     ({"pilot_seeds": [7, 8], "seeds": [0]}, "not both")],
+)  # fmt: skip
+def test_a_pilot_that_cannot_size_the_cells_is_refused(tmp_path, kwargs, message):
+    from services.launch.config import LaunchSettings
+    from services.launch.map import run_map
+
+    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
+    _quiet, _noisy, curves = _two_cells()
+    curves |= {(c, a, s): [0, 0.2, 0.2] for c, a, s in list(curves) for s in (7, 8)}
+    arms = kwargs.pop("arms", ["spo", "spopp"])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_map(
+            base,
+            [-1.0, 1.0],
+            [0.0],
+            arms,
+            tmp_path,
+            echo=lambda _l: None,
+            runner=_fake_runner(curves, []),
+            **kwargs,
+        )
+    assert not (tmp_path / "protocol.json").exists()
+
+
+@pytest.mark.parametrize(
+    "content,message", [("{not json", "is not JSON"), ('{"rule": "pilot"}', "is not a map protocol")]
+)
+def test_a_bad_protocol_file_is_refused_by_name_and_left_as_it_was(tmp_path, content, message):
+    from services.launch.config import LaunchSettings
+    from services.launch.map import run_map
+
+    (tmp_path / "protocol.json").write_text(content)
     base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc"})
     ran: list = []
     with pytest.raises(ValueError, match=re.escape(message)):
-        run_map(base, [1.0], [0.0], ["spo", "spopp"], [0], tmp_path, echo=lambda _l: None, target_se=1.5,
-                runner=_fake_runner({}, ran))  # fmt: skip
-    assert ran == [] and (tmp_path / "extra-seeds.json").read_text() == content
+        run_map(
+            base,
+            [1.0],
+            [0.0],
+            ["spo", "spopp"],
+            tmp_path,
+            seeds=[0],
+            echo=lambda _l: None,
+            runner=_fake_runner({}, ran),
+        )
+    assert ran == [] and (tmp_path / "protocol.json").read_text() == content
 
 
 # -- counterbalanced arm order, recorded environment options ---------------------------------------
@@ -409,7 +542,7 @@ def test_each_seed_runs_the_arms_rotated_by_its_place():
         ["spo", "spopp-trajnorm", "spopp"],
     ]
     base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
-    runs = plan_runs(base, [0.0], [0.0], arms, [5, 6, 7], Path("out"), {cell_name(0.0, 0.0): [8]})
+    runs = plan_runs(base, [0.0], [0.0], arms, by_cell([5, 6, 7, 8], cell_name(0.0, 0.0)), Path("out"))
     assert [s.run for _c, s in runs] == [
         "spo-s5", "spopp-trajnorm-s5", "spopp-s5",
         "spopp-trajnorm-s6", "spopp-s6", "spo-s6",
@@ -423,7 +556,7 @@ def test_the_map_records_every_environment_option_and_the_arm_order(tmp_path):
     written before, its identity's with the defaults filled in) and each seed's arm order; map.md
     and the figure say the options; runs that disagree are a warning."""
     from runtime.envs import resolved_env_options
-    from services.launch.map import options_line
+    from services.launch.map_render import options_line
 
     cell = cell_name(1.0, 0.5)
     given = {"coupling": 1.0, "latency_sigma": 0.5, "time_neutral": True}
@@ -437,7 +570,7 @@ def test_the_map_records_every_environment_option_and_the_arm_order(tmp_path):
             else:  # as an earlier launcher wrote it: the identity's options only
                 record["identity"] = {"env": "toy-calc", "env_options": given}
             path.write_text(json.dumps(record))
-    result = summarize(tmp_path, [1.0], [0.5], ["spo", "spopp"], [0, 1])
+    result = summarize(tmp_path, [1.0], [0.5], ["spo", "spopp"], by_cell([0, 1], cell))
     [c] = result["cells"]
     assert c["env_options"] == {
         "coupling": 1.0, "describe_tool": False, "extra_turns": 3, "latency_median_s": 0.02, "latency_sigma": 0.5,
@@ -458,5 +591,37 @@ def test_the_map_records_every_environment_option_and_the_arm_order(tmp_path):
     record = json.loads(path.read_text())
     record["env_options"] = {**record["env_options"], "time_neutral": False}
     path.write_text(json.dumps(record))
-    [c] = summarize(tmp_path, [1.0], [0.5], ["spo", "spopp"], [0, 1])["cells"]
+    [c] = summarize(tmp_path, [1.0], [0.5], ["spo", "spopp"], by_cell([0, 1], cell))["cells"]
     assert c["env_options"] is None and any("different env_options" in w for w in c["warnings"])
+
+
+# -- published numbers redrawn from map.json alone --------------------------------------------------
+def test_render_redraws_the_map_and_the_pages_section_from_map_json_alone(tmp_path):
+    from click.testing import CliRunner
+
+    from services.launch.cli import map_command
+    from services.launch.map_render import BEGIN, END
+
+    cell = cell_name(0.0, 0.0)
+    for arm in ("spo", "spopp"):
+        for seed in (0, 1):
+            write_run(
+                tmp_path, cell, arm, seed, [0, 0.1 + 0.1 * (arm == "spopp") + 0.05 * seed], corr=0.0, late=0
+            )
+    result = summarize(tmp_path, [0.0], [0.0], ["spo", "spopp"], by_cell([0, 1], cell))
+    folder = tmp_path / "published"
+    write(folder, result)
+    drawn = (folder / "map.md").read_text()
+    (folder / "map.md").write_text("edited by hand\n")
+    page = tmp_path / "results.md"
+    page.write_text(f"# Results\n\nbefore\n\n{BEGIN}\nold table\n{END}\n\nafter\n")
+    r = CliRunner().invoke(map_command, ["--render", str(folder), "--page", str(page)])
+    assert r.exit_code == 0, r.output
+    assert (folder / "map.md").read_text() == drawn  # the hand edit is gone: map.json decides
+    text = page.read_text()
+    assert text.startswith("# Results\n\nbefore\n\n" + BEGIN + "\n") and text.endswith(END + "\n\nafter\n")
+    assert "old table" not in text and drawn.split("\n\n", 1)[1] in text  # map.md's body, title aside
+    # A page without its section is refused and left as it was.
+    page.write_text("no markers\n")
+    r = CliRunner().invoke(map_command, ["--render", str(folder), "--page", str(page)])
+    assert r.exit_code == 1 and "needs one map section" in r.output and page.read_text() == "no markers\n"

@@ -5,7 +5,8 @@ in tests/test_map.py); the knobs must do what they claim: the measured length-ad
 correlation follows coupling (the cold start's successes are already the longer responses, as
 they call the tool: coupling 0 measures positive, -1 makes failures the longer ones), and, over
 the grid's couplings, latency raises how far outcomes come back out of dispatch order (the
-tracker's reorder distance). The shares late and overtaken are reported but not judged: in so
+tracker's reorder distance); and one seed reproduces its episodes: the cell's run launched again
+from scratch plays its held-out episodes at version 0 exactly as the first did. The shares late and overtaken are reported but not judged: in so
 small a run they are noise, and episodes of one to three turns already overtake each other most
 of the time. The test's delay has a median of 100 ms (the map's default is 20 ms), so that
 three updates of one seed show the effect beside the noise of so small a run."""
@@ -60,3 +61,35 @@ def test_the_smallest_map_runs_and_its_knobs_move_what_they_claim(tmp_path, lear
     # Resumable: again on the same folder, every run is found finished and the map is rewritten.
     again = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0 and again.stdout.count("(finished)") == 4, again.stdout[-3000:]
+    # One seed, one arm, one cell, launched again into a new folder: the same episodes at version
+    # 0 (the weights are the cold start's in both), draw for draw. Later versions may differ: which
+    # policy generated which training episode depends on the order outcomes came back in. The
+    # time-neutral wait's seconds are wall-clock measurements of padding (runtime/envs/toy_calc.py)
+    # and are left out; which of them an episode draws is its stream's, like the delays.
+    repeat = [*args[: args.index("--out") + 1], str(tmp_path / "again")] + args[args.index("--out") + 2 :]
+    repeat[repeat.index("--coupling=-1,0")], repeat[repeat.index("--latency=0,1.5")] = (
+        "--coupling=-1",
+        "--latency=1.5",
+    )
+    r = subprocess.run(repeat, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+
+    def episodes(root):
+        path = (
+            root
+            / "cells"
+            / "coupling-1-latency1.5"
+            / "runs"
+            / "spopp-s0"
+            / "eval"
+            / "episodes"
+            / "v000000.jsonl"
+        )
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            row["env"].pop("neutral_wait_s", None)
+        return sorted(rows, key=lambda row: (row["task_id"], row["mode"]))
+
+    first, second = episodes(out), episodes(tmp_path / "again")
+    assert len(first) == 32 and first == second  # 16 held-out tasks x 2 samples
+    assert any(row["env"].get("latency_s", 0) > 0 for row in first)  # the delays are in what is compared

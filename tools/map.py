@@ -1,17 +1,17 @@
 """`make map`: when does SPO++ beat SPO? The demo's setting on a grid of toy-calc's two knobs.
 
 1. data, cold start and prior: the demo's stages (tools/demo.py), in --out, each skipped when done;
-2. `spopp map`: SPO, SPO++ with trajectory normalization and SPO++ on every seed, in every cell of
+2. `spopp map` with the pilot rule (services/launch/map_protocol.py): the four arms (SPO, + event-time
+   evidence, + Dual-Clip 2, + the action-token measure = SPO++) on the pilot's seeds in every cell of
    coupling {-1, 0, +1} x latency sigma {0, 1.5}, from the same cold start, prior and budget;
-3. seeds added, every arm at a time, to the cells whose SPO++ − SPO standard error is over the
-   target (1.5 area points), the cell needing the fewest more first, while they fit in the 90 minutes
-   (`--target-se`, `--budget-minutes`; the added seeds are kept in extra-seeds.json for a resume);
-4. map.json, map.md and map.png in --out.
+3. from the pilot's SPO++ − SPO s.d. per cell, each cell's n of main seeds (fresh ones), written to
+   protocol.json before the main runs, within what the budget leaves;
+4. the main runs, then map.json, map.md and map.png in --out (`spopp map --render` redraws them).
 
 The budget leaves room for the coupled side's extra turns: 6 turns of at most 32 tokens, 256 in
 all, for the replicas and the evaluator alike, in every cell; the cold start is the demo's with a
 context of 256 positions (its rotary positions have no learned table: below 128 it is the same
-model). A stopped map resumes.
+model). A stopped map resumes; its protocol is read back, never decided again.
 
 The environment is time-neutral (toy-calc's `time_neutral`): the uncoupled side waits at its end
 for as long as a recent padded episode spent padding. Without it the padded side also comes back
@@ -20,7 +20,7 @@ later, so the learner's first-completed batches hold fewer of it: at coupling +1
 cell's standard error stayed near 4.6 area points over 3 seeds (1.9 over 7); time-neutral, 0.6 over
 3. Coupling then changes lengths only, and the order outcomes come back in is latency's alone.
 
-    python -m tools.map --out map-out [--seeds 0,1,2] [--coupling -1,0,1] [--latency 0,1.5]
+    python -m tools.map --out map-out [--pilot-seeds 1000,1001] [--coupling -1,0,1] [--latency 0,1.5]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from services.launch.map import SE_TARGET
+from services.launch.map import N_MIN, SE_TARGET
 from tools.demo import FULL, TINY, _say, add_cold_start_flag, base_config, prepare
 
 # Room for the extra turns on the coupled side (toy-calc's extra_turns, 3 by default).
@@ -42,15 +42,16 @@ MAP_BUDGET = {"max_turns": 6, "max_tokens_per_turn": 32, "max_total_tokens": 256
 # The end-to-end test's size: the demo's tiny one, with a cold start long enough to succeed about
 # a third of the time (60 steps never do, and without successes no length can co-vary with them).
 MAP_TINY = {**TINY, "cold_start_steps": 250, "updates": 3, "eval_every": 1}
-# The map's run: the demo's cold start, data and batch, 16 updates with 5 evaluations of 128
-# held-out tasks x 3 samples. 54 runs (6 cells x 3 arms x 3 seeds) took about 80 minutes on a 2-core
-# machine, time-neutral (about 60 s a run at coupling 0, 90 to 110 s at +-1, where half the
-# episodes wait out the padding), inside the 90 the map has; the demo's 40 updates would not fit.
-MAP_SIZE = {**FULL, "updates": 16, "eval_every": 4, "eval_samples": 3}
-SEEDS = "0,1,2"
-# The issue's 90 minutes for `make map`: the 54 runs take about 84 of them from a fresh clone, and
-# the rest goes to seeds for the cells over the standard-error target.
-BUDGET_MINUTES = 90.0
+# The map's run: the demo's cold start, data and batch, 8 updates with evaluations of the 128
+# held-out tasks x 2 samples at versions 0, 2, 4, 6, 8. Sized for the budget: the pilot (SPO and
+# SPO++, 2 seeds) and at least 3 main seeds of 4 arms in 6 cells are 96 runs, and a run is about
+# 25 s of start-up (four processes) plus its updates and evaluations; the earlier map's 16 updates
+# with 128 x 3 at every 4th version took 60 to 110 s a run, 160 minutes for these 96.
+MAP_SIZE = {**FULL, "updates": 8, "eval_every": 2, "eval_samples": 2}
+# The pilot's seeds: never a main seed (those start at 0).
+PILOT_SEEDS = "1000,1001"
+# What `make map` may take on 2 cores, cold start, pilot and main runs together.
+BUDGET_MINUTES = 150.0
 
 
 def map_config(out: Path, size: dict) -> dict:
@@ -68,10 +69,17 @@ def map_config(out: Path, size: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("map-out"), help="output folder")
-    p.add_argument("--seeds", default=SEEDS, help=f"seeds, comma-separated (default {SEEDS})")
+    p.add_argument("--pilot-seeds", default=PILOT_SEEDS, help=f"the pilot's seeds (default {PILOT_SEEDS})")
+    p.add_argument(
+        "--seeds", default=None, help="fixed seeds in every cell instead of a pilot (the end-to-end test's)"
+    )
     p.add_argument("--coupling", default="-1,0,1", help="coupling levels (default -1,0,1)")
     p.add_argument("--latency", default="0,1.5", help="latency sigma levels (default 0,1.5)")
-    p.add_argument("--arms", default="spo,spopp-trajnorm,spopp", help="arms (default all three)")
+    p.add_argument(
+        "--arms",
+        default="spo,spo-eventtime,spopp-trajnorm,spopp",
+        help="arms (default the four of the chain)",
+    )
     p.add_argument(
         "--latency-median", type=float, default=0.02, help="median of the delay, seconds (default 0.02)"
     )
@@ -80,16 +88,21 @@ def main(argv: list[str] | None = None) -> int:
         help="the uncoupled side waits out the coupled side's padding, so that coupling changes lengths and not "
         "the order outcomes arrive in (default on; --no-time-neutral: the padded side also arrives later)",
     )  # fmt: skip
-    p.add_argument("--updates", type=int, default=None, help="learner updates per run (default 16)")
-    p.add_argument("--eval-every", type=int, default=None, help="versions between evaluations (default 4)")
-    p.add_argument("--eval-samples", type=int, default=None, help="samples per held-out task (default 3)")
+    p.add_argument("--updates", type=int, default=None, help="learner updates per run (default 8)")
+    p.add_argument("--eval-every", type=int, default=None, help="versions between evaluations (default 2)")
+    p.add_argument("--eval-samples", type=int, default=None, help="samples per held-out task (default 2)")
     p.add_argument(
-        "--target-se", type=float, default=SE_TARGET,
-        help=f"add seeds to cells whose SPO++ - SPO standard error is over this (default {SE_TARGET}; 0: off)",
-    )  # fmt: skip
+        "--target-se",
+        type=float,
+        default=SE_TARGET,
+        help=f"the s.e. each cell's n aims at (default {SE_TARGET})",
+    )
+    p.add_argument(
+        "--n-min", type=int, default=N_MIN, help=f"the fewest main seeds of a cell (default {N_MIN})"
+    )
     p.add_argument(
         "--budget-minutes", type=float, default=BUDGET_MINUTES,
-        help=f"minutes for the whole map, cold start included; seeds are added while they fit (default {BUDGET_MINUTES:g})",
+        help=f"minutes for the whole map, cold start included; the pilot's run times price the main runs (default {BUDGET_MINUTES:g})",
     )  # fmt: skip
     add_cold_start_flag(p)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
@@ -111,13 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     config["env_options"] = {"latency_median_s": a.latency_median, "time_neutral": a.time_neutral}
     path = out / "map.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    _say(f"4/5 map: arms {a.arms} x seeds {a.seeds} x coupling {a.coupling} x latency {a.latency}")
-    args = [sys.executable, "-m", "services.cli", "map", str(path), "--seeds", a.seeds, "--arms", a.arms,
+    seeds = f"seeds {a.seeds}" if a.seeds else f"pilot seeds {a.pilot_seeds}, then n per cell from the pilot"
+    _say(f"4/5 map: arms {a.arms} x {seeds} x coupling {a.coupling} x latency {a.latency}")
+    args = [sys.executable, "-m", "services.cli", "map", str(path), "--arms", a.arms,
             f"--coupling={a.coupling}", f"--latency={a.latency}", "--out", str(out)]  # fmt: skip
-    if a.target_se > 0:
+    if a.seeds:
+        args += ["--seeds", a.seeds]
+    else:
         # What the preparation left of the budget (a resumed map's preparation is a few seconds).
         left = max(1.0, a.budget_minutes - (time.monotonic() - t0) / 60)
-        args += ["--target-se", str(a.target_se), "--budget-minutes", f"{left:.1f}"]
+        args += ["--pilot-seeds", a.pilot_seeds, "--target-se", str(a.target_se), "--n-min", str(a.n_min),
+                 "--budget-minutes", f"{left:.1f}"]  # fmt: skip
     code = subprocess.run(args).returncode
     if code != 0:
         _say(f"the map stopped with exit code {code}; run the same command again to resume")

@@ -232,8 +232,9 @@ _ARMS = click.Option(
     ["--arms"],
     default="spo,spopp-trajnorm,spopp",
     show_default=True,
-    help="arms, comma-separated: spo, spopp, spopp-trajnorm (spo,spopp is the paired comparison), "
-    "each optionally with -k<N> for max_staleness N (spopp,spopp-k1 pairs k = 0 against k = 1)",
+    help="arms, comma-separated: spo, spo-eventtime, spopp-trajnorm, spopp (each adds one change to the one "
+    "before; spo,spopp is the paired comparison), each optionally with -k<N> for max_staleness N (spopp,spopp-k1 "
+    "pairs k = 0 against k = 1)",
 )
 
 
@@ -242,7 +243,7 @@ def _matched(
 ) -> tuple[LaunchSettings, list[int], list[str]]:
     """The base config, the seeds and the arms of `spopp ablate` and `spopp map`; UsageError
     naming the option of any problem."""
-    from .compare import ARMS, parse_arm
+    from .arms import ARMS, parse_arm
 
     try:
         base = resolve(config, sets)
@@ -337,39 +338,101 @@ def _numbers(text: str, what: str) -> list[float]:
     return values
 
 
+def _seed_list(text: str | None, what: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.UsageError(f"--{what} {text!r}: expected integers separated by commas") from None
+    if not values or len(set(values)) != len(values):
+        raise click.UsageError(f"--{what} {text!r}: give distinct seeds, at least one")
+    return values
+
+
+def _render(folder: Path, page: Path | None) -> None:
+    from .map_render import render
+
+    try:
+        for path in render(folder, page):
+            click.echo(f"wrote {path}")
+    except (OSError, ValueError) as exc:
+        _fail(str(exc))
+
+
 def _map(
-    config: Path,
+    config: Path | None,
     sets: tuple[str, ...],
-    seeds: str,
+    seeds: str | None,
+    pilot_seeds: str | None,
+    first_seed: int,
     arms: str,
     coupling: str,
     latency: str,
-    out: Path,
-    target_se: float | None,
+    out: Path | None,
+    target_se: float,
+    n_min: int,
     budget_minutes: float | None,
+    render: Path | None,
+    page: Path | None,
 ) -> None:
     from .map import run_map
     from .run import LaunchError
 
-    base, seed_list, arm_list = _matched(config, sets, seeds, arms)
+    if render is not None:
+        if config is not None or out is not None:
+            raise click.UsageError(
+                "--render redraws a finished map from its map.json: give no CONFIG or --out"
+            )
+        _render(render, page)
+        return
+    if config is None or out is None:
+        raise click.UsageError("give CONFIG and --out (or --render DIR to redraw a finished map)")
+    if page is not None:
+        raise click.UsageError("--page goes with --render")
+    if seeds is not None and pilot_seeds is not None:
+        raise click.UsageError(
+            "--seeds (the same seeds in every cell) or --pilot-seeds (n per cell from a pilot), not both"
+        )
+    main = None if pilot_seeds else _seed_list(seeds or "0,1,2", "seeds")
+    base, _seeds, arm_list = _matched(config, sets, "0", arms)
     couplings, latencies = _numbers(coupling, "coupling"), _numbers(latency, "latency")
     try:
         code = run_map(
-            base, couplings, latencies, arm_list, seed_list, out, echo=click.echo, target_se=target_se,
-            budget_s=None if budget_minutes is None else 60 * budget_minutes,
+            base, couplings, latencies, arm_list, out, seeds=main,
+            pilot_seeds=_seed_list(pilot_seeds, "pilot-seeds"), target_se=target_se, n_min=n_min,
+            first_seed=first_seed, budget_s=None if budget_minutes is None else 60 * budget_minutes, echo=click.echo,
         )  # fmt: skip
     except (LaunchError, ValueError) as exc:
         _fail(str(exc))
     raise SystemExit(code)
 
 
+_OPTIONAL_CONFIG = click.Argument(["config"], required=False, type=click.Path(dir_okay=False, path_type=Path))
 map_command = click.Command(
     "map",
     callback=_map,
     params=[
-        _CONFIG,
+        _OPTIONAL_CONFIG,
         _SET,
-        _SEEDS,
+        click.Option(
+            ["--seeds"],
+            default=None,
+            help="the fixed rule: these seeds in every cell (default 0,1,2 without --pilot-seeds)",
+        ),
+        click.Option(
+            ["--pilot-seeds"],
+            default=None,
+            help="the pilot rule: run every arm and cell on these seeds first (never reused), then fix each cell's n "
+            "from its SPO++ − SPO s.d. before the main runs (written to <out>/protocol.json)",
+        ),  # fmt: skip
+        click.Option(
+            ["--first-seed"],
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            help="with --pilot-seeds: the main seeds are this, this + 1, ...",
+        ),
         _ARMS,
         click.Option(
             ["--coupling"],
@@ -386,26 +449,47 @@ map_command = click.Command(
         click.Option(
             ["--out"],
             type=click.Path(file_okay=False, path_type=Path),
-            required=True,
-            help="folder of the runs (cells/<cell>/runs/<arm>-s<seed>/) and map.json, map.md, map.png",
+            default=None,
+            help="folder of the runs (pilot/cells/... and cells/<cell>/runs/<arm>-s<seed>/), protocol.json and "
+            "map.json, map.md, map.png",
         ),  # fmt: skip
         click.Option(
             ["--target-se"],
             type=click.FloatRange(min=0, min_open=True),
-            default=None,
-            help="after --seeds, add seeds (every arm) to each cell whose SPO++ − SPO standard error is over "
-            "this many area points, the cell needing fewest first; kept in <out>/extra-seeds.json for a resume",
+            default=1.5,
+            show_default=True,
+            help="with --pilot-seeds: the standard error (area points) each cell's n aims SPO++ − SPO at",
         ),  # fmt: skip
+        click.Option(
+            ["--n-min"],
+            type=click.IntRange(min=2),
+            default=3,
+            show_default=True,
+            help="with --pilot-seeds: the fewest seeds a cell gets",
+        ),
         click.Option(
             ["--budget-minutes"],
             type=click.FloatRange(min=0, min_open=True),
             default=None,
-            help="with --target-se: add a seed only while its runs fit in this many minutes from the start "
-            "(default: no limit)",
+            help="with --pilot-seeds: minutes for the pilot and the main runs together; cells whose n does not fit are "
+            "capped (and named) before the main runs start (default: no limit)",
+        ),  # fmt: skip
+        click.Option(
+            ["--render"],
+            type=click.Path(file_okay=False, exists=True, path_type=Path),
+            default=None,
+            help="redraw map.md and map.png of a finished map from its map.json in this folder, and nothing else",
+        ),  # fmt: skip
+        click.Option(
+            ["--page"],
+            type=click.Path(dir_okay=False, exists=True, path_type=Path),
+            default=None,
+            help="with --render: also replace this page's map section (its map:begin / map:end lines)",
         ),  # fmt: skip
     ],
     help="When does SPO++ beat SPO? Paired runs of every arm on every seed in each cell of a grid over "
-    "toy-calc's two knobs (length-advantage coupling, outcome latency), then map.json, map.md and the "
-    "heatmap map.png: area per arm, each paired difference with its standard error, pairs won, C10, and "
-    "what each knob measurably did. Resumes where it stopped.",
+    "toy-calc's two knobs (length-advantage coupling, outcome latency), the seeds per cell fixed before the "
+    "main runs (by a pilot, or given); then map.json, map.md and the heatmap map.png: area per arm, each "
+    "step's and SPO++ − SPO's paired difference with its t interval, pairs won and sign test, C10, and what "
+    "each knob measurably did. Resumes where it stopped.",
 )

@@ -1,15 +1,8 @@
 """Matched runs: one base config, several arms, several seeds, then `spopp report` over them.
 
 An arm changes the recipe and nothing else (the paper's protocol: same checkpoint, tasks, prior,
-decoding, budget and optimizer):
-
-    spo             recipe spo: drift retention, trajectory normalization, Dual-Clip 10
-    spopp           recipe spopp: event-time evidence, action-token normalization, Dual-Clip 2
-    spopp-trajnorm  SPO++ with trajectory normalization (Table 2's middle arm)
-
-Any arm with a `-k<N>` suffix (spopp-k1, spo-k2) is that arm under bounded staleness
-max_staleness N; without one, an arm keeps the base config's max_staleness. `--arms spopp,spopp-k1`
-pairs the paper's protocol against one version of staleness on the same seeds.
+decoding, budget and optimizer); the arms are in arms.py. `--arms spopp,spopp-k1` pairs the paper's
+protocol against one version of staleness on the same seeds.
 
 Runs go one after another (each uses the whole machine) into `<out>/runs/<arm>-s<seed>/`, and
 the report (report.json, report.md, curves.png) into `<out>`; an
@@ -23,30 +16,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
+from .arms import ARM_FIELDS, ARMS, parse_arm
 from .config import LaunchSettings
-
-ARMS: dict[str, dict[str, Any]] = {
-    "spo": {"recipe": "spo", "learner": {}},
-    "spopp": {"recipe": "spopp", "learner": {}},
-    "spopp-trajnorm": {"recipe": "spopp", "learner": {"normalization": "trajectory"}},
-}
-# Set per arm: a base config that fixed them would make every arm the same recipe.
-ARM_FIELDS = ("normalization", "dual_clip")
-
-
-def parse_arm(arm: str) -> tuple[str, int | None]:
-    """(the recipe arm, its max_staleness or None for the base config's) of e.g. spopp-k1."""
-    recipe, sep, k = arm.rpartition("-k")
-    if sep and recipe in ARMS and k.isdigit():
-        return recipe, int(k)
-    if arm not in ARMS:
-        raise ValueError(
-            f"unknown arm {arm!r}: choose from {', '.join(ARMS)}, each optionally with -k<N> "
-            "(max_staleness N), e.g. spopp-k1"
-        )
-    return arm, None
 
 
 def arm_settings(base: LaunchSettings, arm: str, seed: int, out: Path) -> LaunchSettings:

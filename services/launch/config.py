@@ -55,14 +55,9 @@ from services.tracker.config import TrackerSettings
 from spopp.settings import Settings, SettingsError
 from spopp.tracker_api import MAX_STALENESS, RunConfig
 
+from .arms import RECIPE_DEFAULTS, arm_of
 from .gpus import GpuPlan
 from .supervise import SupervisionSettings
-
-# The full recipes of the paper's paired comparison (§5): what each arm's learner defaults to.
-RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "spopp": {"normalization": "token", "dual_clip": 2.0},
-    "spo": {"normalization": "trajectory", "dual_clip": 10.0},
-}
 
 _LOGS = "use the top-level log_format: every process of a run logs alike"
 # Fields the launcher sets itself in each section, and why the user may not.
@@ -347,12 +342,9 @@ class Plan:
         }
 
     def arm(self) -> str:
-        """The comparison arm: spo, spopp, or spopp-trajnorm (SPO++ with trajectory normalization),
-        with -k<N> under bounded staleness max_staleness N > 0."""
-        if self.launch.recipe == "spo":
-            arm = "spo"
-        else:
-            arm = "spopp" if self.learner.normalization == "token" else "spopp-trajnorm"
+        """The comparison arm (arms.py) of this run's recipe and learner settings, with -k<N> under
+        bounded staleness max_staleness N > 0."""
+        arm = arm_of(self.launch.recipe, self.learner.normalization, self.learner.dual_clip)
         k = self.launch.max_staleness
         return f"{arm}-k{k}" if k else arm
 

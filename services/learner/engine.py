@@ -23,6 +23,7 @@ from spopp.net import free_port
 from .batch import accumulation_steps
 from .config import LearnerSettings
 from .lora import apply_lora
+from .op_build import LockWatch
 from .zero3_state import forget_model
 
 
@@ -49,7 +50,8 @@ def init_distributed() -> tuple[int, int]:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        with LockWatch():  # a stale build lock would hang this silently (op_build.py)
+            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from .runs import Run
 from .summaries import interpolate, trailing_mean
-from .tables import SPO, SPOPP, TRAJNORM, arm_name
+from .tables import EVENTTIME, SPO, SPOPP, TRAJNORM, arm_name
 
 SMOOTHING = 5
-COLORS = {SPO: "#1f77b4", SPOPP: "#d62728", TRAJNORM: "#2ca02c"}
+COLORS = {SPO: "#1f77b4", SPOPP: "#d62728", TRAJNORM: "#2ca02c", EVENTTIME: "#ff7f0e"}
 OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
-ARM_ORDER = (SPO, SPOPP, TRAJNORM)
+ARM_ORDER = (SPO, SPOPP, TRAJNORM, EVENTTIME)
 
 
 def mean_band(curves: list[tuple[list[float], list[float]]]) -> tuple[list[float], list[float], list[float]]:

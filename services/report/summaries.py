@@ -71,6 +71,47 @@ def wins(differences: Sequence[float]) -> int:
     return sum(1 for d in differences if d > 0)
 
 
+# The confidence level of every interval the map and the report print.
+LEVEL = 0.95
+
+
+def sign_test(won: int, lost: int) -> float:
+    """Two-sided exact sign test: the probability, with no effect (each non-tied pair won with
+    probability 1/2), of a split at least as uneven as won:lost. Ties are left out, as is usual; 1.0
+    with no untied pair."""
+    m = won + lost
+    if m == 0:
+        return 1.0
+    tail = math.fsum(math.comb(m, k) for k in range(min(won, lost) + 1)) / 2**m
+    return min(1.0, 2 * tail)
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile of Student's t with df degrees of freedom."""
+    from scipy.stats import t
+
+    return float(t.ppf(p, df))
+
+
+def paired(differences: Sequence[float], level: float = LEVEL) -> dict[str, float | int | None | list[float]]:
+    """Paired differences summarized for a reader who must judge them: mean, sample s.d., standard
+    error, the t interval at `level` with n - 1 degrees of freedom (None with one pair), pairs won,
+    lost and tied, and the two-sided sign test's p; the values themselves kept as per_seed."""
+    s = summarize(differences)
+    se = None if s.sd is None else s.sd / math.sqrt(s.n)
+    lo = hi = None
+    if se is not None:
+        half = t_quantile(0.5 + level / 2, s.n - 1) * se
+        lo, hi = s.mean - half, s.mean + half
+    won = wins(differences)
+    lost = sum(1 for d in differences if d < 0)
+    return {
+        "mean": s.mean, "sd": s.sd, "se": se, "n": s.n, "df": s.n - 1, "level": level, "lo": lo, "hi": hi,
+        "won": won, "lost": lost, "tied": s.n - won - lost, "sign_p": sign_test(won, lost),
+        "per_seed": list(differences),
+    }  # fmt: skip
+
+
 def trailing_mean(values: Sequence[float], window: int = 5) -> list[float]:
     """Each point replaced by the mean of itself and up to window - 1 points before it (the figure's smoothing)."""
     if window < 1:

@@ -20,8 +20,14 @@ from spopp.curves import C10_POINTS
 from .runs import Run
 from .summaries import POINTS, area, c10, end_reward, summarize, wins
 
-SPO, SPOPP, TRAJNORM = "spo", "spopp", "spopp-trajnorm"
-ARM_NAMES = {SPO: "SPO", SPOPP: "SPO++", TRAJNORM: "SPO++ (trajectory norm.)"}
+SPO, SPOPP, TRAJNORM, EVENTTIME = "spo", "spopp", "spopp-trajnorm", "spo-eventtime"
+# The arms of services/launch/arms.py, each named for what it changes.
+ARM_NAMES = {
+    SPO: "SPO",
+    EVENTTIME: "SPO + event-time evidence",
+    TRAJNORM: "SPO++ (trajectory norm.)",
+    SPOPP: "SPO++",
+}
 ABLATION_ROWS = (
     ("SPO++ (trajectory norm.) vs SPO", TRAJNORM, SPO),
     ("SPO++ vs SPO", SPOPP, SPO),
