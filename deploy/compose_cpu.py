@@ -37,6 +37,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_FILE = ROOT / "deploy" / "compose-cpu.env"
+# The stack's effective settings: compose-cpu.env with this command's overrides (the shell's
+# variables, --max-updates), written by every `make compose-cpu` and read by each compose command
+# it runs, and by yours: `docker-compose --env-file deploy/compose-cpu.stack.env up -d --scale
+# rollout=3` keeps the run's settings, where the bare compose-cpu.env would recreate the learner
+# with its own max_updates (git-ignored).
+STACK_FILE = ROOT / "deploy" / "compose-cpu.stack.env"
+# Secrets stay out of the stack file: the data step generates them into the secrets volume.
+SECRET_WORDS = ("TOKEN", "PASSWORD", "SECRET", "KEY")
 BASE_IMAGE = "spopp-debian:bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # The services that end by themselves when the run is finished; the others (redis, tracker) serve.
@@ -62,6 +70,37 @@ def read_env(path: Path) -> dict[str, str]:
             key, _, value = line.partition("=")
             out[key.strip()] = value.strip().strip("'\"")
     return out
+
+
+def stack_settings(file_values: dict[str, str], environ: dict[str, str], max_updates: int) -> dict[str, str]:
+    """The stack's effective settings as compose reads them: the file's, the shell's SPOPP_* and
+    COMPOSE_PROJECT_NAME over them (no secret), the run's budget, and the learner's env_file
+    pointed at the stack file itself so that its SPOPP_LEARNER_* come from the same place."""
+    out = dict(file_values)
+    for key, value in environ.items():
+        if (key.startswith("SPOPP_") or key == "COMPOSE_PROJECT_NAME") and not any(
+            w in key for w in SECRET_WORDS
+        ):
+            out[key] = value
+    out["SPOPP_LEARNER_MAX_UPDATES"] = str(max_updates)
+    out["SPOPP_ENV_FILE"] = str(STACK_FILE.relative_to(ROOT))
+    return out
+
+
+def write_stack(values: dict[str, str]) -> None:
+    lines = [f"{k}={v}" for k, v in values.items()]
+    header = "# Written by deploy/compose_cpu.py (make compose-cpu): this stack's settings; every compose command reads them.\n"
+    tmp = STACK_FILE.with_suffix(".tmp")
+    tmp.write_text(header + "\n".join(lines) + "\n")
+    tmp.replace(STACK_FILE)
+
+
+def compose_environ() -> dict[str, str]:
+    """The environment of the compose commands: without SPOPP_* and COMPOSE_PROJECT_NAME, which
+    would override the stack file (compose lets the shell win)."""
+    return {
+        k: v for k, v in os.environ.items() if not (k.startswith("SPOPP_") or k == "COMPOSE_PROJECT_NAME")
+    }
 
 
 # --- 1. Docker ---------------------------------------------------------------------------------
@@ -178,6 +217,43 @@ def tracker_get(port: str, token: str | None, path: str) -> dict | None:
         return None
 
 
+def tracker_post(port: str, token: str | None, path: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST"
+    )
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise SystemExit(
+            f"compose-cpu: POST {path}: {exc.code} {exc.read().decode(errors='replace')}"
+        ) from None
+
+
+def grow_budget(cfg: dict, token: str | None, run: dict | None, max_updates: int) -> None:
+    """The run's budget is fixed at its creation: a larger --max-updates grows it explicitly (and
+    reopens a run that had finished at the old one), a smaller one is refused, as the init step and
+    the learner would refuse it."""
+    held = (run or {}).get("config", {}).get("max_updates")
+    if run is None or held is None or held == max_updates:
+        return
+    name, port = cfg["SPOPP_RUN"], cfg["SPOPP_TRACKER_PORT"]
+    if max_updates < held:
+        raise SystemExit(
+            f"compose-cpu: run {name}'s budget is {held} updates, fixed at its creation; --max-updates "
+            f"{max_updates} would not match it (make compose-clean starts a new run)"
+        )
+    tracker_post(port, token, f"/v1/runs/{name}/budget", {"max_updates": max_updates})
+    say(f"run {name}: budget grown from {held} to {max_updates} updates")
+    if run.get("status") == "finished":
+        tracker_post(port, token, f"/v1/runs/{name}/reopen", {"version": run["final_version"]})
+        say(f"run {name} had finished at version {run['final_version']}; reopened for the grown budget")
+        run.update(status="running")
+
+
 def wait_tracker_ready(port: str, timeout: float = 180.0) -> None:
     """Until the tracker's /readyz answers. `up -d` returns once the container has started, not
     once the tracker serves: asking for the run before then reads "no such run" and the second
@@ -266,7 +342,9 @@ def wait_for_end(compose: list[str], env: dict, cfg: dict, replicas: int, timeou
             if r["exit"] != 0 and r["status"] == "exited":
                 since = down_since.setdefault(r["name"], time.monotonic())
                 if time.monotonic() - since > RESTART_GRACE_S:
-                    fail_with_logs(compose, env, r["service"], f"exited with code {r['exit']} and was not restarted")
+                    fail_with_logs(
+                        compose, env, r["service"], f"exited with code {r['exit']} and was not restarted"
+                    )
             else:
                 down_since.pop(r["name"], None)
         if kill and not killed:
@@ -356,11 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--replicas and --max-updates must be at least 1")
     # As compose reads them: the shell's variables win over the file's (SPOPP_LORA_RANK=8 make
     # compose-cpu, another SPOPP_RUN or COMPOSE_PROJECT_NAME), so the checks below follow them too.
-    cfg = {k: os.environ.get(k, v) for k, v in read_env(ENV_FILE).items()}
+    cfg = stack_settings(read_env(ENV_FILE), dict(os.environ), a.max_updates)
+    write_stack(cfg)
     t0 = time.monotonic()
-    compose = [*ensure_docker(), "--env-file", str(ENV_FILE), "--project-directory", str(ROOT),
+    compose = [*ensure_docker(), "--env-file", str(STACK_FILE), "--project-directory", str(ROOT),
                "-f", str(ROOT / "docker-compose.yml"), "-p", cfg["COMPOSE_PROJECT_NAME"]]  # fmt: skip
-    env = {**os.environ, "SPOPP_LEARNER_MAX_UPDATES": str(a.max_updates)}
+    env = compose_environ()
     if a.clean:
         sh([*compose, "down", "-v", "--remove-orphans"], env=env)
         say("containers and volumes removed")
@@ -373,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     check_redis_auth(compose, env, cfg)
     token = api_token(compose, env, cfg)
     before = tracker_get(cfg["SPOPP_TRACKER_PORT"], token, f"/v1/runs/{cfg['SPOPP_RUN']}")
+    grow_budget(cfg, token, before, a.max_updates)
     if before and before.get("status") == "finished":
         say(f"run {cfg['SPOPP_RUN']} is finished already (version {before.get('final_version')}): "
             "every service says so and exits without training; `make compose-clean` starts over")  # fmt: skip

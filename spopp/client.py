@@ -192,6 +192,12 @@ class _Api:
         body = {"version": version, **({"reason": reason} if reason is not None else {})}
         return self._do(_Call("POST", f"/v1/runs/{run}/finish", body, Run.model_validate))
 
+    def grow_budget(self, run: str, max_updates: int) -> Any:
+        """Raise the run's max_updates (409 budget_shrink for a smaller one)."""
+        return self._do(
+            _Call("POST", f"/v1/runs/{run}/budget", {"max_updates": max_updates}, Run.model_validate)
+        )
+
     def reopen(self, run: str, version: int) -> Any:
         """Undo the finish at `version` (a budget that grew); a no-op on a running run."""
         return self._do(_Call("POST", f"/v1/runs/{run}/reopen", {"version": version}, Run.model_validate))

@@ -4,8 +4,9 @@ Used by `spopp launch` (before the learner starts) and by `spopp init`, the init
 docker compose and Kubernetes. Both calls are idempotent at the tracker: the same run config
 again answers 200, the same task prior again counts as unchanged, so a second `up` or a resumed
 launch changes nothing. Anything else (the run exists with another recipe, a task with another
-prior) is refused by the tracker with 409 and reported here as a RegistrationError that says
-which and why, before any learner or replica could train on the wrong run.
+prior, another budget) is refused by the tracker with 409 and reported here as a RegistrationError
+that says which and why, before any learner or replica could train on the wrong run. A budget
+(max_updates) is fixed at creation and grows only when the caller asks (`spopp launch` does).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from .client import TrackerClient, TrackerError
 from .priors import read_prior
+from .tracker_api import RunConfig
 
 PUT_CHUNK = 10_000  # the tracker's per-call task limit
 
@@ -53,18 +55,38 @@ def task_bodies(
     return p.task_bodies()
 
 
-def register(client: TrackerClient, run: str, run_config: dict, bodies: list[dict],
-             echo: Callable[[str], None] = print) -> Registered:  # fmt: skip
-    """PUT the run, then its tasks in chunks; RegistrationError on a conflict."""
+def _put_run(client: TrackerClient, run: str, run_config: dict, grow: bool, echo: Callable[[str], None]):
+    """PUT the run. A run that differs only by a larger budget (max_updates) is grown first when
+    `grow` says so (`spopp launch` with more updates); any other difference is a RegistrationError."""
     try:
-        answer = client.put_run(run, run_config)
+        return client.put_run(run, run_config)
     except TrackerError as exc:
-        if exc.status == 409:
-            raise RegistrationError(
-                f"the tracker holds run {run!r} with another config ({exc.detail}); the recipe, seed, "
-                "base snapshot or run config given now differ from the run's"
-            ) from None
-        raise RegistrationError(f"creating run {run!r} at the tracker: {exc}") from None
+        if exc.status != 409:
+            raise RegistrationError(f"creating run {run!r} at the tracker: {exc}") from None
+        held = dict((exc.detail or {}).get("config") or {})
+    wanted = RunConfig.model_validate(run_config)
+    ours, theirs = wanted.max_updates, held.get("max_updates")
+    if held and RunConfig.model_validate({**held, "max_updates": ours}).canonical() == wanted.canonical():
+        if grow and ours is not None and (theirs is None or ours > theirs):
+            client.grow_budget(run, ours)
+            echo(f"tracker: run {run}'s budget grown from {theirs or 'unset'} to {ours} updates")
+            return client.put_run(run, run_config)
+        raise RegistrationError(
+            f"run {run!r}'s budget is {theirs} updates, fixed at its creation; this asks for {ours}. Start with "
+            f"max_updates {theirs} (the stack's settings file keeps it), or grow the budget explicitly "
+            "(`spopp launch` with more updates does; POST /v1/runs/{run}/budget)"
+        )
+    raise RegistrationError(
+        f"the tracker holds run {run!r} with another config ({held}); the recipe, seed, base snapshot or run "
+        "config given now differ from the run's"
+    )
+
+
+def register(client: TrackerClient, run: str, run_config: dict, bodies: list[dict],
+             echo: Callable[[str], None] = print, grow: bool = False) -> Registered:  # fmt: skip
+    """PUT the run (growing its budget first with `grow`), then its tasks in chunks;
+    RegistrationError on a conflict."""
+    answer = _put_run(client, run, run_config, grow, echo)
     created = unchanged = 0
     for i in range(0, len(bodies), PUT_CHUNK):
         try:

@@ -134,6 +134,14 @@ class RunConfig(_Body):
         "swap when k > 0",
     )
 
+    max_updates: StrictInt | None = Field(
+        None,
+        ge=1,
+        le=MAX_VERSION,
+        description="the run's budget in learner updates, fixed at creation and grown only by POST "
+        "/runs/{run}/budget; a learner started with another max_updates refuses to start (null: not fixed)",
+    )
+
     @model_validator(mode="after")
     def _rho_order(self) -> RunConfig:
         if self.rho_min > self.rho_max:
@@ -142,11 +150,14 @@ class RunConfig(_Body):
 
     def canonical(self) -> dict:
         """The config as the tracker stores and compares it (PUT of an existing run must match).
-        max_staleness 0 is left out, so that a run stored before the field existed and the same
-        run PUT again by a newer client compare equal; reading it back fills the default in."""
+        max_staleness 0 and an unset max_updates are left out, so that a run stored before the
+        fields existed and the same run PUT again by a newer client compare equal; reading it back
+        fills the defaults in."""
         out = self.model_dump(mode="json")
         if not out["max_staleness"]:
             del out["max_staleness"]
+        if out["max_updates"] is None:  # likewise for a run stored before budgets were fixed
+            del out["max_updates"]
         return out
 
 
@@ -198,6 +209,12 @@ Reason = Annotated[str, Field(min_length=1, max_length=MAX_REASON_CHARS, pattern
 class FinishBody(_Body):
     version: int = Field(ge=0, le=MAX_VERSION, description="the run's current policy version, < 2^31")
     reason: Reason = Field("max_updates", description="why the run ends: printable ASCII, up to 200 chars")
+
+
+class BudgetBody(_Body):
+    max_updates: int = Field(
+        ge=1, le=MAX_VERSION, description="the run's new budget in learner updates, < 2^31"
+    )
 
 
 class ReopenBody(_Body):

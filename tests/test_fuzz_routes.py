@@ -297,6 +297,7 @@ def tracker_routes(request_ids: list[str]) -> list[tuple[str, str, dict | None, 
         ("GET", "/v1/runs/{run}", None, None),
         ("POST", "/v1/runs/{run}/finish", {"version": 0, "reason": "max_updates"}, api.FinishBody),
         ("POST", "/v1/runs/{run}/reopen", {"version": 0}, api.ReopenBody),
+        ("POST", "/v1/runs/{run}/budget", {"max_updates": 8}, api.BudgetBody),
         (
             "PUT",
             "/v1/runs/{run}/tasks",
@@ -354,7 +355,7 @@ SIDE_RUN = "fuzz-side"
 
 
 def tracker_ids(template: str, request_ids: list[str]) -> dict[str, str]:
-    side = template.endswith(("/finish", "/reopen", "/policy")) or template == "/v1/runs/{run}"
+    side = template.endswith(("/finish", "/reopen", "/budget", "/policy")) or template == "/v1/runs/{run}"
     return {
         "run": SIDE_RUN if side else RUN,
         "task_id": "q1",

@@ -58,6 +58,7 @@ def test_init_creates_the_run_loads_the_prior_and_a_second_init_changes_nothing(
     )
     assert client.export(run_name) == before
 
+    # The budget was not given at creation: any later init takes the run as it is.
     other_recipe = _init(tracker.url, *[("spo" if a == "spopp" else a) for a in args])
     assert other_recipe.returncode == 1 and "with another config" in other_recipe.stderr
 
@@ -65,6 +66,29 @@ def test_init_creates_the_run_loads_the_prior_and_a_second_init_changes_nothing(
     other_prior = _init(tracker.url, *args)
     assert other_prior.returncode == 1 and "another prior" in other_prior.stderr
     assert client.export(run_name) == before  # nothing half applied
+
+
+def test_init_fixes_the_budget_at_creation_and_refuses_another_naming_both(
+    tracker, client, run_name, tmp_path
+):
+    """The compose failure this prevents: a stack created with 30 updates, then `up --scale` from an
+    env file saying 6: init refuses (and so does the learner) instead of finishing at version 6."""
+    train, _ = write_toy_calc_tasks(tmp_path / "data", seed=2, n_train=4, n_heldout=2)
+    args = ["--run", run_name, "--recipe", "spopp", "--base-snapshot", "/m", "--tasks", str(train)]
+    first = _init(tracker.url, *args, "--max-updates", "30")
+    assert first.returncode == 0, first.stderr
+    assert client.get_run(run_name).config.max_updates == 30
+    assert _init(tracker.url, *args, "--max-updates", "30").returncode == 0  # the same: nothing changes
+    before = client.export(run_name)
+    for asked in ("6", "40"):  # init never grows a budget either: launch or POST /budget does
+        r = _init(tracker.url, *args, "--max-updates", asked)
+        assert (
+            r.returncode == 1
+            and f"budget is 30 updates, fixed at its creation; this asks for {asked}" in r.stderr
+        )
+    assert client.get_run(run_name).config.max_updates == 30 and client.export(run_name) == before
+    r = _init(tracker.url, *args, "--run-config", "{max_updates: 6}")
+    assert r.returncode == 1 and "run_config.max_updates: give it as its own setting" in r.stderr
 
 
 def test_init_refuses_bad_input_before_touching_the_tracker(tracker, client, run_name, tmp_path):

@@ -540,7 +540,9 @@ def test_prior_file_reaches_the_tracker_and_may_not_change(toy, tmp_path):
     r = launch(str(path), "--set", "updates=4", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tasks 0 created, 24 unchanged" in r.stdout
-    # The learner marked the run finished at version 2; the grown budget reopens it.
+    # The budget fixed at creation (2) grows explicitly with the launch's; the learner marked the
+    # run finished at version 2, and the grown budget reopens it.
+    assert "tracker: run spopp-s0's budget grown from 2 to 4 updates" in r.stdout
     assert "run spopp-s0 had finished at version 2; reopened for the budget's last version 4" in r.stdout
     assert json.loads((tmp_path / "run" / "run.json").read_text())["updates_done"] == 4
 

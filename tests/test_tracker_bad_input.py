@@ -235,6 +235,13 @@ CASES = [
     ("finish malformed JSON", "POST", "/finish", b'{"version": ', 422, "invalid"),
     ("finish a list", "POST", "/finish", [0], 422, "invalid"),
     ("reopen another version", "POST", "/reopen", {"version": 2}, 409, "version_mismatch"),
+    # A run's budget: whole updates in [1, 2^31), never a string, float or NaN.
+    ("budget zero", "POST", "/budget", {"max_updates": 0}, 422, "invalid"),
+    ("budget string", "POST", "/budget", {"max_updates": "8"}, 422, "invalid"),
+    ("budget float", "POST", "/budget", {"max_updates": 8.0}, 422, "invalid"),
+    ("budget NaN", "POST", "/budget", b'{"max_updates": NaN}', 422, "invalid"),
+    ("budget 2^31", "POST", "/budget", {"max_updates": 2**31}, 422, "invalid"),
+    ("budget no body", "POST", "/budget", None, 422, "invalid"),
     # Heartbeats: whole counts >= 0 (no strings, floats, booleans or NaN), a worker id of at most
     # 128 characters from the id alphabet; for a known worker ("w") and a new one ("w2") alike.
     ("heartbeat negative", "POST", "/workers/w", {"trajectories": -1, "episodes": 0}, 422, "invalid"),

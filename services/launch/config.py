@@ -336,7 +336,8 @@ class Plan:
             "prior": str(Path(s.prior).resolve()) if s.prior else None,
             "env": s.env,
             # As the tracker compares it: a run launched before max_staleness existed still resumes.
-            "run_config": self.run_config.canonical(),
+            # The budget is left out: `spopp launch` grows it (updates), the run stays the same.
+            "run_config": {k: v for k, v in self.run_config.canonical().items() if k != "max_updates"},
             # Only when set, so that runs launched before env_options existed still resume.
             **({"env_options": s.env_options} if s.env_options else {}),
         }
@@ -366,7 +367,7 @@ def _build(cls: type[Settings], section: str, values: dict) -> Settings:
 
 def _run_config(s: LaunchSettings) -> RunConfig:
     """The tracker run's config: the file's run_config and the top-level recipe, seed and model."""
-    for key in ("recipe", "seed", "base_snapshot", "max_staleness"):
+    for key in ("recipe", "seed", "base_snapshot", "max_staleness", "max_updates"):
         if key in s.run_config:
             raise SettingsError(f"run_config.{key} is set by spopp launch (from the top-level settings)")
     base = str(Path(s.model).resolve())
@@ -378,6 +379,7 @@ def _run_config(s: LaunchSettings) -> RunConfig:
                 "seed": s.seed,
                 "base_snapshot": base,
                 "max_staleness": s.max_staleness,
+                "max_updates": s.updates,  # the run's budget, fixed at creation, grown by a launch
             }  # fmt: skip
         )
     except ValidationError as exc:

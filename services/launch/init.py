@@ -3,7 +3,8 @@
 Compose and Kubernetes run it once before the learner, the replicas and the evaluator start (they
 wait for it to complete). It waits for the tracker, then registers through the same code as
 `spopp launch` (`spopp.registration`): the same settings again change nothing, so every `up`
-may run it; a run that exists with another recipe or prior is refused before anything trains.
+may run it; a run that exists with another recipe, prior or budget (max_updates) is refused before
+anything trains. Init never grows a budget: a stack's settings are fixed with its run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class InitSettings(Settings):
     prior: Path | None = Field(
         None, description="task prior from `spopp prior`; unset: a flat Jeffreys prior for every task"
     )
+    max_updates: int | None = Field(
+        None, ge=1, description="the run's budget in learner updates, fixed at its creation: the learner's "
+        "max_updates (an existing run with another is refused; unset: not fixed)",
+    )  # fmt: skip
     run_config: dict = Field(
         default_factory=dict,
         description="the run's other fields: retention, prior_mass, lease_seconds, d_half, rho_min, rho_max",
@@ -45,12 +50,18 @@ def run_init(s: InitSettings, echo=print) -> None:
     from spopp.client import TrackerClient
     from spopp.registration import register, task_bodies
 
-    for key in ("recipe", "seed", "base_snapshot"):
+    for key in ("recipe", "seed", "base_snapshot", "max_updates"):
         if key in s.run_config:
             raise ValueError(f"run_config.{key}: give it as its own setting ({key})")
     try:
         config = RunConfig.model_validate(
-            {**s.run_config, "recipe": s.recipe, "seed": s.seed, "base_snapshot": s.base_snapshot}
+            {
+                **s.run_config,
+                "recipe": s.recipe,
+                "seed": s.seed,
+                "base_snapshot": s.base_snapshot,
+                "max_updates": s.max_updates,
+            }  # fmt: skip
         )
     except ValidationError as exc:
         raise ValueError(

@@ -423,7 +423,10 @@ class Launcher:
         """Create the run (or find it unchanged) and load its tasks with their prior."""
         with self._client(p) as c:
             try:
-                register(c, self.s.run, p.run_config.model_dump(mode="json"), self.bodies, self.echo)
+                # grow: a launch with more updates than the run was created with raises its budget.
+                register(
+                    c, self.s.run, p.run_config.model_dump(mode="json"), self.bodies, self.echo, grow=True
+                )
             except RegistrationError as exc:
                 raise LaunchError(str(exc)) from None
             run = c.get_run(self.s.run)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from spopp.advantages import normalize_advantages
 from spopp.client import TrackerClient, TrackerError
+from spopp.tracker_api import RunConfig
 
 from .batch import plan_micro_batches
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -46,6 +47,25 @@ def _broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def check_run(cfg: LearnerSettings, run: RunConfig) -> None:
+    """What the tracker's run fixed at its creation (recipe, max_staleness, the budget max_updates)
+    against this learner's settings: ValueError naming both sides of every difference, so that a
+    learner restarted with other settings (a compose stack recreated from another settings file)
+    refuses to start rather than train the run to another budget or rule."""
+    wrong = []
+    if run.recipe != cfg.recipe:
+        wrong.append(f"recipe: the run is {run.recipe}, this learner {cfg.recipe}")
+    if run.max_staleness != cfg.max_staleness:
+        wrong.append(f"max_staleness: the run's is {run.max_staleness}, this learner's {cfg.max_staleness}")
+    if run.max_updates is not None and run.max_updates != cfg.max_updates:
+        wrong.append(
+            f"max_updates: the run's budget is {run.max_updates} (fixed at its creation; `spopp launch` with more "
+            f"updates grows it), this learner's {cfg.max_updates}"
+        )
+    if wrong:
+        raise ValueError(f"run {cfg.run!r} does not match this learner's settings: " + "; ".join(wrong))
 
 
 class ResumeError(RuntimeError):
@@ -85,17 +105,7 @@ class Learner:
         if self.rank == 0:
             self.tracker = TrackerClient(cfg.tracker, token=cfg.api_token)
             run = self.tracker.get_run(cfg.run)
-            if run.config.recipe != cfg.recipe:
-                raise ValueError(
-                    f"run {cfg.run!r} is a {run.config.recipe} run; this learner is configured for "
-                    f"{cfg.recipe}"
-                )
-            if run.config.max_staleness != cfg.max_staleness:
-                raise ValueError(
-                    f"run {cfg.run!r} takes trajectories up to max_staleness {run.config.max_staleness} "
-                    f"versions old; this learner is configured for {cfg.max_staleness}: set the same k "
-                    "in both (spopp launch's top-level max_staleness does)"
-                )
+            check_run(cfg, run.config)
             version = run.policy_version
             self.metrics = MetricsLog(cfg.log_dir, total=cfg.max_updates)
         self.version = _broadcast(version)

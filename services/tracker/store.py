@@ -24,7 +24,7 @@ from .errors import ApiError
 
 _SCRIPTS = (
     "put_run put_tasks dispatch outcomes renew release consume policy read_tasks read_run read_requests "
-    "finish reopen heartbeat release_worker"
+    "finish reopen budget heartbeat release_worker"
 ).split()
 # The per-worker hashes of a run (common.lua): worker id -> count, or last seen (ms).
 _WORKER_STATS = {
@@ -162,6 +162,21 @@ class Store:
         canonical = json.dumps(cfg.canonical(), sort_keys=True)
         out = await self._call("put_run", run, run, canonical, self.max_runs, *flat)
         return bool(out["created"])
+
+    async def grow_budget(self, run: str, max_updates: int) -> bool:
+        """Raise the run's max_updates (or fix it, for a run created without one); 409 budget_shrink
+        for a smaller one, which would end a run its learner still trains. Answers whether it changed."""
+        stored = await self.redis.hget(prefix(run) + "run", "config")
+        if stored is None:
+            raise ApiError(404, "unknown_run", "no such run", run=run)
+        cfg = RunConfig.model_validate(json.loads(stored))
+        if cfg.max_updates is not None and max_updates < cfg.max_updates:
+            raise ApiError(
+                409, "budget_shrink", f"run {run}'s budget is {cfg.max_updates} updates; it grows, never shrinks "
+                f"(asked for {max_updates})", run=run, max_updates=cfg.max_updates,
+            )  # fmt: skip
+        grown = json.dumps(cfg.model_copy(update={"max_updates": max_updates}).canonical(), sort_keys=True)
+        return bool((await self._call("budget", run, stored, grown))["changed"])
 
     async def get_run(self, run: str) -> dict:
         return _run_view(run, await self._call("read_run", run), await self.workers(run))

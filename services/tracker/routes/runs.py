@@ -1,12 +1,13 @@
 """PUT/GET /v1/runs/{run}: create a run (idempotent for the same body) and read it; POST
 /v1/runs/{run}/finish marks it finished at its current version (no new leases, no new versions),
-and /reopen undoes that when its budget grew."""
+/budget grows its max_updates (fixed at creation, never shrunk), and /reopen undoes a finish when
+its budget grew."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from spopp.tracker_api import FinishBody, ReopenBody, Run, RunConfig
+from spopp.tracker_api import BudgetBody, FinishBody, ReopenBody, Run, RunConfig
 
 from ..deps import RunName, StoreDep
 
@@ -34,4 +35,10 @@ async def finish(run: RunName, body: FinishBody, store: StoreDep) -> dict:
 @router.post("/runs/{run}/reopen", response_model=Run)
 async def reopen(run: RunName, body: ReopenBody, store: StoreDep) -> dict:
     await store.reopen(run, body.version)
+    return await store.get_run(run)
+
+
+@router.post("/runs/{run}/budget", response_model=Run)
+async def budget(run: RunName, body: BudgetBody, store: StoreDep) -> dict:
+    await store.grow_budget(run, body.max_updates)
     return await store.get_run(run)

@@ -1,0 +1,64 @@
+"""`make compose-cpu` writes the stack's effective settings once per command and every compose
+command reads them (deploy/compose_cpu.py): the shell's overrides and --max-updates go into the
+file, secrets do not, and the compose commands' environment cannot override it. A larger budget is
+grown explicitly at the tracker (a finished run reopened), a smaller one refused. The stack itself
+runs under `make compose-cpu` (CI)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.process  # a real tracker process
+
+
+def compose_cpu():
+    spec = importlib.util.spec_from_file_location("compose_cpu", ROOT / "deploy" / "compose_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_stack_file_holds_the_overrides_and_no_secret(tmp_path, monkeypatch):
+    m = compose_cpu()
+    monkeypatch.setattr(m, "STACK_FILE", ROOT / "deploy" / "compose-cpu.stack.env.test")
+    file = {"COMPOSE_PROJECT_NAME": "spopp-cpu", "SPOPP_RUN": "a", "SPOPP_LEARNER_MAX_UPDATES": "6",
+            "SPOPP_ENV_FILE": "deploy/compose-cpu.env"}  # fmt: skip
+    environ = {"SPOPP_RUN": "b", "SPOPP_LORA_RANK": "8", "SPOPP_API_TOKEN": "t0ken", "PATH": "/bin",
+               "SPOPP_REDIS_PASSWORD": "pw"}  # fmt: skip
+    got = m.stack_settings(file, environ, 30)
+    assert got == {"COMPOSE_PROJECT_NAME": "spopp-cpu", "SPOPP_RUN": "b", "SPOPP_LEARNER_MAX_UPDATES": "30",
+                   "SPOPP_ENV_FILE": "deploy/compose-cpu.stack.env.test", "SPOPP_LORA_RANK": "8"}  # fmt: skip
+    try:
+        m.write_stack(got)
+        assert m.read_env(m.STACK_FILE) == got  # what compose and the next command read back
+    finally:
+        m.STACK_FILE.unlink(missing_ok=True)
+    monkeypatch.setenv("SPOPP_LEARNER_MAX_UPDATES", "6")
+    monkeypatch.setenv("COMPOSE_PROJECT_NAME", "other")
+    env = m.compose_environ()
+    assert "SPOPP_LEARNER_MAX_UPDATES" not in env and "COMPOSE_PROJECT_NAME" not in env and "PATH" in env
+
+
+def test_a_larger_budget_is_grown_and_reopens_a_finished_run_a_smaller_one_is_refused(
+    tracker, client, run_name, capsys
+):
+    m = compose_cpu()
+    client.put_run(run_name, {"recipe": "spopp", "max_updates": 6})
+    client.finish(run_name, 0)
+    cfg = {"SPOPP_RUN": run_name, "SPOPP_TRACKER_PORT": tracker.url.rsplit(":", 1)[1]}
+    before = json.loads(client.get_run(run_name).model_dump_json())
+    m.grow_budget(cfg, None, before, 6)  # the same budget: nothing to do
+    assert client.get_run(run_name).status == "finished"
+    m.grow_budget(cfg, None, before, 8)
+    run = client.get_run(run_name)
+    assert (run.config.max_updates, run.status) == (8, "running") and before["status"] == "running"
+    assert "budget grown from 6 to 8 updates" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="budget is 8 updates, fixed at its creation; --max-updates 4"):
+        m.grow_budget(cfg, None, json.loads(run.model_dump_json()), 4)
+    assert client.get_run(run_name).config.max_updates == 8
+    m.grow_budget(cfg, None, None, 4)  # no run yet: the init step creates it with the stack's budget
