@@ -319,7 +319,7 @@ def test_the_map_command_refuses_bad_options_by_name(tmp_path):
             "--arms: choose from spo, spo-eventtime, spopp-trajnorm, spopp",
         ),
         ([str(config), *out, "--seeds", "x"], "--seeds 'x': expected integers"),
-        ([str(config), *out, "--pilot-seeds", "1,1"], "--pilot-seeds '1,1': give distinct seeds"),
+        ([str(config), *out, "--pilot-seeds", "1,1"], "--pilot-seeds '1,1': give distinct values"),
         ([str(config), *out, "--seeds", "0", "--pilot-seeds", "9,10"], "not both"),
         ([str(config), "--render", str(tmp_path)], "give no CONFIG or --out"),
         ([str(config)], "give CONFIG and --out"),

@@ -66,7 +66,7 @@ def map_config(out: Path, size: dict) -> dict:
     return config
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("map-out"), help="output folder")
     p.add_argument("--pilot-seeds", default=PILOT_SEEDS, help=f"the pilot's seeds (default {PILOT_SEEDS})")
@@ -106,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     add_cold_start_flag(p)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     size = dict(MAP_TINY if a.tiny else MAP_SIZE)
     for key, value in (
         ("updates", a.updates),

@@ -328,26 +328,25 @@ def _init_command() -> click.Command:
 init_command = _init_command()
 
 
-def _numbers(text: str, what: str) -> list[float]:
+def _distinct(text: str, what: str, kind: type = float) -> list:
+    """A comma-separated option's distinct values (numbers, or integers for seeds); UsageError
+    naming the option otherwise."""
     try:
-        values = [float(x) for x in text.split(",") if x.strip()]
+        values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise click.UsageError(f"--{what} {text!r}: expected numbers separated by commas") from None
+        expected = "numbers" if kind is float else "integers"
+        raise click.UsageError(f"--{what} {text!r}: expected {expected} separated by commas") from None
     if not values or len(set(values)) != len(values):
         raise click.UsageError(f"--{what} {text!r}: give distinct values, at least one")
     return values
 
 
+def _numbers(text: str, what: str) -> list[float]:
+    return _distinct(text, what)
+
+
 def _seed_list(text: str | None, what: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.UsageError(f"--{what} {text!r}: expected integers separated by commas") from None
-    if not values or len(set(values)) != len(values):
-        raise click.UsageError(f"--{what} {text!r}: give distinct seeds, at least one")
-    return values
+    return None if text is None else _distinct(text, what, int)
 
 
 def _render(folder: Path, page: Path | None) -> None:
