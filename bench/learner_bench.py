@@ -120,7 +120,7 @@ def memory_settings(model: Path, repeats: int) -> dict:
     largest micro-batch, with and without checkpointing."""
     import torch
 
-    from services.learner.batch import collate, plan_micro_batches
+    from services.learner.batch import collate
     from services.learner.config import LearnerSettings
     from services.learner.engine import build_engine, release_engine
     from services.learner.logprobs import token_logprobs
@@ -150,16 +150,7 @@ def memory_settings(model: Path, repeats: int) -> dict:
         if trajs is None:
             trajs, adv = alfworld_like_batch(len(tok), batch)
             lengths = [len(t.token_ids) for t in trajs]
-            out["real_tokens"] = sum(lengths)
-            out["lengths"] = (min(lengths), sorted(lengths)[batch // 2], max(lengths))
-            for how, kw in (
-                ("count", {"micro_batch_size": 4}),
-                ("tokens", {"micro_batch_tokens": 4 * ALFWORLD_CAP}),
-            ):
-                plan = plan_micro_batches(lengths, 2, 1, **kw)
-                micro = [mb for per_rank in plan for mb in per_rank[0]]
-                out[f"padded_{how}"] = sum(len(mb) * max(lengths[i] for i in mb) for mb in micro)
-                out[f"micro_{how}"] = len(micro)
+            out.update(_padding(lengths, batch))
         out[name] = out["real_tokens"] / median_update_s(engine, trajs, adv, cfg, repeats)
         if name in ("tokens", "tokens+checkpointing"):
             # The largest micro-batch the token budget makes: what autograd keeps for its backward.
@@ -173,6 +164,25 @@ def memory_settings(model: Path, repeats: int) -> dict:
         release_engine(engine)
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def _padding(lengths: list[int], batch: int) -> dict:
+    """The batch's real tokens and length spread, and per micro-batching (by count, by tokens) its
+    padded tokens and micro-batches."""
+    from services.learner.batch import plan_micro_batches
+
+    out: dict = {}
+    out["real_tokens"] = sum(lengths)
+    out["lengths"] = (min(lengths), sorted(lengths)[batch // 2], max(lengths))
+    for how, kw in (
+        ("count", {"micro_batch_size": 4}),
+        ("tokens", {"micro_batch_tokens": 4 * ALFWORLD_CAP}),
+    ):
+        plan = plan_micro_batches(lengths, 2, 1, **kw)
+        micro = [mb for per_rank in plan for mb in per_rank[0]]
+        out[f"padded_{how}"] = sum(len(mb) * max(lengths[i] for i in mb) for mb in micro)
+        out[f"micro_{how}"] = len(micro)
     return out
 
 
@@ -275,14 +285,43 @@ def launch(model: Path, stage: int, nproc: int, batch: int, repeats: int, workdi
     return json.loads(out.read_text())
 
 
-def main() -> None:
+def _memory_lines(mem: dict) -> list[str]:
+    """The memory settings' paragraph of the section (from memory_settings)."""
+    lo, mid, hi = mem["lengths"]
+    mib = 1 << 20
+    return [
+        "",
+        "Memory settings, one process, ZeRO 2, fp32: B = 32 trajectories with the ALFWorld demo's length spread "
+        f"(modelled on its 640-token budget and 0.6 success: {lo}-{hi} tokens, median {mid}; see "
+        "`alfworld_like_batch`), 2 mini-batches; by count, 4 trajectories a micro-batch; by tokens, "
+        f"micro_batch_tokens {4 * 640} (the same largest micro-batch). Tokens/s counts real tokens.",
+        "",
+        f"    micro-batching: tokens/s count-based {mem['count']:,.0f}, token-budget {mem['tokens']:,.0f} "
+        f"(ratio {mem['tokens'] / mem['count']:.2f}); padded tokens {mem['padded_count']:,} -> {mem['padded_tokens']:,} "
+        f"in {mem['micro_count']} -> {mem['micro_tokens']} micro-batches",
+        f"    gradient checkpointing: activations kept for the largest micro-batch {mem['saved_tokens'] / mib:.1f} MiB -> "
+        f"{mem['saved_tokens+checkpointing'] / mib:.1f} MiB (ratio {mem['saved_tokens'] / mem['saved_tokens+checkpointing']:.1f}); "
+        f"tokens/s {mem['tokens']:,.0f} -> {mem['tokens+checkpointing']:,.0f} ({mem['tokens+checkpointing'] / mem['tokens']:.2f})",
+        f"    optimizer offload: tokens/s {mem['tokens']:,.0f} -> {mem['tokens+offload']:,.0f} "
+        f"({mem['tokens+offload'] / mem['tokens']:.2f}; on a CPU-only machine there is no GPU memory to free, only the copies' cost)",
+        f"    attention: tokens/s sdpa {mem['tokens']:,.0f}, eager {mem['tokens+eager']:,.0f} "
+        f"(sdpa/eager {mem['tokens'] / mem['tokens+eager']:.2f})",
+    ]
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The bench's command line; --worker is torchrun's entry into one DeepSpeed run."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path)
     ap.add_argument(
         "--worker", nargs=5, metavar=("MODEL", "STAGE", "BATCH", "REPEATS", "OUT"), help=argparse.SUPPRESS
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.worker:
         model, stage, batch, repeats, out = args.worker
         worker(Path(model), int(stage), int(batch), int(repeats), Path(out))
@@ -331,26 +370,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "tiny")
         mem = memory_settings(model, repeats)
-    lo, mid, hi = mem["lengths"]
-    mib = 1 << 20
-    lines += [
-        "",
-        "Memory settings, one process, ZeRO 2, fp32: B = 32 trajectories with the ALFWorld demo's length spread "
-        f"(modelled on its 640-token budget and 0.6 success: {lo}-{hi} tokens, median {mid}; see "
-        "`alfworld_like_batch`), 2 mini-batches; by count, 4 trajectories a micro-batch; by tokens, "
-        f"micro_batch_tokens {4 * 640} (the same largest micro-batch). Tokens/s counts real tokens.",
-        "",
-        f"    micro-batching: tokens/s count-based {mem['count']:,.0f}, token-budget {mem['tokens']:,.0f} "
-        f"(ratio {mem['tokens'] / mem['count']:.2f}); padded tokens {mem['padded_count']:,} -> {mem['padded_tokens']:,} "
-        f"in {mem['micro_count']} -> {mem['micro_tokens']} micro-batches",
-        f"    gradient checkpointing: activations kept for the largest micro-batch {mem['saved_tokens'] / mib:.1f} MiB -> "
-        f"{mem['saved_tokens+checkpointing'] / mib:.1f} MiB (ratio {mem['saved_tokens'] / mem['saved_tokens+checkpointing']:.1f}); "
-        f"tokens/s {mem['tokens']:,.0f} -> {mem['tokens+checkpointing']:,.0f} ({mem['tokens+checkpointing'] / mem['tokens']:.2f})",
-        f"    optimizer offload: tokens/s {mem['tokens']:,.0f} -> {mem['tokens+offload']:,.0f} "
-        f"({mem['tokens+offload'] / mem['tokens']:.2f}; on a CPU-only machine there is no GPU memory to free, only the copies' cost)",
-        f"    attention: tokens/s sdpa {mem['tokens']:,.0f}, eager {mem['tokens+eager']:,.0f} "
-        f"(sdpa/eager {mem['tokens'] / mem['tokens+eager']:.2f})",
-    ]
+    lines += _memory_lines(mem)
     section = "\n".join(lines) + "\n"
     print(section)
     if args.out:

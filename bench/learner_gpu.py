@@ -345,9 +345,6 @@ def card(setup: Setup) -> tuple[str, float]:
 def run(setup: Setup, models: dict[str, dict], budget_s: float, log, profile: bool = False) -> dict[str, Any]:
     import torch
 
-    from bench.learner_bench import alfworld_like_batch
-    from services.learner.batch import plan_micro_batches
-
     started = time.perf_counter()
     name, gpu_gib = card(setup)
     peak = peak_flops(setup)
@@ -355,23 +352,10 @@ def run(setup: Setup, models: dict[str, dict], budget_s: float, log, profile: bo
         f"({setup.matmul}^3 matmul)")  # fmt: skip
     out: dict[str, Any] = {"device": name, "gpu_gib": gpu_gib, "peak": peak, "models": {}, "lines": []}
     for label, config in models.items():
-        trajs, adv = alfworld_like_batch(config["vocab_size"], setup.batch)
-        lengths = [len(t.token_ids) for t in trajs]
-        (micro,) = (
-            per_rank[0] for per_rank in plan_micro_batches(lengths, 1, 1, micro_batch_tokens=setup.budget)
-        )
-        padded = [len(rows) * max(lengths[i] for i in rows) for rows in micro]
-        flops = update_flops(config, lengths)
-        info = {
-            "tokens": sum(lengths),
-            "padded": padded,
-            "flops": flops,
-            "n": matmul_params(config),
-            "cases": [],
-        }
+        trajs, adv, info = _model_batch(config, setup)
         out["models"][label] = info
-        log(f"{label}: N = {info['n']:,} matmul parameters, {sum(lengths):,} tokens in {len(lengths)} "
-            f"trajectories, micro-batches of {padded} padded tokens, {flops / sum(lengths) / 1e9:.3g} GFLOP per token")  # fmt: skip
+        log(f"{label}: N = {info['n']:,} matmul parameters, {info['tokens']:,} tokens in {len(trajs)} "
+            f"trajectories, micro-batches of {info['padded']} padded tokens, {info['flops'] / info['tokens'] / 1e9:.3g} GFLOP per token")  # fmt: skip
         last_case_s = 0.0
         plain: dict[bool, dict] = {}
         for ckpt, zero in setup.cases:
@@ -411,6 +395,29 @@ def run(setup: Setup, models: dict[str, dict], budget_s: float, log, profile: bo
                 log(case["profile"])
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+def _model_batch(config: dict, setup: Setup) -> tuple[list, list, dict]:
+    """(trajectories, advantages, info) of a model's batch; info holds its real tokens, the padded
+    tokens of each micro-batch, the update's model FLOPs and N, and an empty list of cases."""
+    from bench.learner_bench import alfworld_like_batch
+    from services.learner.batch import plan_micro_batches
+
+    trajs, adv = alfworld_like_batch(config["vocab_size"], setup.batch)
+    lengths = [len(t.token_ids) for t in trajs]
+    (micro,) = (
+        per_rank[0] for per_rank in plan_micro_batches(lengths, 1, 1, micro_batch_tokens=setup.budget)
+    )
+    padded = [len(rows) * max(lengths[i] for i in rows) for rows in micro]
+    flops = update_flops(config, lengths)
+    info = {
+        "tokens": sum(lengths),
+        "padded": padded,
+        "flops": flops,
+        "n": matmul_params(config),
+        "cases": [],
+    }
+    return trajs, adv, info
 
 
 def _mfu(info: dict, seconds: float, peak: float) -> float:

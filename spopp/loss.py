@@ -139,6 +139,32 @@ def policy_loss(
     """
     _check_hparams(clip_low, clip_high, dual_clip, is_cap)
     _check_off_policy(off_policy, behaviour_cap, stale, rollout_logp)
+    keep, stale_keep = _counted_tokens(logp, old_logp, advantages, mask, rollout_logp, stale)
+    denom = _token_count(token_count, keep)
+    new = _masked_finite("logp", logp, keep)
+    old = _masked_finite("old_logp", old_logp.detach(), keep)
+    adv = _masked_finite("advantages", advantages.detach(), keep)
+
+    surrogate = _surrogate(new, old, adv, clip_low, clip_high, dual_clip)
+    raw_w, weight = _token_weights(old, rollout_logp, keep, stale_keep, is_cap, off_policy, behaviour_cap)
+    loss = (weight * surrogate.per_token * keep.to(surrogate.per_token.dtype)).sum() / denom
+    with torch.no_grad():
+        fresh = keep & ~stale_keep
+        stats = _stats(surrogate, new, old, raw_w, weight, keep, fresh, is_cap, rollout_logp is not None)
+        stats.update(_stale_stats(raw_w, weight, stale_keep, behaviour_cap))
+    return loss, stats
+
+
+def _counted_tokens(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    rollout_logp: Tensor | None,
+    stale: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """(keep, stale_keep): the counted tokens and the stale ones among them, once the tensors are
+    checked (see policy_loss's Raises)."""
     _check_tensors(
         {
             "logp": logp,
@@ -151,21 +177,23 @@ def policy_loss(
     )
     keep = _bool_mask(mask)
     stale_keep = keep & _bool_mask(stale) if stale is not None else torch.zeros_like(keep)
-    denom = _token_count(token_count, keep)
-    new = _masked_finite("logp", logp, keep)
-    old = _masked_finite("old_logp", old_logp.detach(), keep)
-    adv = _masked_finite("advantages", advantages.detach(), keep)
+    return keep, stale_keep
 
-    surrogate = _surrogate(new, old, adv, clip_low, clip_high, dual_clip)
+
+def _token_weights(
+    old: Tensor,
+    rollout_logp: Tensor | None,
+    keep: Tensor,
+    stale_keep: Tensor,
+    is_cap: float,
+    off_policy: str,
+    behaviour_cap: float,
+) -> tuple[Tensor, Tensor]:
+    """(raw, applied) per-token weights: the rollout correction, the off-policy one on stale tokens."""
     raw_w, weight = _rollout_weight(old, rollout_logp, keep, is_cap)
     if bool(stale_keep.any()):
         weight = torch.where(stale_keep, _behaviour_weight(raw_w, off_policy, behaviour_cap), weight)
-    loss = (weight * surrogate.per_token * keep.to(surrogate.per_token.dtype)).sum() / denom
-    with torch.no_grad():
-        fresh = keep & ~stale_keep
-        stats = _stats(surrogate, new, old, raw_w, weight, keep, fresh, is_cap, rollout_logp is not None)
-        stats.update(_stale_stats(raw_w, weight, stale_keep, behaviour_cap))
-    return loss, stats
+    return raw_w, weight
 
 
 def _check_off_policy(

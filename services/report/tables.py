@@ -298,83 +298,98 @@ def to_markdown(report: dict[str, Any]) -> str:
     out = [f"# {_cell(report['title'])}", ""]
     out.append(f"Metric `{report['metric']}`, {area_rule}{budget}; {len(report['runs'])} runs.")
     out.append("")
-    table = report["table"]
-    out.append("## Table 1: SPO++ vs SPO")
-    out.append("")
-    if table is None:
-        out.append("No SPO/SPO++ pair to compare (see the warnings).")
-    else:
-        out.append(
-            "Levels in reward units (mean ± s.d. over pairs); Δ = SPO++ − SPO in percentage points "
-            "(mean ± sample s.d.); end reward = mean of the final five points."
-        )
-        out.append("")
-        out += ["| | value |", "|---|---|"]
-        out += [f"| {name} | {text} |" for name, text in table["rows"].items()]
-        out.append("")
-        out.append("### Pairs")
-        out.append("")
-        out.append("| seed | points | SPO area | SPO++ area | Δ area | SPO end | SPO++ end | Δ end |")
-        out.append("|---|---|---|---|---|---|---|---|")
-        for p in report["pairs"]:
-            out.append(
-                f"| {p['seed']} | {p['points']} | {p[SPO]['area']:.3f} | {p[SPOPP]['area']:.3f} "
-                f"| {p['d_area']:+.1f} | {p[SPO]['end']:.3f} | {p[SPOPP]['end']:.3f} | {p['d_end']:+.1f} |"
-            )
-    ablation_ = report["ablation"]
-    if ablation_ is not None:
-        out.append("")
-        out.append("## Table 2: normalization ablation (C10)")
-        out.append("")
-        if ablation_["rows"] is None:
-            out.append("No seed has all three arms (`spo`, `spopp`, `spopp-trajnorm`).")
-        else:
-            out.append(
-                "C10 = ½ (AUC of points 1–10 + mean of points 6–10), each seed's three runs cut to "
-                "their common length; Δ in percentage points, mean ± sample s.d. over "
-                f"{len(ablation_['seeds'])} seeds ({', '.join(str(s) for s in ablation_['seeds'])})."
-                + (" The budget applies to Table 1 only." if report["budget"] is not None else "")
-            )
-            out.append("")
-            out += ["| comparison | Δ C10 (points) |", "|---|---|"]
-            out += [f"| {name} | {row['text']} |" for name, row in ablation_["rows"].items()]
-    if report.get("staleness"):
-        out += ["", "## Table 3: bounded staleness against k = 0", ""]
-        out.append(
-            "Each pair at its common points. Time: seconds from the learner's start to the "
-            "publication of the last common version; speed-up = the k = 0 run's time over the "
-            "other's. Δ in percentage points (other − k = 0)."
-        )
-        out.append("")
-        out.append(
-            "| seed | arms | points | area k=0 | area | Δ area | end k=0 | end | Δ end | time k=0 | time | speed-up |"
-        )
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for p in report["staleness"]:
-            a, b = p["k0"], p["stale"]
-            t0 = "n/a" if a["seconds"] is None else f"{a['seconds']:.0f} s"
-            t1 = "n/a" if b["seconds"] is None else f"{b['seconds']:.0f} s"
-            up = "n/a" if p["speedup"] is None else f"{p['speedup']:.2f}x"
-            out.append(
-                f"| {p['seed']} | {p['arm']} vs {p['base']} | {p['points']} | {a['area']:.3f} | {b['area']:.3f} "
-                f"| {p['d_area']:+.1f} | {a['end']:.3f} | {b['end']:.3f} | {p['d_end']:+.1f} | {t0} | {t1} | {up} |"
-            )
-        for arm, agg in (report.get("staleness_summary") or {}).items():
-            up = agg["speedup"]
-            clock = (
-                "n/a"
-                if up is None
-                else f"{up['mean']:.2f}x" + ("" if up["sd"] is None else f" ± {up['sd']:.2f}")
-            )
-            da, de = agg["d_area"], agg["d_end"]
-            sd = lambda x: "" if x["sd"] is None else f" ± {x['sd']:.1f}"  # noqa: E731
-            out.append("")
-            out.append(
-                f"{arm} over {agg['pairs']} seeds: Δ area {da['mean']:+.1f}{sd(da)}, Δ end {de['mean']:+.1f}{sd(de)} "
-                f"points (mean ± sample s.d.), pairs won on area {agg['won_area']}/{agg['pairs']}; "
-                f"speed-up to the same version {clock}."
-            )
+    out += _table1_lines(report)
+    out += _table2_lines(report)
+    out += _table3_lines(report)
     if report["warnings"]:
         out += ["", "## Warnings", ""]
         out += [f"- {_cell(w)}" for w in report["warnings"]]
     return "\n".join(out) + "\n"
+
+
+def _table1_lines(report: dict[str, Any]) -> list[str]:
+    """Table 1 and the per-pair numbers under it (or why there is none)."""
+    table = report["table"]
+    out = ["## Table 1: SPO++ vs SPO", ""]
+    if table is None:
+        out.append("No SPO/SPO++ pair to compare (see the warnings).")
+        return out
+    out.append(
+        "Levels in reward units (mean ± s.d. over pairs); Δ = SPO++ − SPO in percentage points "
+        "(mean ± sample s.d.); end reward = mean of the final five points."
+    )
+    out.append("")
+    out += ["| | value |", "|---|---|"]
+    out += [f"| {name} | {text} |" for name, text in table["rows"].items()]
+    out.append("")
+    out.append("### Pairs")
+    out.append("")
+    out.append("| seed | points | SPO area | SPO++ area | Δ area | SPO end | SPO++ end | Δ end |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    for p in report["pairs"]:
+        out.append(
+            f"| {p['seed']} | {p['points']} | {p[SPO]['area']:.3f} | {p[SPOPP]['area']:.3f} "
+            f"| {p['d_area']:+.1f} | {p[SPO]['end']:.3f} | {p[SPOPP]['end']:.3f} | {p['d_end']:+.1f} |"
+        )
+    return out
+
+
+def _table2_lines(report: dict[str, Any]) -> list[str]:
+    """Table 2, the normalization ablation; no lines when the report has none."""
+    ablation_ = report["ablation"]
+    if ablation_ is None:
+        return []
+    out = ["", "## Table 2: normalization ablation (C10)", ""]
+    if ablation_["rows"] is None:
+        out.append("No seed has all three arms (`spo`, `spopp`, `spopp-trajnorm`).")
+        return out
+    out.append(
+        "C10 = ½ (AUC of points 1–10 + mean of points 6–10), each seed's three runs cut to "
+        "their common length; Δ in percentage points, mean ± sample s.d. over "
+        f"{len(ablation_['seeds'])} seeds ({', '.join(str(s) for s in ablation_['seeds'])})."
+        + (" The budget applies to Table 1 only." if report["budget"] is not None else "")
+    )
+    out.append("")
+    out += ["| comparison | Δ C10 (points) |", "|---|---|"]
+    out += [f"| {name} | {row['text']} |" for name, row in ablation_["rows"].items()]
+    return out
+
+
+def _table3_lines(report: dict[str, Any]) -> list[str]:
+    """Table 3, bounded staleness against k = 0 by pair, then by arm; no lines without such a pair."""
+    if not report.get("staleness"):
+        return []
+    out = ["", "## Table 3: bounded staleness against k = 0", ""]
+    out.append(
+        "Each pair at its common points. Time: seconds from the learner's start to the "
+        "publication of the last common version; speed-up = the k = 0 run's time over the "
+        "other's. Δ in percentage points (other − k = 0)."
+    )
+    out.append("")
+    out.append(
+        "| seed | arms | points | area k=0 | area | Δ area | end k=0 | end | Δ end | time k=0 | time | speed-up |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for p in report["staleness"]:
+        a, b = p["k0"], p["stale"]
+        t0 = "n/a" if a["seconds"] is None else f"{a['seconds']:.0f} s"
+        t1 = "n/a" if b["seconds"] is None else f"{b['seconds']:.0f} s"
+        up = "n/a" if p["speedup"] is None else f"{p['speedup']:.2f}x"
+        out.append(
+            f"| {p['seed']} | {p['arm']} vs {p['base']} | {p['points']} | {a['area']:.3f} | {b['area']:.3f} "
+            f"| {p['d_area']:+.1f} | {a['end']:.3f} | {b['end']:.3f} | {p['d_end']:+.1f} | {t0} | {t1} | {up} |"
+        )
+    for arm, agg in (report.get("staleness_summary") or {}).items():
+        up = agg["speedup"]
+        clock = (
+            "n/a" if up is None else f"{up['mean']:.2f}x" + ("" if up["sd"] is None else f" ± {up['sd']:.2f}")
+        )
+        da, de = agg["d_area"], agg["d_end"]
+        sd = lambda x: "" if x["sd"] is None else f" ± {x['sd']:.1f}"  # noqa: E731
+        out.append("")
+        out.append(
+            f"{arm} over {agg['pairs']} seeds: Δ area {da['mean']:+.1f}{sd(da)}, Δ end {de['mean']:+.1f}{sd(de)} "
+            f"points (mean ± sample s.d.), pairs won on area {agg['won_area']}/{agg['pairs']}; "
+            f"speed-up to the same version {clock}."
+        )
+    return out

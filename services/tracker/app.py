@@ -183,6 +183,12 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
     app.add_middleware(
         BearerAuth, token=settings.api_token, also=("/metrics",) if metrics_need_token(settings) else ()
     )
+    _add_error_handlers(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """The tracker's own errors, validation errors and an unreachable Redis, as uniform error bodies."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -199,5 +205,3 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
 
     for error in REDIS_DOWN:
         app.add_exception_handler(error, redis_down)
-
-    return app
