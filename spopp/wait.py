@@ -5,13 +5,17 @@ launcher, the tracker's launcher, `spopp init`, tools and tests.
 interval keeps a test's wait close to the moment things are ready) until it answers something
 truthy, and answers that. A wait that times out names what it waited for; with `proc`, a process
 that exits first ends the wait at once (no point waiting out the timeout for a dead server).
+`wait_until_async` is the same inside an event loop (the services' own waits: a replica for its
+learner), with a predicate that may be a coroutine function.
 Retrying calls to a service that may be restarting is spopp.retry's, not this.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, Protocol, TypeVar
 
 import httpx
@@ -61,6 +65,32 @@ def wait_until(
             on_wait()
             said = True
         time.sleep(interval)
+
+
+async def wait_until_async(
+    predicate: Callable[[], T | Awaitable[T]],
+    timeout: float,
+    what: str,
+    *,
+    interval: float = 0.1,
+    on_wait: Callable[[], Any] | None = None,
+) -> T:
+    """`wait_until` for a coroutine: awaits `predicate()` when it answers an awaitable, sleeps with
+    asyncio between calls (the loop serves meanwhile). Raises WaitTimeout after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        got = predicate()
+        if inspect.isawaitable(got):
+            got = await got
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"timed out after {timeout:g} s waiting for {what}")
+        if on_wait is not None and not said:
+            on_wait()
+            said = True
+        await asyncio.sleep(interval)
 
 
 def http_answer(url: str, ok: Collection[int] | None = (200,), timeout: float = 2.0) -> httpx.Response | None:
