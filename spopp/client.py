@@ -192,8 +192,8 @@ class _Api:
         body = {"version": version, **({"reason": reason} if reason is not None else {})}
         return self._do(_Call("POST", f"/v1/runs/{run}/finish", body, Run.model_validate))
 
-    def grow_budget(self, run: str, max_updates: int) -> Any:
-        """Raise the run's max_updates (409 budget_shrink for a smaller one)."""
+    def set_budget(self, run: str, max_updates: int) -> Any:
+        """Change the run's max_updates (409 budget_below_version under its policy version)."""
         return self._do(
             _Call("POST", f"/v1/runs/{run}/budget", {"max_updates": max_updates}, Run.model_validate)
         )

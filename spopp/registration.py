@@ -6,7 +6,7 @@ again answers 200, the same task prior again counts as unchanged, so a second `u
 launch changes nothing. Anything else (the run exists with another recipe, a task with another
 prior, another budget) is refused by the tracker with 409 and reported here as a RegistrationError
 that says which and why, before any learner or replica could train on the wrong run. A budget
-(max_updates) is fixed at creation and grows only when the caller asks (`spopp launch` does).
+(max_updates) is fixed at creation and changes only when the caller asks (`spopp launch` does).
 """
 
 from __future__ import annotations
@@ -55,9 +55,12 @@ def task_bodies(
     return p.task_bodies()
 
 
-def _put_run(client: TrackerClient, run: str, run_config: dict, grow: bool, echo: Callable[[str], None]):
-    """PUT the run. A run that differs only by a larger budget (max_updates) is grown first when
-    `grow` says so (`spopp launch` with more updates); any other difference is a RegistrationError."""
+def _put_run(
+    client: TrackerClient, run: str, run_config: dict, change_budget: bool, echo: Callable[[str], None]
+):
+    """PUT the run. A run that differs only by its budget (max_updates) has it changed first when
+    `change_budget` says so (`spopp launch`, the explicit operator); any other difference, or
+    another budget without it, is a RegistrationError."""
     try:
         return client.put_run(run, run_config)
     except TrackerError as exc:
@@ -67,14 +70,17 @@ def _put_run(client: TrackerClient, run: str, run_config: dict, grow: bool, echo
     wanted = RunConfig.model_validate(run_config)
     ours, theirs = wanted.max_updates, held.get("max_updates")
     if held and RunConfig.model_validate({**held, "max_updates": ours}).canonical() == wanted.canonical():
-        if grow and ours is not None and (theirs is None or ours > theirs):
-            client.grow_budget(run, ours)
-            echo(f"tracker: run {run}'s budget grown from {theirs or 'unset'} to {ours} updates")
+        if change_budget and ours is not None:
+            try:
+                client.set_budget(run, ours)
+            except TrackerError as exc:
+                raise RegistrationError(f"changing run {run!r}'s budget: {exc}") from None
+            echo(f"tracker: run {run}'s budget changed from {theirs or 'unset'} to {ours} updates")
             return client.put_run(run, run_config)
         raise RegistrationError(
             f"run {run!r}'s budget is {theirs} updates, fixed at its creation; this asks for {ours}. Start with "
-            f"max_updates {theirs} (the stack's settings file keeps it), or grow the budget explicitly "
-            "(`spopp launch` with more updates does; POST /v1/runs/{run}/budget)"
+            f"max_updates {theirs} (the stack's settings file keeps it), or change the budget explicitly "
+            "(`spopp launch` does; POST /v1/runs/{run}/budget)"
         )
     raise RegistrationError(
         f"the tracker holds run {run!r} with another config ({held}); the recipe, seed, base snapshot or run "
@@ -83,10 +89,10 @@ def _put_run(client: TrackerClient, run: str, run_config: dict, grow: bool, echo
 
 
 def register(client: TrackerClient, run: str, run_config: dict, bodies: list[dict],
-             echo: Callable[[str], None] = print, grow: bool = False) -> Registered:  # fmt: skip
-    """PUT the run (growing its budget first with `grow`), then its tasks in chunks;
+             echo: Callable[[str], None] = print, change_budget: bool = False) -> Registered:  # fmt: skip
+    """PUT the run (changing its budget first with `change_budget`), then its tasks in chunks;
     RegistrationError on a conflict."""
-    answer = _put_run(client, run, run_config, grow, echo)
+    answer = _put_run(client, run, run_config, change_budget, echo)
     created = unchanged = 0
     for i in range(0, len(bodies), PUT_CHUNK):
         try:

@@ -138,7 +138,7 @@ class RunConfig(_Body):
         None,
         ge=1,
         le=MAX_VERSION,
-        description="the run's budget in learner updates, fixed at creation and grown only by POST "
+        description="the run's budget in learner updates, fixed at creation and changed only by POST "
         "/runs/{run}/budget; a learner started with another max_updates refuses to start (null: not fixed)",
     )
 

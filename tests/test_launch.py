@@ -443,9 +443,11 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
     assert 2 <= stopped_at < 1000
     budget = stopped_at + 4 + stopped_at % 2  # a multiple of evaluator.every (2)
 
-    # The budget may change on resume; what defines the run may not.
+    # The budget may change on resume (the launch changes the run's at the tracker, saying so);
+    # what defines the run may not.
     again = launch(str(path), "--set", f"updates={budget}", timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
+    assert f"budget changed from 1000 to {budget} updates" in again.stdout
     assert "resuming run spopp-s0" in again.stdout and f"from update {stopped_at}" in again.stdout
     # The count `spopp scale` set lasted for that launch; this one starts from its config's.
     assert (
@@ -540,9 +542,9 @@ def test_prior_file_reaches_the_tracker_and_may_not_change(toy, tmp_path):
     r = launch(str(path), "--set", "updates=4", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tasks 0 created, 24 unchanged" in r.stdout
-    # The budget fixed at creation (2) grows explicitly with the launch's; the learner marked the
+    # The budget fixed at creation (2) changes explicitly with the launch's; the learner marked the
     # run finished at version 2, and the grown budget reopens it.
-    assert "tracker: run spopp-s0's budget grown from 2 to 4 updates" in r.stdout
+    assert "tracker: run spopp-s0's budget changed from 2 to 4 updates" in r.stdout
     assert "run spopp-s0 had finished at version 2; reopened for the budget's last version 4" in r.stdout
     assert json.loads((tmp_path / "run" / "run.json").read_text())["updates_done"] == 4
 

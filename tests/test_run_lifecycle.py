@@ -143,23 +143,27 @@ def test_reopen_undoes_a_finish(client, make_run):
     assert client.reopen(run, 0).status == "running"  # a no-op on a running run
 
 
-def test_a_runs_budget_is_fixed_at_creation_and_only_grows(client, make_run):
-    """max_updates is part of the run's config: PUT again with another is a conflict; /budget grows
-    it (a run created without one gets one), never shrinks it; the config then compares equal."""
+def test_a_runs_budget_is_fixed_at_creation_and_changed_only_by_budget(client, make_run):
+    """max_updates is part of the run's config: PUT again with another is a conflict; /budget changes
+    it (a run created without one gets one), never under the run's policy version; the config then
+    compares equal."""
     run = make_run(tasks=TASKS, max_updates=6)
     assert client.get_run(run).config.max_updates == 6
     err = _error(lambda: client.put_run(run, {"recipe": "spopp", "max_updates": 30}))
     assert (err.status, err.code) == (409, "run_conflict") and err.detail["config"]["max_updates"] == 6
-    assert client.grow_budget(run, 30).config.max_updates == 30
+    assert client.set_budget(run, 30).config.max_updates == 30
     assert client.put_run(run, {"recipe": "spopp", "max_updates": 30}).config.max_updates == 30  # same: 200
-    err = _error(lambda: client.grow_budget(run, 8))
-    assert (err.status, err.code) == (409, "budget_shrink") and err.detail["max_updates"] == 30
-    assert "budget is 30 updates" in str(err) and client.get_run(run).config.max_updates == 30
-    assert client.grow_budget(run, 30).config.max_updates == 30  # the same budget: a no-op
+    assert client.set_budget(run, 30).config.max_updates == 30  # the same budget: a no-op
+    for version in (1, 2, 3):
+        client.publish(run, version, f"s{version}")
+    assert client.set_budget(run, 3).config.max_updates == 3  # lower, but not under version 3
+    err = _error(lambda: client.set_budget(run, 2))
+    assert (err.status, err.code) == (409, "budget_below_version") and err.detail["policy_version"] == 3
+    assert "would end before where it is" in str(err) and client.get_run(run).config.max_updates == 3
     unbounded = run + "-unbounded"
     assert client.put_run(unbounded, {"recipe": "spopp"}).config.max_updates is None
-    assert client.grow_budget(unbounded, 4).config.max_updates == 4
-    err = _error(lambda: client.grow_budget("no-such-run", 4))
+    assert client.set_budget(unbounded, 4).config.max_updates == 4
+    err = _error(lambda: client.set_budget("no-such-run", 4))
     assert (err.status, err.code) == (404, "unknown_run")
 
 

@@ -336,7 +336,7 @@ class Plan:
             "prior": str(Path(s.prior).resolve()) if s.prior else None,
             "env": s.env,
             # As the tracker compares it: a run launched before max_staleness existed still resumes.
-            # The budget is left out: `spopp launch` grows it (updates), the run stays the same.
+            # The budget is left out: `spopp launch` changes it (updates), the run stays the same.
             "run_config": {k: v for k, v in self.run_config.canonical().items() if k != "max_updates"},
             # Only when set, so that runs launched before env_options existed still resume.
             **({"env_options": s.env_options} if s.env_options else {}),
@@ -379,7 +379,7 @@ def _run_config(s: LaunchSettings) -> RunConfig:
                 "seed": s.seed,
                 "base_snapshot": base,
                 "max_staleness": s.max_staleness,
-                "max_updates": s.updates,  # the run's budget, fixed at creation, grown by a launch
+                "max_updates": s.updates,  # the run's budget, fixed at creation, changed by a launch
             }  # fmt: skip
         )
     except ValidationError as exc:

@@ -423,9 +423,14 @@ class Launcher:
         """Create the run (or find it unchanged) and load its tasks with their prior."""
         with self._client(p) as c:
             try:
-                # grow: a launch with more updates than the run was created with raises its budget.
+                # A launch is the explicit operator: its `updates` becomes the run's budget, either way.
                 register(
-                    c, self.s.run, p.run_config.model_dump(mode="json"), self.bodies, self.echo, grow=True
+                    c,
+                    self.s.run,
+                    p.run_config.model_dump(mode="json"),
+                    self.bodies,
+                    self.echo,
+                    change_budget=True,
                 )
             except RegistrationError as exc:
                 raise LaunchError(str(exc)) from None

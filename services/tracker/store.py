@@ -163,20 +163,21 @@ class Store:
         out = await self._call("put_run", run, run, canonical, self.max_runs, *flat)
         return bool(out["created"])
 
-    async def grow_budget(self, run: str, max_updates: int) -> bool:
-        """Raise the run's max_updates (or fix it, for a run created without one); 409 budget_shrink
-        for a smaller one, which would end a run its learner still trains. Answers whether it changed."""
-        stored = await self.redis.hget(prefix(run) + "run", "config")
+    async def set_budget(self, run: str, max_updates: int) -> bool:
+        """Change the run's max_updates (or fix it, for a run created without one); 409
+        budget_below_version for one under the run's policy version, which its learner has trained
+        past already (a version is at least one update). Answers whether it changed."""
+        stored, version = await self.redis.hmget(prefix(run) + "run", ["config", "version"])
         if stored is None:
             raise ApiError(404, "unknown_run", "no such run", run=run)
-        cfg = RunConfig.model_validate(json.loads(stored))
-        if cfg.max_updates is not None and max_updates < cfg.max_updates:
+        if max_updates < int(version):
             raise ApiError(
-                409, "budget_shrink", f"run {run}'s budget is {cfg.max_updates} updates; it grows, never shrinks "
-                f"(asked for {max_updates})", run=run, max_updates=cfg.max_updates,
+                409, "budget_below_version", f"run {run} is at policy version {int(version)}: a budget of "
+                f"{max_updates} updates would end before where it is", run=run, policy_version=int(version),
             )  # fmt: skip
-        grown = json.dumps(cfg.model_copy(update={"max_updates": max_updates}).canonical(), sort_keys=True)
-        return bool((await self._call("budget", run, stored, grown))["changed"])
+        cfg = RunConfig.model_validate(json.loads(stored))
+        changed = json.dumps(cfg.model_copy(update={"max_updates": max_updates}).canonical(), sort_keys=True)
+        return bool((await self._call("budget", run, stored, changed))["changed"])
 
     async def get_run(self, run: str) -> dict:
         return _run_view(run, await self._call("read_run", run), await self.workers(run))

@@ -1,6 +1,6 @@
 -- ARGV: prefix, expected config JSON, new config JSON. Replaces the run's stored config when it is
--- still the one the caller read (the caller computed the new one: a grown max_updates), so that
--- two concurrent grows cannot lose one; the run's derived settings are unchanged by a budget.
+-- still the one the caller read (the caller computed the new one: another max_updates), so that
+-- two concurrent changes cannot lose one; the run's derived settings are unchanged by a budget.
 local missing = need_run()
 if missing then return missing end
 if ARGV[2] == nil or ARGV[3] == nil then return invalid('configs', '') end

@@ -1,7 +1,7 @@
 """PUT/GET /v1/runs/{run}: create a run (idempotent for the same body) and read it; POST
 /v1/runs/{run}/finish marks it finished at its current version (no new leases, no new versions),
-/budget grows its max_updates (fixed at creation, never shrunk), and /reopen undoes a finish when
-its budget grew."""
+/budget changes its max_updates (fixed at creation; changed only by this explicit call, which
+`spopp launch` makes), and /reopen undoes a finish when its budget grew."""
 
 from __future__ import annotations
 
@@ -40,5 +40,5 @@ async def reopen(run: RunName, body: ReopenBody, store: StoreDep) -> dict:
 
 @router.post("/runs/{run}/budget", response_model=Run)
 async def budget(run: RunName, body: BudgetBody, store: StoreDep) -> dict:
-    await store.grow_budget(run, body.max_updates)
+    await store.set_budget(run, body.max_updates)
     return await store.get_run(run)
