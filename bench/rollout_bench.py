@@ -142,7 +142,7 @@ async def service_generate(engine, settings, tasks, episodes) -> tuple[int, floa
         # The replica's start-up (prompt check of every task, run and policy reads, first
         # dispatch) happens once per replica, not per episode: timed apart from the throughput.
         first = watched.first if watched.first is not None else t0
-        done = max(1, worker._episodes)
+        done = max(1, worker.leases.ended)
         calls = (worker.dispatches, worker.outcomes.calls, worker.trajectories.calls)
         return sink.accepted_tokens(), end - first, first - t0, tuple(c / done for c in calls)
 

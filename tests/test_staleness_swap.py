@@ -157,7 +157,7 @@ def test_a_new_policy_under_staleness_keeps_what_may_still_train(
         tasks = {rid: asyncio.create_task(asyncio.sleep(0.3)) for rid in episodes}
         worker.inflight = {tasks[rid]: episodes[rid] for rid in episodes}
         t0 = asyncio.get_running_loop().time()
-        await worker._keep_going(3)
+        await worker.policy.keep_going(3)
         took = asyncio.get_running_loop().time() - t0
         await asyncio.gather(*tasks.values(), return_exceptions=True)
         await worker.close()

@@ -1,0 +1,89 @@
+"""Rescaling a running launch: `spopp scale` writes the wanted replica count to <run_dir>/replicas,
+and the launcher reads it each tick, starting rollout-N.. or stopping the highest replicas."""
+
+from __future__ import annotations
+
+from spopp.net import free_port
+
+from .config import LaunchSettings, Plan, rollout_settings
+from .run_folder import RunFolder
+from .supervise import Supervisor
+
+# `spopp scale` writes the wanted replica count here; the running launcher reads it each tick.
+SCALE_FILE = "replicas"
+MAX_REPLICAS = 256
+
+
+def parse_replicas(text: str, gpu_slots: int) -> int:
+    """The replica count in a scale file: a whole number from 1 (a run without replicas would
+    stall) up to MAX_REPLICAS, and up to the replicas gpus.rollout has devices for (when given)."""
+    try:
+        n = int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected a whole number of replicas, got {text.strip()[:40]!r}") from None
+    if not 1 <= n <= MAX_REPLICAS:
+        raise ValueError(f"replicas must be 1..{MAX_REPLICAS}, got {n}")
+    if gpu_slots and n > gpu_slots:
+        raise ValueError(f"gpus.rollout has devices for {gpu_slots} replicas, not {n}")
+    return n
+
+
+class Scaler:
+    """Applies the scale file's count to the supervised replicas of plan `p`."""
+
+    def __init__(self, s: LaunchSettings, sup: Supervisor, folder: RunFolder, echo) -> None:
+        self.s = s
+        self.sup = sup
+        self.folder = folder
+        self.echo = echo
+        self.seen: int | None = None  # the scale file's mtime last read
+
+    def forget_earlier(self, p: Plan) -> None:
+        """Remove a scale file an earlier launch of this folder left."""
+        stale = p.run_dir / SCALE_FILE
+        if stale.is_file():
+            # A count set for an earlier launch of this folder: this one starts from its config.
+            stale.unlink()
+            self.echo(
+                f"removed {stale} of an earlier launch: replicas start at rollout.replicas ({len(p.rollouts)})"
+            )
+
+    def rescale(self, p: Plan) -> None:
+        """Apply a new count from <run_dir>/replicas: start rollout-N.. or stop the highest ones
+        (SIGTERM: a replica drains and gives back its leases). A bad file changes nothing."""
+        path = p.run_dir / SCALE_FILE
+        try:
+            mtime = path.stat().st_mtime_ns
+            if mtime == self.seen:
+                return
+            self.seen = mtime
+            want = parse_replicas(path.read_text(), len(self.s.gpus.rollout))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            self.echo(f"{path}: {exc}; the run keeps its {len(p.rollouts)} replica(s)")
+            return
+        have = len(p.rollouts)
+        for i in range(have, want):
+            self._add_replica(p, i)
+        for r in reversed(p.rollouts[want:]):
+            self.sup.retire(r.worker_id)
+            p.rollouts.remove(r)
+        if want != have:
+            self.echo(f"replicas {have} -> {want} ({path})")
+        self.folder.update(p, replicas=want)
+
+    def _add_replica(self, p: Plan, i: int) -> None:
+        taken = {p.tracker.port, p.learner.port, *(r.port for r in p.rollouts)}
+        if p.evaluator is not None:
+            taken.add(p.evaluator.port)
+        r = rollout_settings(
+            self.s, i, f"http://127.0.0.1:{p.tracker.port}", f"http://127.0.0.1:{p.learner.port}",
+            free_port(taken=taken),
+        )  # fmt: skip
+        r.to_file(p.run_dir / "config" / f"{r.worker_id}.yaml")
+        p.rollouts.append(r)
+        self.sup.done.discard(r.worker_id)
+        child = self.sup.spawn(p, r.worker_id, "rollout", "serve")
+        self.sup.wait_started([r.worker_id])
+        self.echo(f"started {r.worker_id} (pid {child.pid})")

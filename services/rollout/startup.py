@@ -1,0 +1,74 @@
+"""Before a replica's first dispatch: the run's status, this worker id's previous life, the learner.
+
+A replica waits for the learner's /healthz (bounded by `retry_seconds`) so that no lease waits on
+a learner that is still loading its model. A run already finished ends the replica at once
+(RunFinished, as a dispatch would answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import httpx
+
+from spopp.client import AsyncTrackerClient, RunFinished
+from spopp.tracker_api import Run
+
+from .config import RolloutSettings
+
+log = logging.getLogger("spopp.rollout")
+
+# How often the learner's /healthz is tried before the first dispatch.
+LEARNER_WAIT_POLL_S = 1.0
+
+
+def run_finished(run: Run) -> RunFinished:
+    """The refusal a dispatch would get, made from the run as the tracker reads it."""
+    message = f"run {run.run} finished at version {run.final_version}: no new leases"
+    return RunFinished(409, {"code": "run_finished", "message": message, "policy_version": run.final_version})
+
+
+async def release_previous_life(s: RolloutSettings, tracker: AsyncTrackerClient) -> None:
+    """A restarted replica's previous life's leases have no episode behind them now: give them back
+    at once rather than keep their tasks out of the race until the leases expire."""
+    back = await tracker.release_worker(s.run, s.worker_id)
+    if back.released or back.expired:
+        log.info(
+            "gave back %d leases of this worker's previous life (%d found expired)",
+            len(back.released), back.expired,
+        )  # fmt: skip
+
+
+async def wait_for_learner(
+    s: RolloutSettings, learner: httpx.AsyncClient, tracker: AsyncTrackerClient, stopping: asyncio.Event
+) -> None:
+    """Wait until the learner's /healthz answers before the first dispatch: leases taken while
+    the learner starts (its model load is the slowest start of all) would only wait on it,
+    their prompt values frozen early. Bounded by retry_seconds, then the replica goes on (its
+    POSTs retry by themselves); the run's status is read meanwhile, so that a run finished
+    during the wait ends it (RunFinished)."""
+    deadline = time.monotonic() + s.retry_seconds
+    said = False
+    while not stopping.is_set():
+        with contextlib.suppress(httpx.HTTPError):
+            if (await learner.get("/healthz", timeout=5.0)).status_code == 200:
+                if said:
+                    log.info("the learner answers at %s: dispatching", s.learner)
+                return
+        if time.monotonic() >= deadline:
+            log.warning(
+                "the learner at %s did not answer /healthz within %.0f s; dispatching anyway",
+                s.learner, s.retry_seconds,
+            )  # fmt: skip
+            return
+        if not said:
+            log.info("waiting for the learner at %s before the first dispatch", s.learner)
+            said = True
+        run = await tracker.get_run(s.run)
+        if run.status == "finished":
+            raise run_finished(run)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), timeout=LEARNER_WAIT_POLL_S)
