@@ -230,7 +230,8 @@ def _results(model, key: str | None) -> Callable[[Any], list]:
 def _jsonl(text: str) -> list[dict]:
     import json
 
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    # "\n" alone ends a record: str.splitlines() also cuts at U+2028 and U+0085, which JSON may hold raw
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def _headers(token: str | None) -> dict:

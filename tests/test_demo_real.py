@@ -85,6 +85,21 @@ def test_the_replicas_closing_line_counts_its_episodes():
     assert rate == pytest.approx(40 / max(seconds, 1e-9), rel=0.5)
 
 
+def test_a_model_answer_with_a_unicode_line_separator_is_one_record(tmp_path):
+    # The evaluator writes episodes with ensure_ascii=False, so U+2028 and U+0085 in a model's text
+    # stay raw; str.splitlines() would cut the record there (it did, on the H200 run).
+    eps = tmp_path / "eval" / "episodes"
+    eps.mkdir(parents=True)
+    rows = [
+        {"policy_version": 0, "task_id": "a", "reward": 1.0, "response": "x\u2028y\x85z"},
+        {"policy_version": 0, "task_id": "b", "reward": 0.0, "response": "plain"},
+    ]
+    (eps / "v000000.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    assert "\u2028" in (eps / "v000000.jsonl").read_text()  # raw, as the evaluator leaves it
+    (point,) = demo_real.curve(tmp_path)
+    assert (point["tasks"], point["success"]) == (2, 0.5)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_launch_config_is_one_the_launcher_accepts(tmp_path, device):
     config = demo_real.launch_config(tmp_path, tmp_path / "model", demo_real.FULL, "spopp", device)
@@ -92,5 +107,8 @@ def test_the_launch_config_is_one_the_launcher_accepts(tmp_path, device):
     assert s.learner.lora_rank == demo_real.LORA_RANK and s.env_options == demo_real.ENV_OPTIONS
     assert s.evaluator.samples == 1 and not s.evaluator.greedy
     assert (s.rollout.engine, s.gpus.learner) == (("vllm", []) if device == "cpu" else ("transformers", [0]))
+    if device == "cuda":  # the evaluator's 64 episodes in flight decode as one batch on the GPU
+        assert s.evaluator.engine_options == {"device": "cuda", "max_batch": 64}
+        assert s.rollout.engine_options == {"device": "cuda"}
     # One sample on each of N_HELDOUT tasks: the s.e. is at most 2 points whatever the success rate.
     assert math.sqrt(0.25 / demo_real.N_HELDOUT) <= 0.02
