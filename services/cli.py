@@ -104,7 +104,7 @@ def _main_json(argv: list[str]) -> int:
 
 def _json_logger(service: str) -> logging.Logger:
     """The command's logger; JSON logging set up first where the command failed before it did."""
-    from runtime.service.logs import setup_logging
+    from services.shell.logs import setup_logging
 
     if not logging.getLogger().handlers:
         setup_logging(service, "json")

@@ -56,7 +56,7 @@ class Settings(BaseModel):
     # Fields printed as "***" by --print-config and never written to a resolved config file.
     secret_fields: ClassVar[frozenset[str]] = frozenset({"api_token"})
 
-    # Every command logs, so every command's settings say how (runtime.service.logs).
+    # Every command logs, so every command's settings say how (services.shell.logs).
     log_format: Literal["text", "json"] = Field(
         "text",
         description="how the process logs: text lines for a terminal, or json: one JSON object a "

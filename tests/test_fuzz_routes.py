@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from runtime.service.server import ThreadedServer
+from services.shell.server import ThreadedServer
 from services.evaluator.follow import health_app as evaluator_app
 from services.evaluator.metrics import EvaluatorMetrics
 from services.launch.metrics import LaunchMetrics
@@ -50,7 +50,7 @@ from services.rollout.serve import health_app as replica_app
 from services.tracker.embedded import EmbeddedRedis
 from services.tracker.launcher import TrackerProcess
 from spopp import tracker_api as api
-from spopp.asgi import repeated_key
+from services.shell.middleware import repeated_key
 from spopp.client import TrackerClient
 from spopp.trajectory import INTAKE, INTAKE_BATCH, Trajectory, TrajectoryBatch
 

@@ -6,7 +6,7 @@ import threading
 import httpx
 import pytest
 
-from runtime.service.server import ThreadedServer
+from services.shell.server import ThreadedServer
 from services.learner.ingest import TrajectoryBuffer, ingest_app
 from spopp.trajectory import Trajectory
 

@@ -18,7 +18,7 @@ from procs import cli, learner_config, running
 from prometheus_client.parser import text_string_to_metric_families
 from test_learner_ingest import traj
 
-from runtime.service.server import ThreadedServer
+from services.shell.server import ThreadedServer
 from services.learner.batch import collate, trainable_tokens
 from services.learner.ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from runtime.service.logs import bind, setup_logging
+from services.shell.logs import bind, setup_logging
 from services.cli import build
 from services.tracker.launcher import TrackerProcess
 

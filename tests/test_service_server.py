@@ -1,4 +1,4 @@
-"""The bounds every service's HTTP server runs under (runtime/service/connections.py, server.py):
+"""The bounds every service's HTTP server runs under (services/shell/connections.py, server.py):
 deadlines for a request's headers and body, a connection cap that closes the idlest connection or
 answers 503, a bounded stop, and error logs that cannot flood. The server here is the one every
 service uses (`ThreadedServer`, `serve`) around a small app; the tracker under attack is in
@@ -18,9 +18,9 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from runtime.service.connections import FD_RESERVE, MIN_CONNECTIONS, ServerLimits, effective_cap
-from runtime.service.logs import RepeatLimit
-from runtime.service.server import EXIT_OVERRUN, SHUTDOWN_GRACE, ThreadedServer
+from services.shell.connections import FD_RESERVE, MIN_CONNECTIONS, ServerLimits, effective_cap
+from services.shell.logs import RepeatLimit
+from services.shell.server import EXIT_OVERRUN, SHUTDOWN_GRACE, ThreadedServer
 
 # Deadlines are checked against wall time on a loaded 2-core machine: a connection must be closed
 # no sooner than its deadline and no later than SLACK after it (the timer fires on the server's
@@ -184,8 +184,8 @@ def test_a_stop_that_hangs_is_ended_by_the_watchdog(tmp_path):
         f"""
         import asyncio, contextlib
         from fastapi import FastAPI
-        from runtime.service import server
-        from runtime.service.connections import ServerLimits
+        from services.shell import server
+        from services.shell.connections import ServerLimits
 
         @contextlib.asynccontextmanager
         async def lifespan(app):
@@ -214,7 +214,7 @@ def test_a_stop_that_hangs_is_ended_by_the_watchdog(tmp_path):
 
 def test_every_serving_service_takes_the_same_http_settings():
     """The tracker, a replica, the learner and the evaluator: the same fields, read the same way."""
-    from runtime.service.http_settings import HttpServerSettings
+    from services.shell.http_settings import HttpServerSettings
     from services.evaluator.config import EvaluatorSettings
     from services.learner.config import LearnerSettings
     from services.rollout.config import RolloutSettings

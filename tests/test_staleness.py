@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_loss import random_batch, reference
 
-from runtime.service.server import ThreadedServer
+from services.shell.server import ThreadedServer
 from services.learner.batch import collate
 from services.learner.ingest import Refused, TrajectoryBuffer, ingest_app
 from services.learner.update import staleness_stats

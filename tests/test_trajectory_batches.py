@@ -27,7 +27,7 @@ from test_learner_intake_security import (
     start,
 )
 
-from runtime.service.server import ThreadedServer
+from services.shell.server import ThreadedServer
 from services.learner.ingest import TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
 from services.rollout.deliveries import TrajectoryBatcher, Undelivered

@@ -14,7 +14,7 @@ from .prior_config import PriorSettings
 
 
 def _logging(service: str, settings, **context) -> None:
-    from runtime.service.logs import setup_logging
+    from services.shell.logs import setup_logging
 
     setup_logging(service, settings.log_format, **context)
 

@@ -31,8 +31,8 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
-from runtime.service import server as http
-from runtime.service.routes import service_app
+from services.shell import server as http
+from services.shell.routes import service_app
 from spopp.client import AsyncTrackerClient, TrackerError
 from spopp.snapshots import (
     Hold,

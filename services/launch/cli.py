@@ -66,7 +66,7 @@ def _fail(message: str) -> None:
 def _echo(settings, service: str, **context):
     """Set up the command's logging; answer how it prints its progress: plain lines on stdout, or
     with json logs, log lines (so that everything it writes parses)."""
-    from runtime.service.logs import setup_logging
+    from services.shell.logs import setup_logging
 
     setup_logging(service, settings.log_format, **context)
     if settings.log_format == "json":

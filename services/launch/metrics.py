@@ -13,8 +13,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
 
-from runtime.service.routes import service_app
-from runtime.service.server import ThreadedServer
+from services.shell.routes import service_app
+from services.shell.server import ThreadedServer
 
 disable_created_metrics()
 
@@ -35,5 +35,5 @@ class LaunchMetrics:
         return ThreadedServer(self.app(), port=port).start()
 
     def app(self) -> FastAPI:
-        """The app `serve` serves: /healthz and /metrics (runtime.service.routes.service_app)."""
+        """The app `serve` serves: /healthz and /metrics (services.shell.routes.service_app)."""
         return service_app("spopp launch", health=lambda: {"status": "ok"}, metrics=self.registry)

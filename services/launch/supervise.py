@@ -37,7 +37,7 @@ from spopp.retry import backoff
 from spopp.wait import WaitTimeout, wait_until
 
 from . import gpus as gpu
-from .children import Child, ChildFailed, child_env
+from .children import Child, ChildFailed, child_env, launch_child
 
 if TYPE_CHECKING:  # config imports this module (SupervisionSettings)
     from .config import LaunchSettings, Plan
@@ -168,7 +168,7 @@ class Supervisor:
     def spawn(self, p: Plan, name: str, service: str, command: str, extra: tuple[str, ...] = ()) -> Child:
         devices = gpu.assignment(self.s.gpus, len(p.rollouts)).get(name, [])
         config = str(p.run_dir / "config" / f"{name}.yaml")
-        child = Child(
+        child = launch_child(
             name,
             ["-m", "services.cli", service, command, "--config", config, *extra],
             p.run_dir / "logs" / f"{name}.log",

@@ -32,7 +32,7 @@ def _finished_already(settings: LearnerSettings) -> bool:
 def _run(settings: LearnerSettings, nproc: int, resume: bool) -> None:
     import os
 
-    from runtime.service.logs import setup_logging
+    from services.shell.logs import setup_logging
 
     from . import ranks
 

@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from runtime.service.http_settings import HttpServerSettings
+from services.shell.http_settings import HttpServerSettings
 from spopp.tracker_api import MAX_STALENESS
 
 

@@ -29,9 +29,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from runtime.service.routes import add_service_routes
+from services.shell.routes import add_service_routes
 from spopp import staleness
-from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, invalid_detail, short_errors
+from services.shell.middleware import BearerAuth, BodyLimit, UniqueJsonKeys, invalid_detail, short_errors
 from spopp.trajectory import INTAKE, INTAKE_BATCH, Delivered, Trajectory, TrajectoryBatch
 
 from .metrics import LearnerMetrics
@@ -47,7 +47,7 @@ class Refused(Exception):
 
 
 def invalid(errors: list[dict], at: str = "", total: int | None = None) -> Refused:
-    """A 422 in the same shape as a schema error (spopp.asgi.invalid_detail): the first field in
+    """A 422 in the same shape as a schema error (services.shell.middleware.invalid_detail): the first field in
     the message, the errors listed and counted."""
     detail = invalid_detail([{**e, "field": at + e["field"]} for e in errors], total)
     return Refused(422, detail.pop("code"), detail.pop("message"), **detail)

@@ -191,7 +191,7 @@ class Learner:
         """Rank 0 starts POST /v1/trajectories; answers its URL."""
         if self.rank != 0:
             return None
-        from runtime.service.server import ThreadedServer
+        from services.shell.server import ThreadedServer
 
         app = ingest_app(
             self.buffer,

@@ -30,7 +30,7 @@ def _claimed(s: RolloutSettings) -> RolloutSettings:
 def _serve(settings: RolloutSettings) -> None:
     import asyncio
 
-    from runtime.service.logs import bind, setup_logging
+    from services.shell.logs import bind, setup_logging
 
     setup_logging("rollout", settings.log_format, run=settings.run, worker=settings.worker_id)
     settings = _claimed(settings)

@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from runtime.engines.options import check_engine_options
-from runtime.service.http_settings import HttpServerSettings
+from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
 
 

@@ -9,8 +9,8 @@ from fastapi import FastAPI
 
 from runtime.envs import env_factory
 from runtime.envs.base import Task
-from runtime.service import server as http
-from runtime.service.routes import service_app
+from services.shell import server as http
+from services.shell.routes import service_app
 
 from .config import RolloutSettings
 from .worker import Worker

@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from spopp import __version__
-from spopp.asgi import BearerAuth, BodyLimit, UniqueJsonKeys, field_name, invalid_detail, short_errors
+from services.shell.middleware import BearerAuth, BodyLimit, UniqueJsonKeys, field_name, invalid_detail, short_errors
 from spopp.retry import RetryPolicy
 from spopp.tracker_api import MAX_TASKS_PER_CALL
 
@@ -48,7 +48,7 @@ log = logging.getLogger("spopp.tracker")
 V1_ROUTERS = (runs, tasks, dispatch, outcomes, requests, values, consume, policy, export, workers)
 # Redis cannot serve now, but may soon: refused or reset (BusyLoadingError, a Redis loading its
 # AOF, is a ConnectionError too), too slow, or a replica that cannot take writes mid-failover.
-REDIS_POOL_SIZE = 64  # within runtime.service.connections.FD_RESERVE
+REDIS_POOL_SIZE = 64  # within services.shell.connections.FD_RESERVE
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, MasterDownError)
 
 
@@ -195,7 +195,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.detail)
 
     # 404, 405 and a body FastAPI cannot parse (400) are answered by the service shell's handler
-    # (runtime.service.routes.add_error_handlers, added with the health routes).
+    # (services.shell.routes.add_error_handlers, added with the health routes).
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _validation_message(exc)

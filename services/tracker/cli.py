@@ -10,7 +10,7 @@ from .config import TrackerSettings
 
 
 def _serve(settings: TrackerSettings) -> None:
-    from runtime.service.logs import setup_logging
+    from services.shell.logs import setup_logging
 
     setup_logging("tracker", settings.log_format)
     try:

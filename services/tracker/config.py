@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from runtime.service.http_settings import HttpServerSettings
+from services.shell.http_settings import HttpServerSettings
 from spopp.tracker_api import MAX_RUNS, MAX_WORKERS_PER_RUN
 
 

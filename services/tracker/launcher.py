@@ -7,17 +7,13 @@ process speaking real HTTP. It is stopped by its own pid, never by name.
 from __future__ import annotations
 
 import os
-import resource
-import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from services.shell.child import Child, ChildFailed
 from spopp.net import free_port
 from spopp.settings import environ_without_settings
-from spopp.wait import ProcessExited, WaitTimeout, wait_http
 
 
 class TrackerProcess:
@@ -31,19 +27,12 @@ class TrackerProcess:
         args: tuple[str, ...] = ("--log-level", "warning"),
         file_limit: int | None = None,
     ) -> None:
-        """`args`: more flags of `spopp tracker serve`; `file_limit`: the child's `ulimit -n`."""
+        """`args`: more flags of `spopp tracker serve`; `file_limit`: the child's `ulimit -n`.
+        A tracker that exits or does not answer /readyz within `timeout` raises ChildFailed
+        (a RuntimeError) with its last lines, and is killed."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "tracker",
-            "serve",
-            "--port",
-            str(self.port),
-            *args,
-        ]
+        argv = ["-m", "services.cli", "tracker", "serve", "--port", str(self.port), *args]
         # A password in the URL (an EmbeddedRedis's) goes to the child in a 0600 file, not in its
         # command line, where process lists would show it.
         self._password_file: str | None = None
@@ -60,53 +49,27 @@ class TrackerProcess:
         # Only what the caller passes configures the child, not SPOPP_* left in our environment.
         full_env = environ_without_settings()
         full_env.update(env or {})
-        self.log = tempfile.TemporaryFile("w+")
-        limit = None if file_limit is None else (lambda: _limit_files(file_limit))
-        self.proc = subprocess.Popen(
-            argv, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=limit
-        )
+        # Not tied to the starting thread's life: tests start trackers from threads that end first.
+        self.child = Child("tracker", argv, full_env, file_limit=file_limit)
+        self.proc = self.child.proc
         try:
-            self._wait_ready(timeout)
+            self.child.wait_http(self.url + "/readyz", timeout, request_timeout=1.0)
+        except ChildFailed:
+            self.kill()
+            raise
         finally:
             # The tracker reads the password once, at start-up: the file need not outlive that.
             if self._password_file is not None:
                 os.unlink(self._password_file)
 
     def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def _wait_ready(self, timeout: float) -> None:
-        try:
-            wait_http(
-                self.url + "/readyz", timeout, "the tracker to be ready", request_timeout=1, proc=self.proc
-            )
-        except ProcessExited:
-            raise RuntimeError(
-                f"tracker exited with {self.proc.returncode}:\n{self.output()[-3000:]}"
-            ) from None
-        except WaitTimeout:
-            self.kill()
-            raise RuntimeError(
-                f"tracker did not become ready within {timeout} s:\n{self.output()[-3000:]}"
-            ) from None
+        return self.child.output()
 
     def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self.child.stop(timeout)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(15)
-
-
-def _limit_files(n: int) -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+        self.child.kill()
 
 
 def _split_password(url: str) -> tuple[str, str | None]:

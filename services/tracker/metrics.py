@@ -34,7 +34,7 @@ class Metrics:
 
     async def registries(self, store, health=None) -> list[CollectorRegistry]:
         """This process's request metrics, and a registry of the run, worker and Redis series
-        read now (rendered by the service shell, runtime.service.prometheus)."""
+        read now (rendered by the service shell, services.shell.prometheus)."""
         # Two Redis round trips whatever the number of runs (Store.scrape).
         scraped = await store.scrape()
         runs = {run: got["counts"] for run, got in scraped.items()}

@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from runtime.service import server as http
+from services.shell import server as http
 
 from .app import create_app
 from .config import TrackerSettings

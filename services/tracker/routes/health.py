@@ -3,14 +3,14 @@
 /readyz: Redis answers now (503 while it does not: send no traffic). /healthz: the process can
 still recover by itself (503 once the embedded Redis's supervisor gave up restarting it, or Redis
 has not answered for redis_down_seconds: restart the tracker). The routes themselves are the
-service shell's (runtime.service.routes); these are the tracker's probes.
+service shell's (services.shell.routes); these are the tracker's probes.
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
-from runtime.service.routes import Unavailable, add_service_routes
+from services.shell.routes import Unavailable, add_service_routes
 
 
 def add_health_routes(app: FastAPI) -> None:

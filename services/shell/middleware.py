@@ -1,8 +1,7 @@
 """ASGI middleware shared by the services: body-size limits (413), bearer-token auth (401), JSON
 objects with a repeated key refused (400); and the short form of a validation error's reply.
 
-Serving an app (uvicorn beside a service's loop, or in a thread) is the service shell's:
-runtime/service/server.py."""
+Serving an app (uvicorn beside a service's loop, or in a thread) is services/shell/server.py's."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ class RepeatLimit(logging.Filter):
     """At most `burst` records of one kind (logger, level, the message's first line up to 60
     characters) per `window` seconds, for WARNING and above; the first record of a kind after a
     window in which some were dropped says how many. INFO and below pass: a request's access line
-    is one per request, and requests are bounded by the server (runtime/service/connections.py)."""
+    is one per request, and requests are bounded by the server (services/shell/connections.py)."""
 
     MAX_KINDS = 1024  # kinds remembered; the oldest window is forgotten first
 

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 
-from spopp.asgi import BodyLimit, invalid_detail, short_errors
+from services.shell.middleware import BodyLimit, invalid_detail, short_errors
 
 from .prometheus import CONTENT_TYPE, render
 
