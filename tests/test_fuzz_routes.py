@@ -39,7 +39,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from services.shell.server import ThreadedServer
 from services.evaluator.follow import health_app as evaluator_app
 from services.evaluator.metrics import EvaluatorMetrics
 from services.launch.metrics import LaunchMetrics
@@ -47,10 +46,11 @@ from services.learner.ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.serve import health_app as replica_app
+from services.shell.middleware import repeated_key
+from services.shell.server import ThreadedServer
 from services.tracker.embedded import EmbeddedRedis
 from services.tracker.launcher import TrackerProcess
 from spopp import tracker_api as api
-from services.shell.middleware import repeated_key
 from spopp.client import TrackerClient
 from spopp.trajectory import INTAKE, INTAKE_BATCH, Trajectory, TrajectoryBatch
 

@@ -6,8 +6,8 @@ import threading
 import httpx
 import pytest
 
-from services.shell.server import ThreadedServer
 from services.learner.ingest import TrajectoryBuffer, ingest_app
+from services.shell.server import ThreadedServer
 from spopp.trajectory import Trajectory
 
 

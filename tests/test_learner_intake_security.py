@@ -18,10 +18,10 @@ from procs import cli, learner_config, running
 from prometheus_client.parser import text_string_to_metric_families
 from test_learner_ingest import traj
 
-from services.shell.server import ThreadedServer
 from services.learner.batch import collate, trainable_tokens
 from services.learner.ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
+from services.shell.server import ThreadedServer
 from spopp.trajectory import Trajectory, count_action_tokens
 from spopp.wait import WaitTimeout, wait_http, wait_until
 

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from services.shell.logs import bind, setup_logging
 from services.cli import build
+from services.shell.logs import bind, setup_logging
 from services.tracker.launcher import TrackerProcess
 
 COMMANDS = [

@@ -15,10 +15,10 @@ import pytest
 import torch
 from test_loss import random_batch, reference
 
-from services.shell.server import ThreadedServer
 from services.learner.batch import collate
 from services.learner.ingest import Refused, TrajectoryBuffer, ingest_app
 from services.learner.update import staleness_stats
+from services.shell.server import ThreadedServer
 from spopp import staleness
 from spopp.loss import policy_loss
 from spopp.trajectory import Trajectory

@@ -27,10 +27,10 @@ from test_learner_intake_security import (
     start,
 )
 
-from services.shell.server import ThreadedServer
 from services.learner.ingest import TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
 from services.rollout.deliveries import TrajectoryBatcher, Undelivered
+from services.shell.server import ThreadedServer
 from spopp.net import free_port
 from spopp.retry import RetryPolicy
 from spopp.trajectory import INTAKE_BATCH, MAX_TRAJECTORIES_PER_CALL

@@ -7,8 +7,8 @@ another run or a malformed record) and keeps what it accepts.
 
 from __future__ import annotations
 
-from services.shell.server import ThreadedServer
 from services.learner.ingest import TrajectoryBuffer, ingest_app
+from services.shell.server import ThreadedServer
 from spopp.trajectory import Trajectory
 from spopp.wait import wait_until
 

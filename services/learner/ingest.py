@@ -29,9 +29,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from services.shell.middleware import BearerAuth, BodyLimit, UniqueJsonKeys, invalid_detail, short_errors
 from services.shell.routes import add_service_routes
 from spopp import staleness
-from services.shell.middleware import BearerAuth, BodyLimit, UniqueJsonKeys, invalid_detail, short_errors
 from spopp.trajectory import INTAKE, INTAKE_BATCH, Delivered, Trajectory, TrajectoryBatch
 
 from .metrics import LearnerMetrics

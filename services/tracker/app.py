@@ -21,8 +21,15 @@ from redis.exceptions import AuthenticationError, MasterDownError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.shell.middleware import (
+    BearerAuth,
+    BodyLimit,
+    UniqueJsonKeys,
+    field_name,
+    invalid_detail,
+    short_errors,
+)
 from spopp import __version__
-from services.shell.middleware import BearerAuth, BodyLimit, UniqueJsonKeys, field_name, invalid_detail, short_errors
 from spopp.retry import RetryPolicy
 from spopp.tracker_api import MAX_TASKS_PER_CALL
 
