@@ -38,12 +38,13 @@ import logging
 import os
 import re
 import socket
-import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .gpus import GpuListError, list_gpus
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 MAX_DEVICE_INDEX = 1023
@@ -301,27 +302,18 @@ def devices_setting(value: object) -> object:
 
 
 def _nvidia_smi_indices() -> list[str]:
-    cmd = ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:
-        raise ClaimError(
-            "devices 'auto' lists GPUs with nvidia-smi, which is not on PATH: give the GPU "
-            "indices (devices: 0,1,2) or leave devices unset to claim numbered slots"
-        ) from None
-    except subprocess.TimeoutExpired:
-        raise ClaimError("devices 'auto': nvidia-smi did not answer within 60 s") from None
-    if done.returncode != 0:
-        raise ClaimError(
-            f"devices 'auto': nvidia-smi failed (exit {done.returncode}): "
-            f"{(done.stderr or done.stdout).strip()[:500]}"
+        found = list_gpus()
+    except GpuListError as exc:
+        hint = (
+            ": give the GPU indices (devices: 0,1,2) or leave devices unset to claim numbered slots"
+            if "not on PATH" in str(exc)
+            else ""
         )
-    lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
-    if not lines:
+        raise ClaimError(f"devices 'auto': {exc}{hint}") from None
+    if not found:
         raise ClaimError("devices 'auto': nvidia-smi lists no GPU")
-    if not all(line.isdigit() for line in lines):
-        raise ClaimError(f"devices 'auto': unexpected nvidia-smi output {done.stdout.strip()[:200]!r}")
-    return [str(int(line)) for line in lines]
+    return [str(i) for i in found]
 
 
 def claimed_port(port: int, index: int, offset: bool) -> int:

@@ -247,8 +247,25 @@ def test_visible_devices_auto_asks_nvidia_smi(tmp_path, monkeypatch):
     with pytest.raises(ClaimError, match="nvidia-smi failed \\(exit 9\\): NVIDIA-SMI has failed"):
         visible_devices("auto")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    with pytest.raises(ClaimError, match="nvidia-smi, which is not on PATH"):
+    with pytest.raises(ClaimError, match="nvidia-smi is not on PATH: give the GPU indices"):
         visible_devices("auto")
+
+
+@pytest.mark.process
+def test_the_launcher_counts_the_same_gpus_and_none_where_nvidia_smi_fails(tmp_path, monkeypatch):
+    # One lister (spopp/gpus.py) for the claim and the launcher's plan check.
+    from spopp.gpus import GpuListError, count_gpus, list_gpus
+
+    bin_dir = tmp_path / "bin"
+    _fake_nvidia_smi(bin_dir, 'printf "0\\n1\\n3\\n"')
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert (list_gpus(), count_gpus()) == ([0, 1, 3], 3)
+    _fake_nvidia_smi(bin_dir, 'echo "No devices were found"')
+    with pytest.raises(GpuListError, match="unexpected nvidia-smi output 'No devices were found'"):
+        list_gpus()
+    assert count_gpus() == 0  # a CPU machine's answer: the plan check then names the missing GPU
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert count_gpus() == 0
 
 
 def test_claim_settings_read_from_the_environment_and_checked():

@@ -9,9 +9,6 @@ at start and a learner beside it would run out.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -27,22 +24,6 @@ class GpuPlan(BaseModel):
 
     def used(self) -> bool:
         return bool(self.learner or self.evaluator or any(self.rollout))
-
-
-def count_gpus() -> int:
-    """Number of NVIDIA devices on this machine (0 without nvidia-smi or when it fails)."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    if out.returncode != 0:
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.strip())
 
 
 def assignment(plan: GpuPlan, replicas: int) -> dict[str, list[int]]:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from spopp.client import TrackerClient
+from spopp.gpus import count_gpus
 from spopp.net import free_port, port_free
 from spopp.records import RunRecord
 from spopp.registration import RegistrationError, register, task_bodies
@@ -175,7 +176,7 @@ class Launcher:
                 import wandb  # noqa: F401
             except ImportError:
                 raise LaunchError("wandb: true needs the wandb package: pip install 'spopp[wandb]'") from None
-        problems = gpu.check(s.gpus, len(p.rollouts), gpu.count_gpus() if s.gpus.used() else 0)
+        problems = gpu.check(s.gpus, len(p.rollouts), count_gpus() if s.gpus.used() else 0)
         if problems:
             raise LaunchError("gpus: " + "; ".join(problems))
         try:

@@ -25,7 +25,6 @@ import contextlib
 import os
 import signal
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from spopp.restarts import RestartWindow
 from spopp.retry import backoff
 from spopp.wait import WaitTimeout, wait_until
 
@@ -90,20 +90,17 @@ class RestartBudget:
 
     def __init__(self, settings: SupervisionSettings) -> None:
         self.s = settings
-        self._deaths: dict[str, deque[float]] = {}  # per process, the times of its deaths in the window
+        self._windows: dict[str, RestartWindow] = {}  # per process
 
     def death(self, name: str, code: int | None, now: float) -> float:
-        deaths = self._deaths.setdefault(name, deque())
-        while deaths and now - deaths[0] > self.s.window_seconds:
-            deaths.popleft()
-        deaths.append(now)
-        if len(deaths) > self.s.max_restarts:
+        window = self._windows.setdefault(name, RestartWindow(self.s.max_restarts, self.s.window_seconds))
+        if not window.spend(now):
             raise GaveUp(
-                f"died {len(deaths)} times in {now - deaths[0]:.0f} s, more than the "
+                f"died {window.count + 1} times in {window.since_oldest(now):.0f} s, more than the "
                 f"{self.s.max_restarts} restarts that supervision allows within {self.s.window_seconds:g} s; "
                 f"its last exit: {describe_exit(code)}"
             )
-        return backoff(self.s.backoff_seconds, self.s.max_backoff_seconds, len(deaths) - 1)
+        return backoff(self.s.backoff_seconds, self.s.max_backoff_seconds, window.count - 1)
 
 
 def health_url(p: Plan, name: str) -> str:

@@ -14,7 +14,6 @@ supervisor gives up and says so, and /healthz answers 503 so an orchestrator res
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
@@ -29,6 +28,7 @@ from urllib.parse import quote
 
 from spopp.lifetime import die_with_parent
 from spopp.net import free_port
+from spopp.restarts import RestartWindow
 from spopp.retry import RetryPolicy
 from spopp.wait import ProcessExited, WaitTimeout, wait_until
 
@@ -217,7 +217,7 @@ class SupervisedRedis:
         self.state = "stopped"  # starting, running, restarting, failed, stopped
         self.restarts = 0  # restarts attempted over the supervisor's life
         self.last_error: str | None = None
-        self._attempts: collections.deque[float] = collections.deque()
+        self._window = RestartWindow(max_restarts, window_seconds)
         self._stop = threading.Event()
         self._started = threading.Event()
         self._thread: threading.Thread | None = None
@@ -298,17 +298,14 @@ class SupervisedRedis:
         backoff = RetryPolicy(math.inf, initial=0.1, cap=5.0).start()
         while not self._stop.is_set():
             now = time.monotonic()
-            while self._attempts and now - self._attempts[0] > self.window_seconds:
-                self._attempts.popleft()
-            if len(self._attempts) >= self.max_restarts:
+            if not self._window.spend(now):
                 self.state = "failed"
                 self.last_error = (
-                    f"redis-server died after {len(self._attempts)} restart(s) within "
+                    f"redis-server died after {self._window.count} restart(s) within "
                     f"{self.window_seconds:g} s (last exit {code}); giving up"
                 )
                 log.error("%s", self.last_error)
                 return
-            self._attempts.append(now)
             self.restarts += 1
             try:
                 self.redis.start(self.start_timeout)
