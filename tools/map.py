@@ -106,11 +106,37 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_cold_start_flag(p)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
+    light = p.add_mutually_exclusive_group()
+    light.add_argument("--pack", type=Path, metavar="DIR",
+                       help="only copy the map's light files (no weights) from --out into DIR (tools/map_pack.py)")  # fmt: skip
+    light.add_argument("--unpack", type=Path, metavar="DIR",
+                       help="only copy a light copy in DIR back into --out, to resume from it")  # fmt: skip
     return p
+
+
+def _light(a: argparse.Namespace) -> int:
+    """--pack or --unpack."""
+    from tools.map_pack import PackError, pack, unpack
+
+    try:
+        if a.pack:
+            copied, runs = pack(a.out.resolve(), a.pack)
+            _say(f"packed {runs} finished run(s) of {a.out} into {a.pack}: {copied} file(s) copied")
+        else:
+            copied = unpack(a.unpack, a.out.resolve())
+            _say(
+                f"unpacked {a.unpack} into {a.out}: {copied} file(s) copied; the same command without --unpack resumes"
+            )
+    except PackError as exc:
+        _say(f"error: {exc}")
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    if a.pack or a.unpack:
+        return _light(a)
     size = dict(MAP_TINY if a.tiny else MAP_SIZE)
     for key, value in (
         ("updates", a.updates),

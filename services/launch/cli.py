@@ -167,10 +167,9 @@ launch_command = click.Command(
 
 
 def _scale(run_dir: Path, replicas: int, wait: float) -> None:
-    import time
-
     from spopp.jsonfile import read_model, write_text
     from spopp.records import RunRecord
+    from spopp.wait import WaitTimeout, wait_until
 
     from .run import SCALE_FILE, parse_replicas
 
@@ -190,19 +189,21 @@ def _scale(run_dir: Path, replicas: int, wait: float) -> None:
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     write_text(run_dir / SCALE_FILE, f"{replicas}\n")
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        record = read_model(record_path, RunRecord)
-        if record.replicas == replicas and record.status == "running":
-            click.echo(f"run {record.run}: {replicas} rollout replica(s)")
-            return
-        if record.status != "running":
-            _fail(f"run {record.run} became {record.status} before it took the new count")
-        time.sleep(0.2)
-    _fail(
-        f"the launcher of {run_dir} did not take {replicas} replicas within {wait:g} s; see its output "
-        f"(a count it refuses is named there) and {run_dir / SCALE_FILE}"
-    )
+
+    def took() -> bool:
+        now = read_model(record_path, RunRecord)
+        if now.status != "running":
+            _fail(f"run {now.run} became {now.status} before it took the new count")
+        return now.replicas == replicas
+
+    try:
+        wait_until(took, wait, f"the launcher of {run_dir} to take {replicas} replicas", interval=0.2)
+    except WaitTimeout:
+        _fail(
+            f"the launcher of {run_dir} did not take {replicas} replicas within {wait:g} s; see its output "
+            f"(a count it refuses is named there) and {run_dir / SCALE_FILE}"
+        )
+    click.echo(f"run {record.run}: {replicas} rollout replica(s)")
 
 
 scale_command = click.Command(

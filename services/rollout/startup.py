@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 import httpx
 
 from spopp.client import AsyncTrackerClient, RunFinished
 from spopp.tracker_api import Run
+from spopp.wait import WaitTimeout, wait_until_async
 
 from .config import RolloutSettings
 
@@ -50,25 +50,31 @@ async def wait_for_learner(
     their prompt values frozen early. Bounded by retry_seconds, then the replica goes on (its
     POSTs retry by themselves); the run's status is read meanwhile, so that a run finished
     during the wait ends it (RunFinished)."""
-    deadline = time.monotonic() + s.retry_seconds
-    said = False
-    while not stopping.is_set():
+    waited = False
+
+    async def answers() -> bool:
+        nonlocal waited
+        if stopping.is_set():
+            return True
         with contextlib.suppress(httpx.HTTPError):
             if (await learner.get("/healthz", timeout=5.0)).status_code == 200:
-                if said:
+                if waited:
                     log.info("the learner answers at %s: dispatching", s.learner)
-                return
-        if time.monotonic() >= deadline:
-            log.warning(
-                "the learner at %s did not answer /healthz within %.0f s; dispatching anyway",
-                s.learner, s.retry_seconds,
-            )  # fmt: skip
-            return
-        if not said:
-            log.info("waiting for the learner at %s before the first dispatch", s.learner)
-            said = True
+                return True
+        waited = True
+        # A run finished while the learner was away ends the wait (and the replica).
         run = await tracker.get_run(s.run)
         if run.status == "finished":
             raise run_finished(run)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stopping.wait(), timeout=LEARNER_WAIT_POLL_S)
+        return False
+
+    try:
+        await wait_until_async(
+            answers, s.retry_seconds, f"the learner at {s.learner}", interval=LEARNER_WAIT_POLL_S,
+            on_wait=lambda: log.info("waiting for the learner at %s before the first dispatch", s.learner),
+        )  # fmt: skip
+    except WaitTimeout:
+        log.warning(
+            "the learner at %s did not answer /healthz within %.0f s; dispatching anyway",
+            s.learner, s.retry_seconds,
+        )  # fmt: skip
