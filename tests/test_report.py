@@ -565,3 +565,44 @@ def test_x_time_draws_against_minutes_and_needs_the_learners_log(tmp_path):
     # Table 3 without times still compares by version, and says n/a for the clock.
     _, md, _ = invoke(root, bare)
     assert "| n/a | n/a |" in md
+
+
+def test_a_page_section_is_redrawn_from_the_report_json_it_names(runs_root, tmp_path, monkeypatch):
+    # docs publish report tables only as the rendering of a committed report.json
+    # (services/report/published.py; tests/test_published.py holds the project's own pages to it).
+    from services.report.published import END, marker
+
+    monkeypatch.chdir(tmp_path)
+    code, _out, _err = invoke(runs_root, "--out", "rep")
+    assert code == 0
+    page = tmp_path / "page.md"
+    head, tail = "# Results\n\nSome words.\n\n", "\nMore words.\n"
+    page.write_text(head + marker("rep/report.json") + "\nstale table\n" + END + tail)
+    code, out, _err = invoke("--render", page)
+    assert (code, out) == (0, f"{page}: redrawn\n")
+    text = page.read_text()
+    assert text.startswith(head + marker("rep/report.json") + "\nMetric `eval/sampled/reward_mean`")
+    assert "\n### Table 1: SPO++ vs SPO\n" in text and "\n#### Pairs\n" in text  # one level down
+    assert text.endswith("\n" + END + tail) and "stale table" not in text
+    assert "| 0 | " in text and "SPO++ vs SPO: held-out" not in text  # pairs kept, title dropped
+    code, out, _err = invoke("--render", page)  # a rendering is its own rendering
+    assert (code, out, page.read_text()) == (0, f"{page}: already the rendering of its reports\n", text)
+    # A number edited by hand is put back.
+    page.write_text(text.replace("| 0 | ", "| 9 | ", 1))
+    assert invoke("--render", page)[0] == 0 and page.read_text() == text
+
+
+def test_a_page_section_without_its_report_or_its_end_is_refused_and_the_page_kept(tmp_path, monkeypatch):
+    from services.report.published import END, marker
+
+    monkeypatch.chdir(tmp_path)
+    page = tmp_path / "page.md"
+    for body, why in [
+        (marker("gone/report.json") + "\nx\n" + END + "\n", "gone/report.json: no such report"),
+        (marker("gone/report.json") + "\nx\n", "its section has no end line"),
+    ]:
+        page.write_text(body)
+        code, _out, err = invoke("--render", page)
+        assert code == 1 and why in err and page.read_text() == body
+    assert invoke("--render", page, tmp_path)[0] == 2  # RUN_DIRs and --render together
+    assert invoke()[0] == 2  # neither

@@ -25,9 +25,18 @@ DEFAULT_TITLE = "SPO++ vs SPO: held-out evaluation reward"
     help="Compare SPO++ with SPO over paired runs: Table 1 (area and end reward, SPO++ − SPO by seed), "
     "Table 2 (the normalization ablation, when spopp-trajnorm runs are given) and, with --out, "
     "report.json, report.md and curves.png. RUN_DIR is a run folder (with run.json and "
-    "eval/evals.jsonl) or a folder of run folders.",
+    "eval/evals.jsonl) or a folder of run folders. With --render PAGE instead: redraw the report "
+    "sections of a page (docs/results.md, BENCHMARKS.md) from the committed report.json each names.",
 )
-@click.argument("run_dirs", metavar="RUN_DIR...", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("run_dirs", metavar="RUN_DIR...", nargs=-1, type=click.Path(path_type=Path))
+@click.option(
+    "--render",
+    "pages",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="redraw this page's report sections (<!-- report:begin FILE ... -->) from their report.json "
+    "files, paths relative to the current folder (the repository's root); no RUN_DIR then",
+)
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
@@ -75,6 +84,7 @@ DEFAULT_TITLE = "SPO++ vs SPO: held-out evaluation reward"
 )
 def command(
     run_dirs: tuple[Path, ...],
+    pages: tuple[Path, ...],
     out: Path | None,
     fmt: str,
     metric: str,
@@ -83,6 +93,13 @@ def command(
     title: str,
     x_axis: str,
 ) -> None:
+    if pages:
+        if run_dirs:
+            raise click.UsageError("give RUN_DIRs or --render PAGE, not both")
+        _render(pages)
+        return
+    if not run_dirs:
+        raise click.UsageError("Missing argument 'RUN_DIR...'")
     from .runs import RunError, read_runs
     from .tables import build, to_json, to_markdown
 
@@ -100,6 +117,20 @@ def command(
     # With --format json, stdout stays one JSON document; the file list goes to stderr.
     for path in written:
         click.echo(f"wrote {path}", err=fmt == "json")
+
+
+def _render(pages: tuple[Path, ...]) -> None:
+    from .published import render_page
+
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        try:
+            new = render_page(text, Path.cwd())
+        except ValueError as exc:
+            raise click.ClickException(f"{page}: {exc}") from None
+        if new != text:
+            page.write_text(new, encoding="utf-8")
+        click.echo(f"{page}: {'redrawn' if new != text else 'already the rendering of its reports'}")
 
 
 def _write(
