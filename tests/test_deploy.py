@@ -348,7 +348,7 @@ def test_env_files_name_only_real_settings_and_compose_variables(flavour):
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_env_files_learner_matches_its_recipe(flavour):
-    from services.launch.arms import RECIPE_DEFAULTS
+    from spopp.recipes import RECIPE_DEFAULTS
 
     dotenv, _ = FLAVOURS[flavour]
     recipe = RECIPE_DEFAULTS[dotenv["SPOPP_RECIPE"]]

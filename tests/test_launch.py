@@ -275,7 +275,7 @@ def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
                      "spo", 0, tmp_path)  # fmt: skip
 
 
-def test_staleness_arms_set_k_for_the_tracker_run_and_the_learner_alike(toy, tmp_path):
+def test_staleness_arms_set_k_for_the_tracker_run_which_the_learner_reads(toy, tmp_path):
     from services.launch.arms import parse_arm
     from services.launch.config import plan, port_requests
 
@@ -283,7 +283,9 @@ def test_staleness_arms_set_k_for_the_tracker_run_and_the_learner_alike(toy, tmp
     for arm, k in (("spopp", 0), ("spopp-k1", 1), ("spo-k2", 2)):
         s = arm_settings(base, arm, 4, tmp_path)
         p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
-        assert (s.max_staleness, p.run_config.max_staleness, p.learner.max_staleness) == (k, k, k)
+        assert (s.max_staleness, p.run_config.max_staleness) == (k, k)
+        # The learner's config leaves the run's recipe, k and budget to the run (learner/binding.py).
+        assert (p.learner.recipe, p.learner.max_staleness, p.learner.max_updates) == (None, None, None)
         assert p.arm() == arm and s.run == f"{arm}-s4"
     # Without a suffix an arm keeps the base's k.
     kept = LaunchSettings.model_validate({**base.model_dump(), "max_staleness": 2})

@@ -19,11 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# The full recipes of the paper's paired comparison (§5): what each recipe's learner defaults to.
-RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "spopp": {"normalization": "token", "dual_clip": 2.0},
-    "spo": {"normalization": "trajectory", "dual_clip": 10.0},
-}
+from spopp.recipes import RECIPE_DEFAULTS
 
 # Each arm: the tracker's recipe and the learner fields it sets, in the order of the chain.
 ARMS: dict[str, dict[str, Any]] = {

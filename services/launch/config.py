@@ -52,10 +52,11 @@ from services.evaluator.config import EvaluatorSettings
 from services.learner.config import LearnerSettings
 from services.rollout.config import RolloutSettings
 from services.tracker.config import TrackerSettings
+from spopp.recipes import RECIPE_DEFAULTS
 from spopp.settings import Settings, SettingsError
 from spopp.tracker_api import MAX_STALENESS, RunConfig
 
-from .arms import RECIPE_DEFAULTS, arm_of
+from .arms import arm_of
 from .gpus import GpuPlan
 from .supervise import SupervisionSettings
 
@@ -401,9 +402,10 @@ def _learner(s: LaunchSettings, run_dir: Path, tracker_url: str, port: int) -> t
     values.update(
         run=s.run, tracker=tracker_url, api_token=s.api_token, model=Path(s.model).resolve(),
         snapshots=run_dir / "snapshots", checkpoints=run_dir / "checkpoints", log_dir=run_dir / "learner",
-        recipe=s.recipe, max_updates=s.updates, seed=s.seed, port=port, host="127.0.0.1",
-        log_format=s.log_format, max_staleness=s.max_staleness,
+        seed=s.seed, port=port, host="127.0.0.1", log_format=s.log_format,
     )  # fmt: skip
+    # recipe, max_staleness and the budget are the tracker run's (_run_config), which the learner
+    # reads at start (services/learner/binding.py): one way in, not a second copy to reconcile.
     learner = _build(LearnerSettings, "learner", values)
     # One rank per learner GPU unless said otherwise; on a CPU machine, one rank.
     nproc = s.learner.nproc or len(s.gpus.learner) or 1

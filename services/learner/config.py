@@ -56,9 +56,13 @@ class LearnerSettings(HttpServerSettings):
     )
 
     # -- the recipe ----------------------------------------------------------------------------
-    recipe: Literal["spopp", "spo"] = Field("spopp", description="must match the tracker run's recipe")
+    recipe: Literal["spopp", "spo"] | None = Field(
+        None, description="unset: the tracker run's (fixed at its creation); set: must be the run's"
+    )
     normalization: Literal["token", "trajectory"] = Field(
-        "token", description="advantage standardization measure: token (SPO++) or trajectory (SPO)"
+        "token",
+        description="advantage standardization measure: token (SPO++) or trajectory (SPO); unset: the "
+        "recipe's (token for spopp, trajectory for spo)",
     )
     batch_size: int = Field(
         128, ge=2, le=1_000_000, description="B: trajectories per update, first completed of the version"
@@ -76,19 +80,24 @@ class LearnerSettings(HttpServerSettings):
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip below: ratio >= 1 - clip_low")
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip above: ratio <= 1 + clip_high")
     dual_clip: float | None = Field(
-        2.0, gt=1.0, le=1000.0, description="Dual-Clip c (2 for SPO++, 10 for SPO); null: off"
+        2.0, gt=1.0, le=1000.0, description="Dual-Clip c; unset: the recipe's (2 for SPO++, 10 for SPO); null: off"
     )
     is_cap: float = Field(2.0, gt=0.0, le=1000.0, description="cap of the rollout importance weight")
-    max_updates: int | None = Field(None, ge=1, description="stop after this many updates; unset: never")
+    max_updates: int | None = Field(
+        None,
+        ge=1,
+        description="stop after this many updates; unset: the tracker run's budget (never, for a run "
+        "without one); set: must be the run's budget where it has one",
+    )
 
     # -- staleness -----------------------------------------------------------------------------
-    max_staleness: int = Field(
-        0,
+    max_staleness: int | None = Field(
+        None,
         ge=0,
         le=MAX_STALENESS,
         description="k: train on trajectories dispatched up to k policy versions before the one being "
-        "trained (0: the current version's only, the paper's protocol); must match the tracker run's "
-        "max_staleness",
+        "trained (0: the current version's only, the paper's protocol); unset: the tracker run's; "
+        "set: must be the run's",
     )
     off_policy: Literal["decoupled", "tis"] = Field(
         "decoupled",

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from spopp.advantages import normalize_advantages
 from spopp.client import TrackerClient, TrackerError
-from spopp.tracker_api import RunConfig
 
 from .batch import plan_micro_batches
+from .binding import bind
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import LearnerSettings
 from .engine import build_engine, init_distributed
@@ -49,25 +49,6 @@ def _broadcast(obj):
     return box[0]
 
 
-def check_run(cfg: LearnerSettings, run: RunConfig) -> None:
-    """What the tracker's run fixed at its creation (recipe, max_staleness, the budget max_updates)
-    against this learner's settings: ValueError naming both sides of every difference, so that a
-    learner restarted with other settings (a compose stack recreated from another settings file)
-    refuses to start rather than train the run to another budget or rule."""
-    wrong = []
-    if run.recipe != cfg.recipe:
-        wrong.append(f"recipe: the run is {run.recipe}, this learner {cfg.recipe}")
-    if run.max_staleness != cfg.max_staleness:
-        wrong.append(f"max_staleness: the run's is {run.max_staleness}, this learner's {cfg.max_staleness}")
-    if run.max_updates is not None and run.max_updates != cfg.max_updates:
-        wrong.append(
-            f"max_updates: the run's budget is {run.max_updates} (fixed at its creation; `spopp launch` with more "
-            f"updates grows it), this learner's {cfg.max_updates}"
-        )
-    if wrong:
-        raise ValueError(f"run {cfg.run!r} does not match this learner's settings: " + "; ".join(wrong))
-
-
 class ResumeError(RuntimeError):
     """The checkpoint and the tracker's policy disagree; resuming would fork the run."""
 
@@ -86,9 +67,18 @@ class Learner:
     """
 
     def __init__(self, cfg: LearnerSettings, resume: bool = False) -> None:
-        self.cfg = cfg
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.tracker = self.server = self.metrics = None
+        version = None
+        if self.rank == 0:
+            # What the run fixed at its creation (recipe, k, budget) comes from the tracker, before
+            # anything is built on it; every rank trains under the same bound settings.
+            self.tracker = TrackerClient(cfg.tracker, token=cfg.api_token)
+            run = self.tracker.get_run(cfg.run)
+            cfg = bind(cfg, run.config)
+            version = run.policy_version
+        self.cfg = cfg = _broadcast(cfg)
         self.engine, self.tokenizer = build_engine(cfg, cfg.model)
         # What DeepSpeed placed the model on (cuda:<local rank> with a GPU, else cpu): /healthz and
         # the start-up line say it, so a run meant for the GPU cannot train on the CPU unnoticed.
@@ -99,14 +89,8 @@ class Learner:
             cfg.run, capacity=cfg.batch_size * cfg.updates_per_publish, max_staleness=cfg.max_staleness
         )
         self.prometheus = LearnerMetrics()  # /metrics beside the intake (rank 0)
-        self.tracker = self.server = self.metrics = None
         self.snapshot: str | None = None  # folder of the newest published version (rank 0)
-        version = None
         if self.rank == 0:
-            self.tracker = TrackerClient(cfg.tracker, token=cfg.api_token)
-            run = self.tracker.get_run(cfg.run)
-            check_run(cfg, run.config)
-            version = run.policy_version
             self.metrics = MetricsLog(cfg.log_dir, total=cfg.max_updates)
         self.version = _broadcast(version)
         self.buffer.advance(self.version)
