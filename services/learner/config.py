@@ -80,7 +80,10 @@ class LearnerSettings(HttpServerSettings):
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip below: ratio >= 1 - clip_low")
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip above: ratio <= 1 + clip_high")
     dual_clip: float | None = Field(
-        2.0, gt=1.0, le=1000.0, description="Dual-Clip c; unset: the recipe's (2 for SPO++, 10 for SPO); null: off"
+        2.0,
+        gt=1.0,
+        le=1000.0,
+        description="Dual-Clip c; unset: the recipe's (2 for SPO++, 10 for SPO); null: off",
     )
     is_cap: float = Field(2.0, gt=0.0, le=1000.0, description="cap of the rollout importance weight")
     max_updates: int | None = Field(
