@@ -31,8 +31,8 @@ from .engine import build_engine, init_distributed
 from .failpoints import failpoint
 from .ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from .logprobs import token_logprobs
-from .logs import MetricsLog
 from .metrics import LearnerMetrics
+from .metrics_log import MetricsLog
 from .snapshot import discard_unannounced, publish_snapshot
 from .spo import SpoDriftCache
 from .update import length_advantage_corr, run_update, staleness_stats

@@ -1,4 +1,5 @@
-"""Per-update metrics: JSON lines and TensorBoard, written by rank 0, plus a terminal progress bar."""
+"""The learner's per-update record: metrics.jsonl and TensorBoard, written by rank 0, plus a terminal
+progress bar. (Logging itself, the text or JSON lines every process writes, is services/shell/logs.py.)"""
 
 from __future__ import annotations
 
