@@ -1,0 +1,77 @@
+"""What the docs publish is the rendering of committed data, and that data is what its runs say.
+
+- The map: docs/results.md's map section and docs/map/map.md are `spopp map --render docs/map/`'s
+  drawing of the committed docs/map/map.json (`make map-render` redraws them), and map.json's
+  grid is recomputed here from the committed light copy of its runs (docs/map/data: each run's
+  run.json, learner metrics and evaluation records; tools/map_pack.py).
+- Report tables: every page's report sections (services/report/published.py) are the rendering
+  of the report.json each names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from services.launch import map_render
+from services.launch.map import PILOT, summarize
+from services.launch.map_summary import TOTAL, diff_key, run_times
+from services.report.published import render_page
+
+ROOT = Path(__file__).resolve().parents[1]
+MAP = ROOT / "docs" / "map"
+PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _map() -> dict:
+    return json.loads((MAP / "map.json").read_text())
+
+
+def test_the_map_section_and_map_md_are_the_rendering_of_the_committed_map():
+    result = _map()
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert map_render.section(page, result) == page, "docs/results.md's map section is stale: make map-render"
+    assert (MAP / "map.md").read_text() == map_render.markdown(result), (
+        "docs/map/map.md is stale: make map-render"
+    )
+    assert "](map/map.png)" in page and (MAP / "map.png").stat().st_size > 10_000
+
+
+def test_the_committed_map_is_what_its_committed_runs_say():
+    result, data = _map(), MAP / "data"
+    grid, protocol = result["protocol"]["grid"], result["protocol"]
+    again = summarize(data, grid["couplings"], grid["latencies"], grid["arms"], protocol["seeds"])
+    assert again == {k: result[k] for k in again}
+    pilot_seeds = {cell: protocol["pilot_seeds"] for cell in protocol["seeds"]}
+    pilot_arms = [a for a in grid["arms"] if a in TOTAL]
+    assert (
+        summarize(data / PILOT, grid["couplings"], grid["latencies"], pilot_arms, pilot_seeds)
+        == result["pilot"]
+    )
+    assert run_times(data) == result["times"]["main"] and run_times(data / PILOT) == result["times"]["pilot"]
+
+
+def test_the_committed_map_kept_its_protocol():
+    result = _map()
+    protocol = result["protocol"]
+    assert result["arms"] == ["spo", "spo-eventtime", "spopp-trajnorm", "spopp"]
+    main = {s for seeds in protocol["seeds"].values() for s in seeds}
+    assert main and not main & set(protocol["pilot_seeds"])  # the pilot's seeds are never main seeds
+    for cell in result["cells"]:
+        seeds = protocol["seeds"][cell["cell"]]
+        total = cell["diffs"][diff_key(*TOTAL)]
+        # Every main run reported, none added after the protocol; each difference with its t
+        # interval and sign test.
+        assert len(seeds) >= 3 and cell["seeds"] == seeds and total["n"] == len(seeds) == total["df"] + 1
+        assert total["lo"] <= total["mean"] <= total["hi"] and total["won"] + total["lost"] + total[
+            "tied"
+        ] == len(seeds)
+        assert 0 < total["sign_p"] <= 1 and len(total["per_seed"]) == len(seeds)
+
+
+def test_every_page_is_the_rendering_of_the_report_json_files_it_names():
+    for page in PAGES:
+        text = page.read_text()
+        assert render_page(text, ROOT) == text, (
+            f"{page.name} is stale: spopp report --render {page.relative_to(ROOT)}"
+        )
