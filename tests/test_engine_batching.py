@@ -75,19 +75,29 @@ def test_late_requests_join_the_running_batch_and_rows_return_as_they_finish(
     model = reference(noisy_model)
     done: list[tuple[str, float]] = []
 
-    async def one(name, prompt, sampling, delay):
-        await asyncio.sleep(delay)
+    async def one(name, prompt, sampling, late):
+        if late:
+            await decoding()
         g = await engine.generate(prompt, sampling)
         done.append((name, time.perf_counter()))
         return g
 
+    async def decoding():
+        # Until the decoding loop has admitted "long". Fixed delays (50 and 80 ms) raced the
+        # machine: a fast CPU decodes its 120 tokens in 66 ms, before requests sent at 80 ms came.
+        for _ in range(5000):
+            with engine._cv:
+                if engine._serving and not engine._pending:
+                    return
+            await asyncio.sleep(0.001)
+
     async def scenario():
         return await asyncio.gather(
-            one("long", prompts[0], long_sampling, 0.0),
+            one("long", prompts[0], long_sampling, False),
             # Arrive while "long" decodes; prompts of other lengths than the running row's.
-            one("mid", prompts[3], SamplingConfig(max_tokens=40, temperature=1.0, seed=5), 0.05),
-            one("short", prompts[1], greedy(max_tokens=3), 0.08),
-            one("tiny", prompts[2], SamplingConfig(max_tokens=1, temperature=0.7, seed=9), 0.08),
+            one("mid", prompts[3], SamplingConfig(max_tokens=40, temperature=1.0, seed=5), True),
+            one("short", prompts[1], greedy(max_tokens=3), True),
+            one("tiny", prompts[2], SamplingConfig(max_tokens=1, temperature=0.7, seed=9), True),
         )
 
     long, mid, short, tiny = runner.run(scenario())
@@ -167,7 +177,11 @@ def test_a_swap_waits_for_running_rows_and_later_rows_see_the_new_weights(
 def test_a_cancelled_request_is_dropped_and_the_engine_goes_on(engine, runner, prompts, long_sampling):
     async def scenario():
         victim = asyncio.create_task(engine.generate(prompts[0], long_sampling))
-        await asyncio.sleep(0.03)
+        for _ in range(5000):  # admitted and decoding (not a fixed sleep: a fast CPU finishes first)
+            await asyncio.sleep(0.001)
+            with engine._cv:
+                if engine._serving and not engine._pending:
+                    break
         victim.cancel()
         with pytest.raises(asyncio.CancelledError):
             await victim
@@ -246,11 +260,15 @@ def test_a_killed_engine_process_fails_waiting_and_later_calls(noisy_model, runn
     e = make_engine("transformers", noisy_model, process=True)
 
     async def scenario():
-        # Long enough to be running when the process dies: 1,000 tokens take seconds.
+        # The child is stopped before the request is sent, so the request is still waiting when
+        # the child dies, however fast this machine decodes (a sleep of 0.2 s raced it: a fast CPU
+        # had answered by then).
+        os.kill(e.pid, signal.SIGSTOP)
         waiting = asyncio.create_task(
             e.generate(prompts[0], SamplingConfig(max_tokens=1000, temperature=1.0, seed=long_sampling.seed))
         )
         await asyncio.sleep(0.2)
+        assert not waiting.done()
         os.kill(e.pid, signal.SIGKILL)
         with pytest.raises(EngineProcessError, match=r"code -9"):
             await asyncio.wait_for(waiting, 30)
