@@ -9,10 +9,10 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from .claim import devices_setting
-from .settings import Settings
+from .settings import SettingsGroup
 
 
-class ClaimSettings(Settings):
+class ClaimSettings(SettingsGroup):
     claim_dir: Path | None = Field(
         None,
         description="folder shared by the processes of a node or cluster (a volume) where this one claims "

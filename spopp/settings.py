@@ -47,10 +47,17 @@ class SettingsError(ValueError):
     """Settings that do not validate; the message names each field and where its value came from."""
 
 
-class Settings(BaseModel):
-    """Base of every service's settings. Subclasses set `env_prefix` (e.g. `SPOPP_TRACKER_`)."""
+class SettingsGroup(BaseModel):
+    """A group of settings fields that several services' settings take alike (the HTTP server's
+    bounds, a claim) or that one service's operator tunes (its `...Tuning` model, which is also
+    that service's section of `spopp launch`'s file). Only a `Settings` subclass is read from
+    files, the environment and flags."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class Settings(SettingsGroup):
+    """Base of every service's settings. Subclasses set `env_prefix` (e.g. `SPOPP_TRACKER_`)."""
 
     env_prefix: ClassVar[str] = "SPOPP_"
     # Fields printed as "***" by --print-config and never written to a resolved config file.

@@ -16,18 +16,23 @@ from pydantic import Field, field_validator, model_validator
 from runtime.engines.options import check_engine_options
 from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
-from spopp.settings import Settings
+from spopp.settings import Settings, SettingsGroup
 from spopp.snapshots import HOLDER_PATTERN
 
 
-class EpisodeSettings(Settings):
-    """How episodes are played: shared by the evaluator and `spopp prior`, which play like the replicas."""
+class EnvChoice(SettingsGroup):
+    """The environment episodes are played in (a launched run's, from its top level)."""
 
     env: Literal["math-tir", "toy-calc", "alfworld"] = Field("math-tir", description="environment plug-in")
     env_options: dict = Field(
         default_factory=dict,
         description="the environment's arguments, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
     )
+
+
+class EpisodeTuning(SettingsGroup):
+    """How episodes are played: shared by the evaluator and `spopp prior`, which play like the replicas."""
+
     engine: Literal["transformers", "vllm"] = Field(
         "transformers", description="generation engine (transformers: CPU unless engine_options.device)"
     )
@@ -58,7 +63,49 @@ class EpisodeSettings(Settings):
     concurrency: int = Field(32, ge=1, le=4096, description="episodes in flight on the engine")
 
 
-class EvaluatorSettings(EpisodeSettings, ClaimSettings, HttpServerSettings):
+class EpisodeSettings(EpisodeTuning, EnvChoice, Settings):
+    """The episode settings of a command of its own (`spopp prior`)."""
+
+
+class EvaluatorTuning(EpisodeTuning, ClaimSettings, HttpServerSettings):
+    """What an evaluator's operator tunes: which versions, how episodes are played and sampled, its
+    server and claim (also the `evaluator:` section of a launch file). EvaluatorSettings adds what
+    binds it to a run: the run, tracker, model, snapshots, held-out tasks, environment and records."""
+
+    every: int = Field(1, ge=1, le=1_000_000, description="score policy version v when v % every == 0")
+    at_start: bool = Field(True, description="also score policy version 0, the base model")
+    poll_seconds: float = Field(
+        5.0, gt=0, le=3600, description="wait between reads of the tracker's policy clock"
+    )
+    hold_seconds: float = Field(
+        600.0,
+        ge=1,
+        le=7 * 24 * 3600,
+        description="lifetime of the hold on snapshots still to score, refreshed every third of "
+        "it; a dead evaluator's hold ends after this long",
+    )
+    host: str = Field(
+        "127.0.0.1", min_length=1, max_length=255, description="address of /healthz and /metrics"
+    )
+    port: int = Field(8300, ge=0, le=65535, description="port of /healthz and /metrics (0: any free port)")
+    max_tasks: int | None = Field(
+        None, ge=1, le=10_000_000, description="score only the first N tasks of the file"
+    )
+    greedy: bool = Field(True, description="one temperature-0 episode per task")
+    samples: int = Field(4, ge=0, le=1024, description="sampled episodes per task (avg@k, pass@k); 0: none")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="temperature of the sampled episodes")
+    seed: int = Field(
+        0, ge=0, lt=2**62, description="base of the sampled episodes' seeds (fixed per task and sample)"
+    )
+
+    @model_validator(mode="after")
+    def _something_to_play(self) -> EvaluatorSettings:
+        if not self.greedy and self.samples == 0:
+            raise ValueError("nothing to score: set greedy: true or samples >= 1")
+        return self
+
+
+class EvaluatorSettings(EvaluatorTuning, EnvChoice, Settings):
     env_prefix: ClassVar[str] = "SPOPP_EVALUATOR_"
 
     # -- what to follow ------------------------------------------------------------------------
@@ -84,23 +131,11 @@ class EvaluatorSettings(EpisodeSettings, ClaimSettings, HttpServerSettings):
         description="root of the shared snapshot folder (vNNNNNN/, .holds/); unset: the parent "
         "folder of the policy's snapshot path",
     )
-    every: int = Field(1, ge=1, le=1_000_000, description="score policy version v when v % every == 0")
-    at_start: bool = Field(True, description="also score policy version 0, the base model")
     until_version: int | None = Field(
         None,
         ge=0,
         description="exit once every version up to this one is scored or skipped; unset: follow "
         "the run until stopped",
-    )
-    poll_seconds: float = Field(
-        5.0, gt=0, le=3600, description="wait between reads of the tracker's policy clock"
-    )
-    hold_seconds: float = Field(
-        600.0,
-        ge=1,
-        le=7 * 24 * 3600,
-        description="lifetime of the hold on snapshots still to score, refreshed every third of "
-        "it; a dead evaluator's hold ends after this long",
     )
     holder: str | None = Field(
         None,
@@ -111,28 +146,9 @@ class EvaluatorSettings(EpisodeSettings, ClaimSettings, HttpServerSettings):
         Path("spopp-data/eval"),
         description="records: evals.jsonl, episodes/vNNNNNN.jsonl, tb/ (TensorBoard)",
     )
-    host: str = Field(
-        "127.0.0.1", min_length=1, max_length=255, description="address of /healthz and /metrics"
-    )
-    port: int = Field(8300, ge=0, le=65535, description="port of /healthz and /metrics (0: any free port)")
 
     # -- held-out tasks and episodes -----------------------------------------------------------
     tasks: Path = Field(..., description="held-out tasks (JSONL/parquet: prompt, answer, task_id)")
-    max_tasks: int | None = Field(
-        None, ge=1, le=10_000_000, description="score only the first N tasks of the file"
-    )
-    greedy: bool = Field(True, description="one temperature-0 episode per task")
-    samples: int = Field(4, ge=0, le=1024, description="sampled episodes per task (avg@k, pass@k); 0: none")
-    temperature: float = Field(1.0, gt=0.0, le=10.0, description="temperature of the sampled episodes")
-    seed: int = Field(
-        0, ge=0, lt=2**62, description="base of the sampled episodes' seeds (fixed per task and sample)"
-    )
-
-    @model_validator(mode="after")
-    def _something_to_play(self) -> EvaluatorSettings:
-        if not self.greedy and self.samples == 0:
-            raise ValueError("nothing to score: set greedy: true or samples >= 1")
-        return self
 
     def holder_id(self) -> str:
         """The hold file's id: `holder`, or evaluator-<run> with characters a file name cannot

@@ -18,11 +18,12 @@
     evaluator: {every: 4, samples: 4, ...}                # EvaluatorSettings fields
     gpus:      {learner: [0], rollout: [[1], [2]], evaluator: [3]}
 
-A section takes its service's settings, less those the launcher owns (URLs, ports it picks, the
-run folder's paths, the run, model, tasks, seed): those are refused by name, so that a section
-can never point a service at something other than this run. Each section is a model
-(`RolloutSection`, ...) built from its service's settings, so a wrong type or an unknown key is
-refused with `rollout.concurrency: ...` when the file is read. The recipe sets its own defaults
+A section is its service's tuning model (`RolloutTuning`, ...: what an operator tunes) with the
+launcher's own keys (`replicas`, `nproc`, `enabled`). What binds a service to a run (the run,
+tracker, model, tasks, environment, seed, folders, names) is its settings' rest, set by the
+launcher from the top level and its own wiring: given in a section, it is refused by name, so
+that a section can never point a service at something other than this run. A wrong type or an
+unknown key is refused with `rollout.concurrency: ...` when the file is read. The recipe sets its own defaults
 (normalization token and Dual-Clip 2 for spopp, trajectory and 10 for spo); a section may still
 override them, which is how `spopp ablate` builds SPO++ with trajectory normalization.
 `plan()` turns the file into the exact settings each child process will be started with, so
@@ -31,7 +32,6 @@ every error of every service's settings is found before anything starts.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -43,15 +43,14 @@ from pydantic import (
     StrictBool,
     StrictInt,
     ValidationError,
-    create_model,
     model_serializer,
     model_validator,
 )
 
-from services.evaluator.config import EvaluatorSettings
-from services.learner.config import LearnerSettings
-from services.rollout.config import RolloutSettings
-from services.tracker.config import TrackerSettings
+from services.evaluator.config import EvaluatorSettings, EvaluatorTuning
+from services.learner.config import LearnerSettings, LearnerTuning
+from services.rollout.config import RolloutSettings, RolloutTuning
+from services.tracker.config import TrackerSettings, TrackerTuning
 from spopp.recipes import RECIPE_DEFAULTS
 from spopp.settings import Settings, SettingsError
 from spopp.tracker_api import MAX_STALENESS, RunConfig
@@ -60,58 +59,6 @@ from .arms import arm_of
 from .gpus import GpuPlan
 from .supervise import SupervisionSettings
 
-_LOGS = "use the top-level log_format: every process of a run logs alike"
-# Fields the launcher sets itself in each section, and why the user may not.
-OWNED: dict[str, dict[str, str]] = {
-    "tracker": {
-        "data_dir": "the embedded Redis lives in <run_dir>/tracker",
-        "log_format": _LOGS,
-        "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
-    },
-    "rollout": {
-        "log_format": _LOGS,
-        "model": "use the top-level model",
-        "tracker": "the launcher's tracker",
-        "learner": "the launcher's learner",
-        "run": "use the top-level run",
-        "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
-        "env": "use the top-level env",
-        "env_options": "use the top-level env_options",
-        "tasks": "use the top-level tasks",
-        "generated_tasks": "use the top-level tasks",
-        "worker_id": "replicas are named rollout-0, rollout-1, ...",
-        "seed": "use the top-level seed",
-        "max_episodes": "the budget is `updates`",
-    },
-    "learner": {
-        "log_format": _LOGS,
-        "run": "use the top-level run",
-        "tracker": "the launcher's tracker",
-        "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
-        "model": "use the top-level model",
-        "snapshots": "snapshots live in <run_dir>/snapshots",
-        "checkpoints": "checkpoints live in <run_dir>/checkpoints",
-        "log_dir": "the learner logs to <run_dir>/learner",
-        "recipe": "use the top-level recipe",
-        "max_updates": "use the top-level updates",
-        "seed": "use the top-level seed",
-        "max_staleness": "use the top-level max_staleness (the tracker run's too)",
-    },
-    "evaluator": {
-        "log_format": _LOGS,
-        "tracker": "the launcher's tracker",
-        "run": "use the top-level run",
-        "api_token": "give api_token at the top level or SPOPP_API_TOKEN",
-        "model": "use the top-level model",
-        "snapshots": "snapshots live in <run_dir>/snapshots",
-        "out_dir": "evaluations live in <run_dir>/eval",
-        "tasks": "use the top-level heldout",
-        "env": "use the top-level env",
-        "env_options": "use the top-level env_options",
-        "until_version": "the launcher stops it after the budget's last version",
-        "holder": "the launcher names its hold",
-    },
-}
 SECTIONS = ("tracker", "rollout", "learner", "evaluator")
 SERVICES: dict[str, type[Settings]] = {
     "tracker": TrackerSettings,
@@ -125,15 +72,26 @@ _HELP = {
     "learner": "learner run",
     "evaluator": "evaluator run",
 }
+# Launch-file fields a service's setting is named otherwise.
+_TOP_LEVEL_AS = {("learner", "max_updates"): "updates", ("evaluator", "tasks"): "heldout"}
+
+
+def _set_by_launch(section: str, key: str) -> str:
+    """Why a service's setting outside its tuning model (its section) is the launcher's."""
+    top = _TOP_LEVEL_AS.get((section, key), key)
+    if top in LaunchSettings.model_fields:
+        return f"use the top-level {top}: every process of the run shares it"
+    return "the run's wiring: URLs, ports, names and folders under run_dir are the launcher's"
 
 
 class Section(BaseModel):
-    """A service's section of the launch file: the launcher's own keys (declared by each subclass)
-    and the service's settings, each optional and typed as the service types it.
+    """A service's section of the launch file, mixed with that service's tuning model: the
+    launcher's own keys (declared by each subclass) and the tuning fields, typed and checked as
+    the service checks them.
 
     Only what the file gives is kept (`given()`, and what a dump writes back), so that the recipe's
     defaults and the launcher's values fill the rest in `plan()`, where the service's own model
-    checks the whole (its cross-field rules included). A key the launcher owns is refused by name.
+    checks the whole. A setting of the service outside its tuning model is refused by name.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -159,39 +117,18 @@ class Section(BaseModel):
         return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
 
 
-def _service_fields(name: str) -> dict[str, Any]:
-    """The section's fields for the service's settings: all but the launcher's, each optional.
-
-    A field with a validator of its own (devices given as text, parsed by the service) is typed
-    Any here and checked by the service's model in plan(), since validators are not copied.
-    """
-    service = SERVICES[name]
-    parsed = {f for d in service.__pydantic_decorators__.field_validators.values() for f in d.info.fields}
-    fields: dict[str, Any] = {}
-    for field, info in service.model_fields.items():
-        if field in OWNED[name]:
-            continue
-        if field in parsed:
-            fields[field] = (Any, Field(None, description=info.description))
-        elif info.is_required():
-            fields[field] = (info.annotation | None, Field(None, description=info.description))
-        else:
-            fields[field] = (info.annotation, copy.copy(info))
-    return fields
-
-
-class _TrackerKeys(Section):
+class TrackerSection(Section, TrackerTuning):
     name = "tracker"
 
 
-class _RolloutKeys(Section):
+class RolloutSection(Section, RolloutTuning):
     name = "rollout"
     launch_keys = frozenset({"replicas"})
 
     replicas: StrictInt = Field(1, ge=1, description="replicas to start (rollout-0, rollout-1, ...)")
 
 
-class _LearnerKeys(Section):
+class LearnerSection(Section, LearnerTuning):
     name = "learner"
     launch_keys = frozenset({"nproc"})
 
@@ -200,22 +137,11 @@ class _LearnerKeys(Section):
     )
 
 
-class _EvaluatorKeys(Section):
+class EvaluatorSection(Section, EvaluatorTuning):
     name = "evaluator"
     launch_keys = frozenset({"enabled"})
 
     enabled: StrictBool = Field(True, description="false: no evaluator even when heldout is given")
-
-
-def _typed(keys: type[Section], name: str) -> type[Section]:
-    """The section model: the launcher's `keys` and its service's fields (built once, at import)."""
-    return create_model(name, __base__=keys, __module__=__name__, **_service_fields(keys.name))
-
-
-TrackerSection = _typed(_TrackerKeys, "TrackerSection")
-RolloutSection = _typed(_RolloutKeys, "RolloutSection")
-LearnerSection = _typed(_LearnerKeys, "LearnerSection")
-EvaluatorSection = _typed(_EvaluatorKeys, "EvaluatorSection")
 
 
 class LaunchSettings(Settings):
@@ -290,11 +216,11 @@ class LaunchSettings(Settings):
 
     @classmethod
     def explain_nested(cls, err: Any) -> str:
-        """A section's unknown or launcher-owned key, by name and with where to look."""
+        """A section's unknown key, or one the launcher sets, by name and with where to look."""
         section, key = str(err["loc"][0]), str(err["loc"][1])
-        if err["type"] == "extra_forbidden" and len(err["loc"]) == 2 and section in OWNED:
-            if key in OWNED[section]:
-                return f"{section}: {key} is set by spopp launch ({OWNED[section][key]})"
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 2 and section in SERVICES:
+            if key in SERVICES[section].model_fields:
+                return f"{section}: {key} is set by spopp launch ({_set_by_launch(section, key)})"
             return f"{section}.{key}: unknown setting (see `spopp {_HELP[section]} --help`)"
         return super().explain_nested(err)
 

@@ -14,26 +14,19 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from services.shell.http_settings import HttpServerSettings
+from spopp.settings import Settings
 from spopp.tracker_api import MAX_STALENESS
 
 
-class LearnerSettings(HttpServerSettings):
-    env_prefix: ClassVar[str] = "SPOPP_LEARNER_"
+class LearnerTuning(HttpServerSettings):
+    """What a learner's operator tunes: the update, optimizer, precision, memory, LoRA, its intake
+    (also the `learner:` section of a launch file). LearnerSettings adds what binds it to a run:
+    the run, tracker, model, folders, seed, and what the run fixed (recipe, k, budget)."""
 
-    # -- where ---------------------------------------------------------------------------------
-    run: str = Field(..., min_length=1, max_length=128, description="run name at the tracker")
-    tracker: str = Field("http://127.0.0.1:8000", description="tracker base URL")
-    api_token: str | None = Field(
-        None,
-        description="bearer token of the tracker, also required by this learner's intake (prefer "
-        "SPOPP_API_TOKEN)",
-    )
-    model: Path = Field(..., description="initial weights (Hugging Face folder) = policy version 0")
-    snapshots: Path = Field(Path("spopp-data/snapshots"), description="shared storage for snapshots/vNNNNNN")
+    # -- intake, snapshots, checkpoints -----------------------------------------------------------
     keep_snapshots: int = Field(
         3, ge=1, le=10_000, description="snapshots kept on disk: the newest K, and any an evaluator holds"
     )
-    checkpoints: Path = Field(Path("spopp-data/checkpoints"), description="training state for --resume")
     checkpoint_every: int = Field(
         10,
         ge=1,
@@ -41,7 +34,6 @@ class LearnerSettings(HttpServerSettings):
         description="updates between checkpoints besides those of every publish (each published "
         "version is checkpointed before it is announced, so --resume works after a crash anywhere)",
     )
-    log_dir: Path = Field(Path("spopp-data/logs"), description="metrics.jsonl and TensorBoard events")
     host: str = Field("127.0.0.1", description="address of POST /v1/trajectories (rank 0)")
     port: int = Field(8100, ge=0, le=65535, description="port of POST /v1/trajectories and /metrics")
     max_body_bytes: int = Field(
@@ -55,10 +47,7 @@ class LearnerSettings(HttpServerSettings):
         "dropped (logged, counted)",
     )
 
-    # -- the recipe ----------------------------------------------------------------------------
-    recipe: Literal["spopp", "spo"] | None = Field(
-        None, description="unset: the tracker run's (fixed at its creation); set: must be the run's"
-    )
+    # -- the update --------------------------------------------------------------------------------
     normalization: Literal["token", "trajectory"] = Field(
         "token",
         description="advantage standardization measure: token (SPO++) or trajectory (SPO); unset: the "
@@ -86,22 +75,8 @@ class LearnerSettings(HttpServerSettings):
         description="Dual-Clip c; unset: the recipe's (2 for SPO++, 10 for SPO); null: off",
     )
     is_cap: float = Field(2.0, gt=0.0, le=1000.0, description="cap of the rollout importance weight")
-    max_updates: int | None = Field(
-        None,
-        ge=1,
-        description="stop after this many updates; unset: the tracker run's budget (never, for a run "
-        "without one); set: must be the run's budget where it has one",
-    )
 
-    # -- staleness -----------------------------------------------------------------------------
-    max_staleness: int | None = Field(
-        None,
-        ge=0,
-        le=MAX_STALENESS,
-        description="k: train on trajectories dispatched up to k policy versions before the one being "
-        "trained (0: the current version's only, the paper's protocol); unset: the tracker run's; "
-        "set: must be the run's",
-    )
+    # -- staleness (the run's k, max_staleness, allows stale trajectories) -----------------------
     off_policy: Literal["decoupled", "tis"] = Field(
         "decoupled",
         description="correction of tokens an older policy version generated (k > 0): decoupled "
@@ -131,7 +106,6 @@ class LearnerSettings(HttpServerSettings):
     dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="training dtype (bf16 keeps fp32 master weights)"
     )
-    seed: int = Field(0, ge=0, description="seed of torch's RNG on every rank")
 
     # -- memory --------------------------------------------------------------------------------
     gradient_checkpointing: bool = Field(
@@ -187,3 +161,40 @@ class LearnerSettings(HttpServerSettings):
                 f"offload_params needs zero_stage 3 (parameters are partitioned only there), got {self.zero_stage}"
             )
         return self
+
+
+class LearnerSettings(LearnerTuning, Settings):
+    env_prefix: ClassVar[str] = "SPOPP_LEARNER_"
+
+    # -- where ---------------------------------------------------------------------------------
+    run: str = Field(..., min_length=1, max_length=128, description="run name at the tracker")
+    tracker: str = Field("http://127.0.0.1:8000", description="tracker base URL")
+    api_token: str | None = Field(
+        None,
+        description="bearer token of the tracker, also required by this learner's intake (prefer "
+        "SPOPP_API_TOKEN)",
+    )
+    model: Path = Field(..., description="initial weights (Hugging Face folder) = policy version 0")
+    snapshots: Path = Field(Path("spopp-data/snapshots"), description="shared storage for snapshots/vNNNNNN")
+    checkpoints: Path = Field(Path("spopp-data/checkpoints"), description="training state for --resume")
+    log_dir: Path = Field(Path("spopp-data/logs"), description="metrics.jsonl and TensorBoard events")
+
+    # -- what the run fixed at its creation (binding.py reads it from the tracker) ----------------
+    recipe: Literal["spopp", "spo"] | None = Field(
+        None, description="unset: the tracker run's (fixed at its creation); set: must be the run's"
+    )
+    max_updates: int | None = Field(
+        None,
+        ge=1,
+        description="stop after this many updates; unset: the tracker run's budget (never, for a run "
+        "without one); set: must be the run's budget where it has one",
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_STALENESS,
+        description="k: train on trajectories dispatched up to k policy versions before the one being "
+        "trained (0: the current version's only, the paper's protocol); unset: the tracker run's; "
+        "set: must be the run's",
+    )
+    seed: int = Field(0, ge=0, description="seed of torch's RNG on every rank")

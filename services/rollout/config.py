@@ -13,18 +13,14 @@ from pydantic import Field, field_validator
 from runtime.engines.options import check_engine_options
 from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
+from spopp.settings import Settings
 
 
-class RolloutSettings(ClaimSettings, HttpServerSettings):
-    env_prefix: ClassVar[str] = "SPOPP_ROLLOUT_"
+class RolloutTuning(ClaimSettings, HttpServerSettings):
+    """What a replica's operator tunes: engine, concurrency, draining, sampling, budgets per episode,
+    timings, its server and claim (also the `rollout:` section of a launch file). RolloutSettings
+    adds what binds it to a run: the run, tracker, learner, model, tasks, environment, name and seed."""
 
-    model: Path = Field(..., description="model folder of policy version 0 (Hugging Face layout)")
-    tracker: str = Field("http://127.0.0.1:8000", description="tracker base URL")
-    learner: str = Field("http://127.0.0.1:8100", description="learner base URL (POST /v1/trajectories)")
-    run: str = Field("default", min_length=1, max_length=128, description="run name at the tracker")
-    api_token: str | None = Field(
-        None, description="bearer token of the tracker and the learner (prefer SPOPP_API_TOKEN)"
-    )
     engine: Literal["vllm", "transformers"] = Field("vllm", description="generation engine")
     engine_options: dict = Field(
         default_factory=dict,
@@ -37,17 +33,7 @@ class RolloutSettings(ClaimSettings, HttpServerSettings):
     def _engine_options(cls, v: dict) -> dict:
         return check_engine_options(v)
 
-    env: Literal["math-tir", "toy-calc", "alfworld"] = Field("math-tir", description="environment plug-in")
-    env_options: dict = Field(
-        default_factory=dict,
-        description="the environment's arguments, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
-    )
-    tasks: Path | None = Field(None, description="task file (JSONL/parquet: prompt, answer, task_id)")
-    generated_tasks: int = Field(
-        0, ge=0, le=10_000_000, description="use N generated arithmetic tasks instead of a file"
-    )
     task_seed: int = Field(0, ge=0, description="seed of the generated tasks")
-    worker_id: str = Field("rollout-0", min_length=1, max_length=128, description="name of this replica")
     concurrency: int = Field(8, ge=1, le=1024, description="episodes in flight on the engine")
     prefetch: int | None = Field(
         None,
@@ -72,7 +58,6 @@ class RolloutSettings(ClaimSettings, HttpServerSettings):
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="sampling temperature (0: greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: int = Field(-1, ge=-1, description="top-k sampling (-1: off)")
-    seed: int = Field(0, ge=0, description="base of the per-episode sampling seeds")
     poll_seconds: float = Field(0.2, gt=0, le=60, description="wait between dispatches when no task is idle")
     renew_fraction: float = Field(0.33, gt=0, lt=1, description="renew a lease after this share of it")
     retry_seconds: float = Field(
@@ -91,9 +76,6 @@ class RolloutSettings(ClaimSettings, HttpServerSettings):
     )
     host: str = Field("127.0.0.1", description="address of this replica's /healthz and /metrics")
     port: int = Field(8200, ge=0, le=65535, description="port of /healthz and /metrics")
-    max_episodes: int | None = Field(
-        None, ge=1, description="stop after N episodes (smoke runs, tests); unset: run until stopped"
-    )
     lora_rank: int = Field(
         0,
         ge=0,
@@ -110,3 +92,30 @@ class RolloutSettings(ClaimSettings, HttpServerSettings):
         if self.engine == "transformers":
             return {"process": True, **self.engine_options, **lora}
         return {**self.engine_options, **lora}
+
+
+class RolloutSettings(RolloutTuning, Settings):
+    env_prefix: ClassVar[str] = "SPOPP_ROLLOUT_"
+
+    model: Path = Field(..., description="model folder of policy version 0 (Hugging Face layout)")
+    tracker: str = Field("http://127.0.0.1:8000", description="tracker base URL")
+    learner: str = Field("http://127.0.0.1:8100", description="learner base URL (POST /v1/trajectories)")
+    run: str = Field("default", min_length=1, max_length=128, description="run name at the tracker")
+    api_token: str | None = Field(
+        None, description="bearer token of the tracker and the learner (prefer SPOPP_API_TOKEN)"
+    )
+
+    env: Literal["math-tir", "toy-calc", "alfworld"] = Field("math-tir", description="environment plug-in")
+    env_options: dict = Field(
+        default_factory=dict,
+        description="the environment's arguments, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
+    )
+    tasks: Path | None = Field(None, description="task file (JSONL/parquet: prompt, answer, task_id)")
+    generated_tasks: int = Field(
+        0, ge=0, le=10_000_000, description="use N generated arithmetic tasks instead of a file"
+    )
+    worker_id: str = Field("rollout-0", min_length=1, max_length=128, description="name of this replica")
+    seed: int = Field(0, ge=0, description="base of the per-episode sampling seeds")
+    max_episodes: int | None = Field(
+        None, ge=1, description="stop after N episodes (smoke runs, tests); unset: run until stopped"
+    )

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from spopp.settings import Settings
+from spopp.settings import SettingsGroup
 
 from .connections import ServerLimits
 
 _DEFAULTS = ServerLimits()
 
 
-class HttpServerSettings(Settings):
+class HttpServerSettings(SettingsGroup):
     http_header_timeout_seconds: float = Field(
         _DEFAULTS.header_timeout,
         gt=0,

@@ -8,11 +8,13 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from services.shell.http_settings import HttpServerSettings
+from spopp.settings import Settings
 from spopp.tracker_api import MAX_RUNS, MAX_WORKERS_PER_RUN
 
 
-class TrackerSettings(HttpServerSettings):
-    env_prefix: ClassVar[str] = "SPOPP_TRACKER_"
+class TrackerTuning(HttpServerSettings):
+    """What a tracker's operator tunes: Redis, address, bounds and timings (also the `tracker:`
+    section of a launch file). TrackerSettings adds what the run's wiring sets."""
 
     redis_url: str | None = Field(
         None, description="Redis that keeps all state (redis://host:port/db); unset: an embedded redis-server"
@@ -23,15 +25,8 @@ class TrackerSettings(HttpServerSettings):
         "never given on the command line, where process lists show it. The embedded Redis makes its own "
         "(redis.password under data_dir, 0600)",
     )
-    data_dir: Path = Field(Path("spopp-data/tracker"), description="the embedded Redis's AOF folder")
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free port)")
-    api_token: str | None = Field(
-        None,
-        min_length=16,
-        description="bearer token every /v1 route requires, when set (prefer the environment: "
-        "flags show in process lists)",
-    )
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, le=1 << 30, description="larger request bodies are refused with 413"
     )
@@ -88,6 +83,17 @@ class TrackerSettings(HttpServerSettings):
     )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn log level"
+    )
+
+
+class TrackerSettings(TrackerTuning, Settings):
+    env_prefix: ClassVar[str] = "SPOPP_TRACKER_"
+    data_dir: Path = Field(Path("spopp-data/tracker"), description="the embedded Redis's AOF folder")
+    api_token: str | None = Field(
+        None,
+        min_length=16,
+        description="bearer token every /v1 route requires, when set (prefer the environment: "
+        "flags show in process lists)",
     )
 
 
