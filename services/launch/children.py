@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.shell.child import Child, ChildFailed
+from services.shell.child import Child
 from spopp.settings import API_TOKEN_ENV, environ_without_settings
-
-__all__ = ["Child", "ChildFailed", "child_env", "launch_child"]
 
 
 def child_env(token: str | None, devices: str) -> dict[str, str]:

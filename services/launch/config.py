@@ -181,16 +181,16 @@ class LaunchSettings(Settings):
         description="the tracker run's fields besides recipe, seed and base_snapshot: retention, "
         "prior_mass, lease_seconds, d_half, rho_min, rho_max",
     )
-    tracker: TrackerSection = Field(default_factory=TrackerSection, description="TrackerSettings fields")
+    tracker: TrackerSection = Field(default_factory=TrackerSection, description="TrackerTuning fields")
     rollout: RolloutSection = Field(
-        default_factory=RolloutSection, description="RolloutSettings fields, and replicas: N"
+        default_factory=RolloutSection, description="RolloutTuning fields, and replicas: N"
     )
     learner: LearnerSection = Field(
-        default_factory=LearnerSection, description="LearnerSettings fields, and nproc: N"
+        default_factory=LearnerSection, description="LearnerTuning fields, and nproc: N"
     )
     evaluator: EvaluatorSection = Field(
         default_factory=EvaluatorSection,
-        description="EvaluatorSettings fields, and enabled: false to skip it",
+        description="EvaluatorTuning fields, and enabled: false to skip it",
     )
     gpus: GpuPlan = Field(default_factory=GpuPlan, description="device indices per process")
     progress_seconds: float = Field(10.0, gt=0, le=3600, description="seconds between progress lines")

@@ -26,6 +26,7 @@ import signal
 import time
 from pathlib import Path
 
+from services.shell.child import Child, ChildFailed
 from spopp.client import TrackerClient
 from spopp.gpus import count_gpus
 from spopp.net import free_port, port_free
@@ -34,7 +35,6 @@ from spopp.registration import RegistrationError, register, task_bodies
 from spopp.settings import SettingsError
 
 from . import gpus as gpu
-from .children import Child, ChildFailed
 from .config import LaunchSettings, Plan, plan, port_requests
 from .metrics import LaunchMetrics
 from .progress import Progress, eval_points

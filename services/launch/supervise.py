@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from services.shell.child import Child, ChildFailed
 from spopp.restarts import RestartWindow
 from spopp.retry import backoff
 from spopp.wait import WaitTimeout, wait_until
 
 from . import gpus as gpu
-from .children import Child, ChildFailed, child_env, launch_child
+from .children import child_env, launch_child
 
 if TYPE_CHECKING:  # config imports this module (SupervisionSettings)
     from .config import LaunchSettings, Plan
