@@ -5,8 +5,10 @@ a description and their bounds. `resolve()` merges four sources, each overriding
 
     defaults  <  config file (YAML)  <  SPOPP_<SERVICE>_<FIELD> environment  <  command-line flags
 
-The shared bearer token is the one exception to the naming: it is `SPOPP_API_TOKEN` in every
-service, so one secret configures the tracker, the replicas, the learner and the evaluator.
+The run binding is the one exception to the naming (spopp/run_binding.py): the bearer token is
+`SPOPP_API_TOKEN` in every service, and the run's name and the tracker's URL are `SPOPP_RUN` and
+`SPOPP_TRACKER_URL` in every service bound to a run, so one secret and one run configure the
+tracker, the replicas, the learner and the evaluator.
 `settings_command()` turns a model into a click command with one option per field (listed by
 `--help` with its default, bounds and variable), plus `--config FILE` and `--print-config`.
 
@@ -31,6 +33,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 API_TOKEN_ENV = "SPOPP_API_TOKEN"
+RUN_ENV = "SPOPP_RUN"
+TRACKER_URL_ENV = "SPOPP_TRACKER_URL"
+# Read under one name by every service that takes them, so never a service's unknown variable
+# (SPOPP_TRACKER_URL is not a tracker setting, though it starts with the tracker's prefix).
+SHARED_ENV = frozenset({API_TOKEN_ENV, RUN_ENV, TRACKER_URL_ENV})
+# The tracker refuses a shorter token, so no client's token may be shorter either.
+MIN_TOKEN_CHARS = 16
 # SPOPP_* variables that are not a service's settings: the machine's, kept by `environ_without_settings`.
 MACHINE_ENV = frozenset({"SPOPP_PORT_RANGE"})
 
@@ -62,6 +71,9 @@ class Settings(SettingsGroup):
     env_prefix: ClassVar[str] = "SPOPP_"
     # Fields printed as "***" by --print-config and never written to a resolved config file.
     secret_fields: ClassVar[frozenset[str]] = frozenset({"api_token"})
+    # Fields read from one variable in every service rather than SPOPP_<SERVICE>_<FIELD>; RunBinding
+    # (a base listed before Settings) adds the run's name and the tracker's URL.
+    shared_env: ClassVar[Mapping[str, str]] = {"api_token": API_TOKEN_ENV}
 
     # Every command logs, so every command's settings say how (services.shell.logs).
     log_format: Literal["text", "json"] = Field(
@@ -72,7 +84,7 @@ class Settings(SettingsGroup):
 
     @classmethod
     def env_name(cls, field: str) -> str:
-        return API_TOKEN_ENV if field == "api_token" else f"{cls.env_prefix}{field.upper()}"
+        return cls.shared_env.get(field) or f"{cls.env_prefix}{field.upper()}"
 
     @classmethod
     def resolve(
@@ -97,12 +109,14 @@ class Settings(SettingsGroup):
             if var in env:
                 values[name], source[name] = cls.parse_text(name, env[var]), f"environment {var}"
         unknown = sorted(
-            k for k in env if k.startswith(cls.env_prefix) and k != API_TOKEN_ENV and k not in cls.env_names()
+            k
+            for k in env
+            if k.startswith(cls.env_prefix) and k not in SHARED_ENV and k not in cls.env_names()
         )
         if unknown and cls.env_prefix != "SPOPP_":
             raise SettingsError(
                 f"unknown environment variable(s) {', '.join(unknown)}: {cls.__name__} reads "
-                f"{cls.env_prefix}<FIELD> for the fields listed by --help"
+                f"{cls.env_prefix}<FIELD> for the fields listed by --help{cls._shared_hint(unknown)}"
             )
         for name, value in (flags or {}).items():
             flag = "--" + name.replace("_", "-")
@@ -112,6 +126,15 @@ class Settings(SettingsGroup):
             return cls.model_validate(values)
         except ValidationError as exc:
             raise SettingsError(_explain(cls, exc, source)) from None
+
+    @classmethod
+    def _shared_hint(cls, unknown: list[str]) -> str:
+        """Where a shared field is read, for a variable named as if it were the service's own
+        (SPOPP_ROLLOUT_RUN, as it was before the run binding)."""
+        shared = [f for f, var in cls.shared_env.items() if f"{cls.env_prefix}{f.upper()}" in unknown]
+        if not shared:
+            return ""
+        return "; " + ", ".join(f"{f} is {cls.shared_env[f]}" for f in shared) + " in every service"
 
     @classmethod
     def env_names(cls) -> set[str]:

@@ -271,26 +271,26 @@ def test_the_launcher_counts_the_same_gpus_and_none_where_nvidia_smi_fails(tmp_p
 def test_claim_settings_read_from_the_environment_and_checked():
     env = {"SPOPP_ROLLOUT_CLAIM_DIR": "/claims", "SPOPP_ROLLOUT_DEVICES": "2-3",
            "SPOPP_ROLLOUT_CLAIM_PORTS": "false", "SPOPP_ROLLOUT_CLAIM_WAIT_SECONDS": "5"}  # fmt: skip
-    s = RolloutSettings.resolve(env=env, flags={"model": "m"})
+    s = RolloutSettings.resolve(env=env, flags={"run": "r", "model": "m"})
     assert (s.claim_dir, s.devices, s.claim_ports, s.claim_wait_seconds) == (
         Path("/claims"),
         "2-3",
         False,
         5.0,
     )
-    assert RolloutSettings.resolve(env={}, flags={"model": "m"}).claim_dir is None
+    assert RolloutSettings.resolve(env={}, flags={"run": "r", "model": "m"}).claim_dir is None
     with pytest.raises(SettingsError, match="devices \\(flag --devices\\).*backwards"):
-        RolloutSettings.resolve(env={}, flags={"model": "m", "claim_dir": "/c", "devices": "3-1"})
+        RolloutSettings.resolve(env={}, flags={"run": "r", "model": "m", "claim_dir": "/c", "devices": "3-1"})
     with pytest.raises(SettingsError, match="set claim_dir too"):
-        RolloutSettings.resolve(env={}, flags={"model": "m", "devices": "0"})
-    typed = RolloutSettings.resolve(env={}, flags={"model": "m", "claim_dir": "/c", "devices": 3})
+        RolloutSettings.resolve(env={}, flags={"run": "r", "model": "m", "devices": "0"})
+    typed = RolloutSettings.resolve(env={}, flags={"run": "r", "model": "m", "claim_dir": "/c", "devices": 3})
     assert typed.devices == "3"  # a YAML number
     ev = EvaluatorSettings.resolve(
-        env={"SPOPP_EVALUATOR_DEVICES": "auto"}, flags={"tasks": "t", "claim_dir": "/c"}
+        env={"SPOPP_EVALUATOR_DEVICES": "auto"}, flags={"run": "r", "tasks": "t", "claim_dir": "/c"}
     )
     assert ev.devices == "auto"
     with pytest.raises(SettingsError, match="set claim_dir too"):
-        EvaluatorSettings.resolve(env={}, flags={"tasks": "t", "devices": "1"})
+        EvaluatorSettings.resolve(env={}, flags={"run": "r", "tasks": "t", "devices": "1"})
 
 
 @pytest.mark.process
@@ -302,7 +302,7 @@ def test_the_services_take_worker_id_port_and_gpu_from_their_claim(holders, tmp_
     replica = holders.answer(holders.start(tmp_path, devices="5,6"))
     assert replica["device"] == "5"
     record = tmp_path / "eval-claim.json"
-    ev = EvaluatorSettings(tasks="t", run="my run", claim_dir=tmp_path, devices="5,6", claim_record=record)
+    ev = EvaluatorSettings(tasks="t", run="my:run", claim_dir=tmp_path, devices="5,6", claim_record=record)
     got = evaluator_claimed(ev)
     assert got.port == 8301 and os.environ["CUDA_VISIBLE_DEVICES"] == "6"
     rec = json.loads(record.read_text())
@@ -310,16 +310,20 @@ def test_the_services_take_worker_id_port_and_gpu_from_their_claim(holders, tmp_
     assert (rec["worker_id"], rec["device"], rec["index"], rec["port"]) == ("evaluator-my_run", "6", 1, 8301)
     assert json.loads((tmp_path / "device-6.lock").read_text())["worker_id"] == "evaluator-my_run"
     # A replica in a pod of its own keeps its port; without a claim the settings are as configured.
-    s = rollout_claimed(RolloutSettings(model="m", claim_dir=tmp_path / "pods", claim_ports=False, port=9000))
+    s = rollout_claimed(
+        RolloutSettings(run="r", model="m", claim_dir=tmp_path / "pods", claim_ports=False, port=9000)
+    )
     assert (s.worker_id, s.port) == ("rollout-0", 9000)
-    plain = RolloutSettings(model="m", worker_id="r-7", port=9100, claim_record=tmp_path / "plain.json")
+    plain = RolloutSettings(
+        run="r", model="m", worker_id="r-7", port=9100, claim_record=tmp_path / "plain.json"
+    )
     assert rollout_claimed(plain) is plain
     assert json.loads((tmp_path / "plain.json").read_text())["worker_id"] == "r-7"
     assert not (tmp_path / "rollout-slot-0.lock").exists()
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("command", [["rollout", "serve", "--model", "nowhere"],
+@pytest.mark.parametrize("command", [["rollout", "serve", "--model", "nowhere", "--run", "r"],
                                      ["evaluator", "run", "--tasks", "nowhere", "--run", "r"]])  # fmt: skip
 def test_a_taken_pool_stops_the_service_with_code_2_and_no_traceback(holders, tmp_path, command):
     holder = holders.answer(holders.start(tmp_path, devices="4"))

@@ -347,13 +347,18 @@ def test_env_files_name_only_real_settings_and_compose_variables(flavour):
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_env_files_learner_matches_its_recipe(flavour):
-    from spopp.recipes import RECIPE_DEFAULTS
-
+def test_env_files_leave_what_the_run_fixes_to_the_run(flavour):
+    """The recipe, max_staleness and the recipe-bound loss settings are given once, to init; the
+    learner reads them from the tracker's run (services/learner/binding.py), so a file that set
+    them for the learner too would be a second copy that could disagree."""
     dotenv, _ = FLAVOURS[flavour]
-    recipe = RECIPE_DEFAULTS[dotenv["SPOPP_RECIPE"]]
-    learner = LearnerSettings.resolve(env={**dotenv, "SPOPP_LEARNER_RUN": "r", "SPOPP_LEARNER_MODEL": "/m"})
-    assert (learner.normalization, learner.dual_clip) == (recipe["normalization"], recipe["dual_clip"])
+    learner = LearnerSettings.resolve(env={**dotenv, "SPOPP_RUN": "r", "SPOPP_LEARNER_MODEL": "/m"})
+    assert (learner.recipe, learner.max_staleness) == (None, None)
+    assert not {"normalization", "dual_clip"} & learner.model_fields_set  # the recipe's (binding.bind)
+    assert learner.max_updates == InitSettings.resolve(
+        env={**dotenv, "SPOPP_INIT_MAX_UPDATES": dotenv["SPOPP_LEARNER_MAX_UPDATES"], "SPOPP_RUN": "r",
+             "SPOPP_INIT_RECIPE": "spopp", "SPOPP_INIT_BASE_SNAPSHOT": "/m", "SPOPP_INIT_TASKS": "/t"}
+    ).max_updates  # the learner's copy of the budget is checked against the run's at start  # fmt: skip
 
 
 def test_compose_starts_without_a_token_and_every_service_reads_the_same_one():
@@ -403,7 +408,9 @@ def test_compose_services_resolve_to_one_consistent_run(flavour):
     assert {str(s[n].tasks) for n in ("init", "rollout", "prior")} == {tasks}
     assert str(s["init"].prior) == str(s["prior"].out)  # init loads the prior the prior step wrote
     assert {s[n].run for n in ("init", "learner", "rollout", "evaluator")} == {dotenv["SPOPP_RUN"]}
-    assert s["init"].recipe == s["learner"].recipe == dotenv["SPOPP_RECIPE"]
+    assert (
+        s["init"].recipe == dotenv["SPOPP_RECIPE"] and s["learner"].recipe is None
+    )  # the run's, read at start
     assert s["init"].seed == s["learner"].seed
     assert s["init"].run_config == yaml.safe_load(dotenv["SPOPP_INIT_RUN_CONFIG"])
     tracker = f"http://127.0.0.1:{s['tracker'].port}"  # host network: everyone on 127.0.0.1

@@ -49,7 +49,7 @@ N_TASKS, K = 6, 3
 
 def _settings(tasks_file: Path, **kw) -> EvaluatorSettings:
     settings = dict(
-        tasks=tasks_file, samples=K, max_turns=2, max_tokens_per_turn=48, max_total_tokens=600,
+        run="r", tasks=tasks_file, samples=K, max_turns=2, max_tokens_per_turn=48, max_total_tokens=600,
         concurrency=8, engine_options={"max_batch": 16},
     )  # fmt: skip
     return EvaluatorSettings(**{**settings, **kw})
@@ -191,10 +191,12 @@ def test_settings_refuse_nothing_to_play_and_bad_holders(held_out):
     from spopp.settings import SettingsError
 
     with pytest.raises(SettingsError, match="nothing to score"):
-        EvaluatorSettings.resolve(env={}, flags={"tasks": str(held_out), "greedy": False, "samples": "0"})
+        EvaluatorSettings.resolve(
+            env={}, flags={"run": "r", "tasks": str(held_out), "greedy": False, "samples": "0"}
+        )
     with pytest.raises(SettingsError, match="holder"):
-        EvaluatorSettings.resolve(env={}, flags={"tasks": str(held_out), "holder": "../x"})
-    s = EvaluatorSettings.resolve(env={"SPOPP_EVALUATOR_RUN": "team/run:1"}, flags={"tasks": str(held_out)})
+        EvaluatorSettings.resolve(env={}, flags={"run": "r", "tasks": str(held_out), "holder": "../x"})
+    s = EvaluatorSettings.resolve(env={"SPOPP_RUN": "team:run@1"}, flags={"tasks": str(held_out)})
     assert s.holder_id() == "evaluator-team_run_1"  # a file name, whatever the run is called
 
 

@@ -33,7 +33,7 @@ from test_deploy import (
 )
 
 from services.launch.init import InitSettings
-from spopp.settings import API_TOKEN_ENV
+from spopp.settings import API_TOKEN_ENV, SHARED_ENV, TRACKER_URL_ENV
 
 K8S = ROOT / "deploy" / "k8s"
 BASE = K8S / "base"  # the manifests; deploy/k8s/kustomization.yaml and every overlay build on it
@@ -61,6 +61,9 @@ COMPOSE_ONLY = {
     "SPOPP_EVALUATOR_PORT", "SPOPP_GPUS_LEARNER", "SPOPP_NPROC_LEARNER", "SPOPP_ROLLOUT_DEVICES",
     "SPOPP_EVALUATOR_DEVICES", "SPOPP_GPUS_PRIOR",
 }  # fmt: skip
+# The ConfigMap's only variable .env.example lacks: the tracker's address in the cluster, which
+# compose derives from the host port (x-run-binding in docker-compose.yml).
+K8S_ONLY = {TRACKER_URL_ENV}
 
 
 def objects(kind: str, docs: list[dict] = MANIFESTS) -> dict[str, dict]:
@@ -342,7 +345,9 @@ def test_every_object_lives_in_the_spopp_namespace():
 def test_every_variable_is_a_setting_or_a_known_one():
     for key in CONFIG:
         prefix = next((p for p in SETTINGS_BY_PREFIX if key.startswith(p)), None)
-        if prefix:
+        if key in SHARED_ENV:  # the run binding: read under this name by every service joining the run
+            assert any(key in cls.env_names() for cls in SETTINGS_BY_PREFIX.values()), key
+        elif prefix:
             assert key in SETTINGS_BY_PREFIX[prefix].env_names(), f"spopp-config: {key} is no setting"
         else:
             assert key in ENV_EXAMPLE, f"spopp-config: {key} is neither a setting nor one of .env.example's"
@@ -357,8 +362,8 @@ def test_every_variable_is_a_setting_or_a_known_one():
 
 
 def test_config_map_is_env_example_without_the_compose_host_parts():
-    assert CONFIG.keys() == ENV_EXAMPLE.keys() - COMPOSE_ONLY
-    for key, value in CONFIG.items():
+    assert CONFIG.keys() == (ENV_EXAMPLE.keys() - COMPOSE_ONLY) | K8S_ONLY
+    for key, value in CONFIG.items() - {(k, CONFIG[k]) for k in K8S_ONLY}:
         assert str(value) == ENV_EXAMPLE[key], f"{key}: spopp-config and .env.example differ"
 
 
@@ -409,7 +414,8 @@ def test_containers_resolve_to_one_consistent_run():
     assert {str(init.tasks), str(rollout.tasks), str(prior.tasks)} == {tasks}
     assert str(init.prior) == str(prior.out)
     assert init.run == learner.run == rollout.run == evaluator.run == CONFIG["SPOPP_RUN"]
-    assert init.recipe == learner.recipe and init.seed == learner.seed
+    assert init.seed == learner.seed
+    assert learner.recipe is None and learner.max_staleness is None  # the run's, read at start
     service = objects("Service")
     tracker = f"http://tracker:{service['tracker']['spec']['ports'][0]['port']}"
     assert {init.tracker, learner.tracker, rollout.tracker, evaluator.tracker} == {tracker}

@@ -199,7 +199,7 @@ def test_default_prefetch_is_a_quarter_of_the_slots(tiny_model):
     from services.rollout.worker import default_prefetch
 
     def s(**kw):
-        return RolloutSettings(model=tiny_model, **kw)
+        return RolloutSettings(run="r", model=tiny_model, **kw)
 
     # Both engines batch continuously: a quarter of the slots covers the dispatch round trip.
     assert default_prefetch(s(engine="transformers", concurrency=16)) == 4
@@ -209,7 +209,7 @@ def test_default_prefetch_is_a_quarter_of_the_slots(tiny_model):
 
 def test_replicas_host_the_transformers_engine_in_a_process_of_its_own(tiny_model):
     def kw(**k):
-        return RolloutSettings(model=tiny_model, **k).engine_kwargs()
+        return RolloutSettings(run="r", model=tiny_model, **k).engine_kwargs()
 
     assert kw(engine="transformers") == {"process": True}
     assert kw(engine="transformers", engine_options={"process": False, "max_batch": 8}) == {

@@ -13,7 +13,7 @@ from spopp.settings import Settings
 # (command, settings needed to validate at all, a numeric field to probe precedence with)
 COMMANDS = {
     "tracker serve": ({}, "port"),
-    "rollout serve": ({"model": "m"}, "concurrency"),
+    "rollout serve": ({"run": "r", "model": "m"}, "concurrency"),
     "learner run": ({"run": "r", "model": "m"}, "checkpoint_every"),
     "evaluator run": ({"run": "r", "model": "m", "tasks": "t.jsonl"}, "concurrency"),
 }
@@ -101,18 +101,19 @@ def test_text_stays_text_and_structured_values_are_read_as_yaml():
     from services.rollout.config import RolloutSettings
 
     s = LearnerSettings.resolve(
-        env={"SPOPP_LEARNER_RUN": "123", "SPOPP_API_TOKEN": "0x1F"},
+        env={"SPOPP_RUN": "123", "SPOPP_API_TOKEN": "0x1F00000000000000"},
         flags={"model": "2024-01-01", "betas": "[0.9, 0.95]", "grad_clip": "null"},
     )
     assert (s.run, s.api_token, str(s.model), s.betas, s.grad_clip) == (
         "123",
-        "0x1F",
+        "0x1F00000000000000",  # read as YAML it would be an integer
         "2024-01-01",
         (0.9, 0.95),
         None,
     )
     r = RolloutSettings.resolve(
-        env={"SPOPP_ROLLOUT_ENGINE_OPTIONS": "{device: cpu, max_model_len: 512}"}, flags={"model": "m"}
+        env={"SPOPP_ROLLOUT_ENGINE_OPTIONS": "{device: cpu, max_model_len: 512}"},
+        flags={"model": "m", "run": "r"},
     )
     assert r.engine_options == {"device": "cpu", "max_model_len": 512}
 

@@ -9,7 +9,7 @@ import click
 
 from spopp.settings import settings_command
 
-from .config import EvaluatorSettings
+from .config import EvaluatorSettings, ScoreSettings
 from .prior_config import PriorSettings
 
 
@@ -42,10 +42,6 @@ def _claimed(s: EvaluatorSettings) -> EvaluatorSettings:
 def _run(settings: EvaluatorSettings) -> None:
     import asyncio
 
-    if settings.run is None:
-        raise click.UsageError(
-            "run is required: give --run, SPOPP_EVALUATOR_RUN or `run:` in the config file"
-        )
     _logging("evaluator", settings, run=settings.run, worker=settings.holder_id())
     settings = _claimed(settings)
 
@@ -54,7 +50,7 @@ def _run(settings: EvaluatorSettings) -> None:
     asyncio.run(follow(settings))
 
 
-def _score(settings: EvaluatorSettings, snapshot: tuple[Path, ...]) -> None:
+def _score(settings: ScoreSettings, snapshot: tuple[Path, ...]) -> None:
     import asyncio
     import json
 
@@ -81,7 +77,7 @@ group.add_command(
 )
 group.add_command(
     settings_command(
-        EvaluatorSettings,
+        ScoreSettings,
         "score",
         _score,
         help="Score model folders (snapshots or any Hugging Face model) on the held-out tasks and "

@@ -1,8 +1,8 @@
 """The evaluator's settings (`spopp evaluator run --help`; env `SPOPP_EVALUATOR_<FIELD>`; a YAML file).
 
-One model for both commands: `run` follows a training run at the tracker and needs `run`;
-`score` scores model folders given on its command line and reads only the task, engine and
-sampling settings. No torch or vLLM import here, so `--help` stays instant.
+`run` follows a training run at the tracker (EvaluatorSettings: the run binding and what following
+takes); `score` scores model folders given on its command line (ScoreSettings: the tasks, engine
+and sampling settings, no tracker). No torch or vLLM import here, so `--help` stays instant.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from runtime.engines.options import check_engine_options
 from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
+from spopp.run_binding import RunBinding
 from spopp.settings import Settings, SettingsGroup
 from spopp.snapshots import HOLDER_PATTERN
 
@@ -105,27 +106,29 @@ class EvaluatorTuning(EpisodeTuning, ClaimSettings, HttpServerSettings):
         return self
 
 
-class EvaluatorSettings(EvaluatorTuning, EnvChoice, Settings):
+class ScoreSettings(EvaluatorTuning, EnvChoice, Settings):
+    """What scoring model folders takes (`spopp evaluator score`, and the episodes of `spopp prior`):
+    held-out tasks, the base model, where the records go. Nothing here talks to a tracker."""
+
     env_prefix: ClassVar[str] = "SPOPP_EVALUATOR_"
 
-    # -- what to follow ------------------------------------------------------------------------
-    tracker: str = Field(
-        "http://127.0.0.1:8000", min_length=1, max_length=4096, description="tracker base URL"
-    )
-    run: str | None = Field(
-        None,
-        min_length=1,
-        max_length=256,
-        description="run name at the tracker (required by `evaluator run`, unused by `score`)",
-    )
-    api_token: str | None = Field(
-        None, max_length=4096, description="bearer token of the tracker (prefer SPOPP_API_TOKEN)"
-    )
     model: Path | None = Field(
         None,
         description="model folder of policy version 0 (the base model); unset: the run's "
-        "base_snapshot at the tracker",
+        "base_snapshot at the tracker (`run`), the first --snapshot (`score`)",
     )
+    out_dir: Path = Field(
+        Path("spopp-data/eval"),
+        description="records: evals.jsonl, episodes/vNNNNNN.jsonl, tb/ (TensorBoard)",
+    )
+    tasks: Path = Field(..., description="held-out tasks (JSONL/parquet: prompt, answer, task_id)")
+
+
+class EvaluatorSettings(RunBinding, ScoreSettings):
+    """`spopp evaluator run`: scoring bound to a run (RunBinding), following its policy clock and
+    holding the snapshots it has still to score. RunBinding comes first: its variables are the
+    shared ones (SPOPP_RUN, SPOPP_TRACKER_URL)."""
+
     snapshots: Path | None = Field(
         None,
         description="root of the shared snapshot folder (vNNNNNN/, .holds/); unset: the parent "
@@ -142,19 +145,10 @@ class EvaluatorSettings(EvaluatorTuning, EnvChoice, Settings):
         pattern=HOLDER_PATTERN,
         description="id of this evaluator's hold file (.holds/<holder>.json); unset: evaluator-<run>",
     )
-    out_dir: Path = Field(
-        Path("spopp-data/eval"),
-        description="records: evals.jsonl, episodes/vNNNNNN.jsonl, tb/ (TensorBoard)",
-    )
-
-    # -- held-out tasks and episodes -----------------------------------------------------------
-    tasks: Path = Field(..., description="held-out tasks (JSONL/parquet: prompt, answer, task_id)")
 
     def holder_id(self) -> str:
         """The hold file's id: `holder`, or evaluator-<run> with characters a file name cannot
         carry replaced by `_`."""
         if self.holder is not None:
             return self.holder
-        if self.run is None:
-            raise ValueError("a hold needs `holder` or `run`")
         return ("evaluator-" + re.sub(r"[^A-Za-z0-9_.-]", "_", self.run))[:200]

@@ -112,8 +112,6 @@ class HoldKeeper:
 
 class Follower:
     def __init__(self, s: EvaluatorSettings, metrics: EvaluatorMetrics | None = None) -> None:
-        if s.run is None:
-            raise ValueError("run is required: give --run, SPOPP_EVALUATOR_RUN or `run:` in the config file")
         self.s = s
         self.metrics = metrics or EvaluatorMetrics()
         self.records = Records(s.out_dir)

@@ -26,7 +26,7 @@ from runtime.engines.base import Engine
 from runtime.envs.base import Task
 from spopp.priors import PriorFile, build_prior, write_prior
 
-from .config import EvaluatorSettings
+from .config import ScoreSettings
 from .prior_config import PriorSettings
 from .scorer import Job, Scorer
 
@@ -39,9 +39,9 @@ class PriorError(ValueError):
     """The settings or their files cannot give a prior; said before any episode is played."""
 
 
-def evaluator_settings(s: PriorSettings) -> EvaluatorSettings:
+def score_settings(s: PriorSettings) -> ScoreSettings:
     """The evaluator's view of the prior settings: no greedy episode, `rollouts` sampled ones."""
-    return EvaluatorSettings(
+    return ScoreSettings(
         model=s.model, tasks=s.tasks, max_tasks=s.max_tasks, env=s.env, env_options=s.env_options, engine=s.engine,
         engine_options=s.engine_options, greedy=False, samples=s.rollouts, temperature=s.temperature,
         top_p=s.top_p, max_turns=s.max_turns, max_tokens_per_turn=s.max_tokens_per_turn,
@@ -161,7 +161,7 @@ async def play_rollouts(
     """Rewards of `rollouts` sampled episodes per task, {task_id: [reward, ...]} in task order.
 
     `engine`: one already built on the model (tests' scripted engines); default: the settings'."""
-    scorer = await Scorer.open(evaluator_settings(s), s.model, tasks=tasks, engine=engine)
+    scorer = await Scorer.open(score_settings(s), s.model, tasks=tasks, engine=engine)
     try:
         rewards: dict[str, list[float]] = {t.task_id: [] for t in tasks}
         progress = Progress(scorer.job_count(), progress_every)

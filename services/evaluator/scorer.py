@@ -37,7 +37,7 @@ from runtime.envs import env_factory
 from runtime.envs.base import Task, episode_seed
 from runtime.tasks import load_tasks
 
-from .config import EvaluatorSettings
+from .config import ScoreSettings
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -90,7 +90,7 @@ def pass_at_k(episodes: list[tuple[int, Episode]]) -> float:
     return sum(solved.values()) / len(solved)
 
 
-def load_held_out(s: EvaluatorSettings) -> list[Task]:
+def load_held_out(s: ScoreSettings) -> list[Task]:
     tasks = load_tasks(s.tasks)
     if s.max_tasks is not None:
         tasks = tasks[: s.max_tasks]
@@ -111,7 +111,7 @@ class Scorer:
     """Held-out tasks + one engine; open it with `await Scorer.open(settings, model)`, inside the
     event loop that will drive it (vLLM's async engine binds to the loop that creates it)."""
 
-    def __init__(self, s: EvaluatorSettings, engine: Engine, tasks: list[Task], model: Path) -> None:
+    def __init__(self, s: ScoreSettings, engine: Engine, tasks: list[Task], model: Path) -> None:
         self.s = s
         self.engine = engine
         self.tasks = tasks
@@ -123,7 +123,7 @@ class Scorer:
     @classmethod
     async def open(
         cls,
-        s: EvaluatorSettings,
+        s: ScoreSettings,
         model: str | Path,
         *,
         tasks: list[Task] | None = None,
@@ -280,7 +280,7 @@ class Scorer:
         return Scored(metrics=metrics, episodes=rows)
 
 
-async def score_folders(s: EvaluatorSettings, folders: list[Path]) -> list[dict]:
+async def score_folders(s: ScoreSettings, folders: list[Path]) -> list[dict]:
     """Score model folders one after another, outside training (`spopp evaluator score`).
 
     Each result is labelled with the folder's manifest version and step (0 and null for a plain

@@ -52,7 +52,8 @@ from services.learner.config import LearnerSettings, LearnerTuning
 from services.rollout.config import RolloutSettings, RolloutTuning
 from services.tracker.config import TrackerSettings, TrackerTuning
 from spopp.recipes import RECIPE_DEFAULTS
-from spopp.settings import Settings, SettingsError
+from spopp.run_binding import RunBinding
+from spopp.settings import MIN_TOKEN_CHARS, Settings, SettingsError
 from spopp.tracker_api import MAX_STALENESS, RunConfig
 
 from .arms import arm_of
@@ -174,7 +175,7 @@ class LaunchSettings(Settings):
         "learner's); 0: the current version only, the paper's protocol",
     )
     api_token: str | None = Field(
-        None, min_length=16, description="bearer token of every service (prefer SPOPP_API_TOKEN)"
+        None, min_length=MIN_TOKEN_CHARS, description="bearer token of every service (prefer SPOPP_API_TOKEN)"
     )
     run_config: dict = Field(
         default_factory=dict,
@@ -239,6 +240,7 @@ class Plan:
 
     launch: LaunchSettings
     run_config: RunConfig
+    binding: RunBinding  # the one every child bound to the run is given: the run, its tracker, the token
     tracker: TrackerSettings
     rollouts: list[RolloutSettings]
     learner: LearnerSettings
@@ -322,11 +324,11 @@ def _tracker(s: LaunchSettings, run_dir: Path, port: int) -> TrackerSettings:
     return _build(TrackerSettings, "tracker", values)
 
 
-def _learner(s: LaunchSettings, run_dir: Path, tracker_url: str, port: int) -> tuple[LearnerSettings, int]:
+def _learner(s: LaunchSettings, run_dir: Path, binding: RunBinding, port: int) -> tuple[LearnerSettings, int]:
     """The learner's settings (the recipe's defaults under the section's) and its rank count."""
     values = {**RECIPE_DEFAULTS[s.recipe], **s.learner.given()}
     values.update(
-        run=s.run, tracker=tracker_url, api_token=s.api_token, model=Path(s.model).resolve(),
+        **binding.model_dump(), model=Path(s.model).resolve(),
         snapshots=run_dir / "snapshots", checkpoints=run_dir / "checkpoints", log_dir=run_dir / "learner",
         seed=s.seed, port=port, host="127.0.0.1", log_format=s.log_format,
     )  # fmt: skip
@@ -364,14 +366,14 @@ def with_lora_rank(s: LaunchSettings, section: str, given: dict) -> dict:
 
 
 def rollout_settings(
-    s: LaunchSettings, i: int, tracker_url: str, learner_url: str, port: int
+    s: LaunchSettings, i: int, binding: RunBinding, learner_url: str, port: int
 ) -> RolloutSettings:
     """Replica i's settings (rollout-i): at launch, and when `spopp scale` adds it to a running run."""
     # Short: a replica stops when training is over, and its in-flight work has nowhere to go.
     values = {"shutdown_seconds": 2.0, **with_lora_rank(s, "rollout", s.rollout.given())}
     values.update(
-        model=Path(s.model).resolve(), tracker=tracker_url, learner=learner_url,
-        run=s.run, api_token=s.api_token, env=s.env, env_options=s.env_options,
+        **binding.model_dump(), model=Path(s.model).resolve(), learner=learner_url,
+        env=s.env, env_options=s.env_options,
         tasks=Path(s.tasks).resolve(), worker_id=f"rollout-{i}",
         # Distinct sampling streams per replica, all fixed by the run's seed.
         seed=s.seed * 1000 + i, port=port, host="127.0.0.1", log_format=s.log_format,
@@ -380,16 +382,15 @@ def rollout_settings(
 
 
 def _rollouts(
-    s: LaunchSettings, tracker_url: str, learner_url: str, ports: dict[str, int]
+    s: LaunchSettings, binding: RunBinding, learner_url: str, ports: dict[str, int]
 ) -> list[RolloutSettings]:
     return [
-        rollout_settings(s, i, tracker_url, learner_url, ports[f"rollout-{i}"])
-        for i in range(s.rollout.replicas)
+        rollout_settings(s, i, binding, learner_url, ports[f"rollout-{i}"]) for i in range(s.rollout.replicas)
     ]
 
 
 def _evaluator(
-    s: LaunchSettings, run_dir: Path, tracker_url: str, final_version: int, port: int
+    s: LaunchSettings, run_dir: Path, binding: RunBinding, final_version: int, port: int
 ) -> EvaluatorSettings | None:
     """The evaluator's settings, None when there is no held-out set or the section disables it."""
     if s.heldout is None or not s.evaluator.enabled:
@@ -400,7 +401,7 @@ def _evaluator(
         return None
     values = {"poll_seconds": 1.0, **with_lora_rank(s, "evaluator", s.evaluator.given())}
     values.update(
-        tracker=tracker_url, run=s.run, api_token=s.api_token, model=Path(s.model).resolve(),
+        **binding.model_dump(), model=Path(s.model).resolve(),
         snapshots=run_dir / "snapshots", out_dir=run_dir / "eval", tasks=Path(s.heldout).resolve(),
         env=s.env, env_options=s.env_options, until_version=final_version, holder=f"evaluator-{s.run}",
         port=port, host="127.0.0.1", log_format=s.log_format,
@@ -420,12 +421,13 @@ def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
     run_dir = Path(s.run_dir).resolve()
     run_config = _run_config(s)
     tracker = _tracker(s, run_dir, ports["tracker"])
-    tracker_url = f"http://127.0.0.1:{tracker.port}"
-    learner, nproc = _learner(s, run_dir, tracker_url, ports["learner"])
+    # Launch's run name and token are validated narrower than the binding's, so this cannot fail.
+    binding = RunBinding(run=s.run, tracker=f"http://127.0.0.1:{tracker.port}", api_token=s.api_token)
+    learner, nproc = _learner(s, run_dir, binding, ports["learner"])
     final_version = s.updates // learner.updates_per_publish
-    rollouts = _rollouts(s, tracker_url, f"http://127.0.0.1:{learner.port}", ports)
-    evaluator = _evaluator(s, run_dir, tracker_url, final_version, ports["evaluator"])
-    return Plan(s, run_config, tracker, rollouts, learner, nproc, evaluator, final_version)
+    rollouts = _rollouts(s, binding, f"http://127.0.0.1:{learner.port}", ports)
+    evaluator = _evaluator(s, run_dir, binding, final_version, ports["evaluator"])
+    return Plan(s, run_config, binding, tracker, rollouts, learner, nproc, evaluator, final_version)
 
 
 def port_requests(s: LaunchSettings) -> dict[str, int]:

@@ -14,16 +14,15 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, ValidationError
 
+from spopp.run_binding import RunBinding
 from spopp.settings import Settings
 from spopp.tracker_api import RunConfig
 from spopp.wait import WaitTimeout, wait_http
 
 
-class InitSettings(Settings):
+class InitSettings(RunBinding, Settings):
     env_prefix: ClassVar[str] = "SPOPP_INIT_"
 
-    tracker: str = Field("http://127.0.0.1:8000", min_length=1, description="tracker base URL")
-    run: str = Field(..., min_length=1, max_length=128, description="run name at the tracker")
     recipe: Literal["spopp", "spo"] = Field(..., description="spopp (SPO++) or spo")
     seed: int = Field(0, ge=0, lt=2**63, description="seed of the tracker's sampler")
     base_snapshot: str = Field(
@@ -41,7 +40,6 @@ class InitSettings(Settings):
         default_factory=dict,
         description="the run's other fields: retention, prior_mass, lease_seconds, d_half, rho_min, rho_max",
     )
-    api_token: str | None = Field(None, description="bearer token of the tracker (prefer SPOPP_API_TOKEN)")
     wait_seconds: float = Field(300.0, gt=0, le=86_400, description="how long to wait for the tracker")
 
 

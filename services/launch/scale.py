@@ -78,8 +78,7 @@ class Scaler:
         if p.evaluator is not None:
             taken.add(p.evaluator.port)
         r = rollout_settings(
-            self.s, i, f"http://127.0.0.1:{p.tracker.port}", f"http://127.0.0.1:{p.learner.port}",
-            free_port(taken=taken),
+            self.s, i, p.binding, f"http://127.0.0.1:{p.learner.port}", free_port(taken=taken),
         )  # fmt: skip
         r.to_file(p.run_dir / "config" / f"{r.worker_id}.yaml")
         p.rollouts.append(r)

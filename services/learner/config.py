@@ -14,6 +14,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from services.shell.http_settings import HttpServerSettings
+from spopp.run_binding import RunBinding
 from spopp.settings import Settings
 from spopp.tracker_api import MAX_STALENESS
 
@@ -163,17 +164,10 @@ class LearnerTuning(HttpServerSettings):
         return self
 
 
-class LearnerSettings(LearnerTuning, Settings):
+class LearnerSettings(LearnerTuning, RunBinding, Settings):
     env_prefix: ClassVar[str] = "SPOPP_LEARNER_"
 
-    # -- where ---------------------------------------------------------------------------------
-    run: str = Field(..., min_length=1, max_length=128, description="run name at the tracker")
-    tracker: str = Field("http://127.0.0.1:8000", description="tracker base URL")
-    api_token: str | None = Field(
-        None,
-        description="bearer token of the tracker, also required by this learner's intake (prefer "
-        "SPOPP_API_TOKEN)",
-    )
+    # -- where (the run, the tracker and the token: RunBinding) ------------------------------------
     model: Path = Field(..., description="initial weights (Hugging Face folder) = policy version 0")
     snapshots: Path = Field(Path("spopp-data/snapshots"), description="shared storage for snapshots/vNNNNNN")
     checkpoints: Path = Field(Path("spopp-data/checkpoints"), description="training state for --resume")

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator
 from runtime.engines.options import check_engine_options
 from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
+from spopp.run_binding import RunBinding
 from spopp.settings import Settings
 
 
@@ -94,16 +95,11 @@ class RolloutTuning(ClaimSettings, HttpServerSettings):
         return {**self.engine_options, **lora}
 
 
-class RolloutSettings(RolloutTuning, Settings):
+class RolloutSettings(RolloutTuning, RunBinding, Settings):
     env_prefix: ClassVar[str] = "SPOPP_ROLLOUT_"
 
     model: Path = Field(..., description="model folder of policy version 0 (Hugging Face layout)")
-    tracker: str = Field("http://127.0.0.1:8000", description="tracker base URL")
     learner: str = Field("http://127.0.0.1:8100", description="learner base URL (POST /v1/trajectories)")
-    run: str = Field("default", min_length=1, max_length=128, description="run name at the tracker")
-    api_token: str | None = Field(
-        None, description="bearer token of the tracker and the learner (prefer SPOPP_API_TOKEN)"
-    )
 
     env: Literal["math-tir", "toy-calc", "alfworld"] = Field("math-tir", description="environment plug-in")
     env_options: dict = Field(

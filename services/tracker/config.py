@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from services.shell.http_settings import HttpServerSettings
-from spopp.settings import Settings
+from spopp.settings import MIN_TOKEN_CHARS, Settings
 from spopp.tracker_api import MAX_RUNS, MAX_WORKERS_PER_RUN
 
 
@@ -91,7 +91,7 @@ class TrackerSettings(TrackerTuning, Settings):
     data_dir: Path = Field(Path("spopp-data/tracker"), description="the embedded Redis's AOF folder")
     api_token: str | None = Field(
         None,
-        min_length=16,
+        min_length=MIN_TOKEN_CHARS,
         description="bearer token every /v1 route requires, when set (prefer the environment: "
         "flags show in process lists)",
     )
