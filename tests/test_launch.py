@@ -237,6 +237,23 @@ def test_env_options_reach_every_replica_and_the_evaluator(toy, tmp_path):
     assert "env_options" not in plan(resolve(config(toy, tmp_path)), ports).identity()
 
 
+def test_every_child_is_bound_to_the_one_run(toy, tmp_path):
+    """spopp launch builds the run binding once (plan.binding) and every run-bound child carries
+    it: the same run, the tracker it started, the token; the tracker itself gets only the token."""
+    from services.launch.config import plan, port_requests
+    from spopp.run_binding import RunBinding
+
+    token = "t" * 24
+    s = resolve(config(toy, tmp_path, api_token=token), ("rollout.replicas=2", "seed=3"))
+    p = plan(s, {name: 9000 + i for i, name in enumerate(port_requests(s))})
+    assert p.binding == RunBinding(
+        run="spopp-s3", tracker=f"http://127.0.0.1:{p.tracker.port}", api_token=token
+    )
+    for child in (p.learner, *p.rollouts, p.evaluator):
+        assert RunBinding.model_validate({f: getattr(child, f) for f in RunBinding.model_fields}) == p.binding
+    assert p.tracker.api_token == token
+
+
 def test_the_learners_lora_rank_reaches_every_engine(toy, tmp_path):
     """learner.lora_rank is the one LoRA setting a launch config needs: replicas and the evaluator
     get it (what vLLM must know at start-up), and their engines with it; merged snapshots need
