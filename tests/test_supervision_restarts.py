@@ -44,6 +44,20 @@ def launched(path: Path, log: Path):
     assert not left, [p.cmdline() for p in left]
 
 
+def _holding(run_dir: Path, worker: str) -> bool:
+    """Whether the replica's /metrics shows episodes in flight or leases prefetched."""
+    import yaml
+
+    port = yaml.safe_load((run_dir / "config" / f"{worker}.yaml").read_text())["port"]
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return False  # not serving yet
+    held = [float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith(("spopp_rollout_in_flight ", "spopp_rollout_prefetched "))]  # fmt: skip
+    return sum(held) > 0
+
+
 @pytest.mark.slow
 def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(toy, tmp_path):  # noqa: F811
     budget = 24
@@ -57,6 +71,10 @@ def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(
     with launched(path, log) as proc:
         _wait_for(log, "every process is up", proc)
         wait_until(lambda: updates(run_dir) >= 1, 120, "the first update", proc=proc)
+        # rollout-1 holds leases when it dies (episodes in flight or prefetched), so that its
+        # restart has a previous life to give back: killed in its first seconds (before its first
+        # dispatch) it had none, and the check at the end could not tell.
+        wait_until(lambda: _holding(run_dir, "rollout-1"), 120, "rollout-1 holding leases", proc=proc)
         # One of each kind at the same moment (a node's hiccup): the replica, the tracker (and with
         # it its embedded Redis), the evaluator and the learner. Training stops until the learner
         # and the tracker are back, so the run is mid-way whatever the machine's speed.
