@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .gpus import GpuListError, list_gpus
+from .gpus import GpuListError, NoNvidiaSmi, list_gpus
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 MAX_DEVICE_INDEX = 1023
@@ -304,13 +304,13 @@ def devices_setting(value: object) -> object:
 def _nvidia_smi_indices() -> list[str]:
     try:
         found = list_gpus()
+    except NoNvidiaSmi as exc:
+        raise ClaimError(
+            f"devices 'auto': {exc}: give the GPU indices (devices: 0,1,2) or leave devices unset to "
+            "claim numbered slots"
+        ) from None
     except GpuListError as exc:
-        hint = (
-            ": give the GPU indices (devices: 0,1,2) or leave devices unset to claim numbered slots"
-            if "not on PATH" in str(exc)
-            else ""
-        )
-        raise ClaimError(f"devices 'auto': {exc}{hint}") from None
+        raise ClaimError(f"devices 'auto': {exc}") from None
     if not found:
         raise ClaimError("devices 'auto': nvidia-smi lists no GPU")
     return [str(i) for i in found]

@@ -17,11 +17,15 @@ class GpuListError(RuntimeError):
     """nvidia-smi is missing, failed, timed out or printed something else than indices."""
 
 
+class NoNvidiaSmi(GpuListError):
+    """nvidia-smi is not on PATH: a machine without NVIDIA's driver tools, or a PATH without them."""
+
+
 def list_gpus(timeout: float = 60.0) -> list[int]:
     """The GPU indices nvidia-smi lists (possibly none). GpuListError says why there is no list."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        raise GpuListError("nvidia-smi is not on PATH")
+        raise NoNvidiaSmi("nvidia-smi is not on PATH")
     try:
         done = subprocess.run([smi, *QUERY], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -131,10 +131,10 @@ class Settings(SettingsGroup):
     def _shared_hint(cls, unknown: list[str]) -> str:
         """Where a shared field is read, for a variable named as if it were the service's own
         (SPOPP_ROLLOUT_RUN, as it was before the run binding)."""
-        shared = [f for f, var in cls.shared_env.items() if f"{cls.env_prefix}{f.upper()}" in unknown]
-        if not shared:
-            return ""
-        return "; " + ", ".join(f"{f} is {cls.shared_env[f]}" for f in shared) + " in every service"
+        said = [
+            f"{f} is {var}" for f, var in cls.shared_env.items() if f"{cls.env_prefix}{f.upper()}" in unknown
+        ]
+        return "; " + ", ".join(said) + " in every service" if said else ""
 
     @classmethod
     def env_names(cls) -> set[str]:

@@ -244,8 +244,9 @@ def test_visible_devices_auto_asks_nvidia_smi(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(bin_dir))
     assert visible_devices("auto") == ["0", "1", "3"]
     _fake_nvidia_smi(bin_dir, 'echo "NVIDIA-SMI has failed" >&2; exit 9')
-    with pytest.raises(ClaimError, match="nvidia-smi failed \\(exit 9\\): NVIDIA-SMI has failed"):
+    with pytest.raises(ClaimError, match="nvidia-smi failed \\(exit 9\\): NVIDIA-SMI has failed") as failed:
         visible_devices("auto")
+    assert "give the GPU indices" not in str(failed.value)  # a broken driver is not fixed by indices
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(ClaimError, match="nvidia-smi is not on PATH: give the GPU indices"):
         visible_devices("auto")
@@ -254,7 +255,7 @@ def test_visible_devices_auto_asks_nvidia_smi(tmp_path, monkeypatch):
 @pytest.mark.process
 def test_the_launcher_counts_the_same_gpus_and_none_where_nvidia_smi_fails(tmp_path, monkeypatch):
     # One lister (spopp/gpus.py) for the claim and the launcher's plan check.
-    from spopp.gpus import GpuListError, count_gpus, list_gpus
+    from spopp.gpus import GpuListError, NoNvidiaSmi, count_gpus, list_gpus
 
     bin_dir = tmp_path / "bin"
     _fake_nvidia_smi(bin_dir, 'printf "0\\n1\\n3\\n"')
@@ -265,6 +266,8 @@ def test_the_launcher_counts_the_same_gpus_and_none_where_nvidia_smi_fails(tmp_p
         list_gpus()
     assert count_gpus() == 0  # a CPU machine's answer: the plan check then names the missing GPU
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(NoNvidiaSmi):
+        list_gpus()
     assert count_gpus() == 0
 
 

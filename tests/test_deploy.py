@@ -355,10 +355,6 @@ def test_env_files_leave_what_the_run_fixes_to_the_run(flavour):
     learner = LearnerSettings.resolve(env={**dotenv, "SPOPP_RUN": "r", "SPOPP_LEARNER_MODEL": "/m"})
     assert (learner.recipe, learner.max_staleness) == (None, None)
     assert not {"normalization", "dual_clip"} & learner.model_fields_set  # the recipe's (binding.bind)
-    assert learner.max_updates == InitSettings.resolve(
-        env={**dotenv, "SPOPP_INIT_MAX_UPDATES": dotenv["SPOPP_LEARNER_MAX_UPDATES"], "SPOPP_RUN": "r",
-             "SPOPP_INIT_RECIPE": "spopp", "SPOPP_INIT_BASE_SNAPSHOT": "/m", "SPOPP_INIT_TASKS": "/t"}
-    ).max_updates  # the learner's copy of the budget is checked against the run's at start  # fmt: skip
 
 
 def test_compose_starts_without_a_token_and_every_service_reads_the_same_one():
@@ -412,6 +408,9 @@ def test_compose_services_resolve_to_one_consistent_run(flavour):
         s["init"].recipe == dotenv["SPOPP_RECIPE"] and s["learner"].recipe is None
     )  # the run's, read at start
     assert s["init"].seed == s["learner"].seed
+    # init creates the run with the budget; the learner's copy (from the env file) is checked
+    # against it at start, so both come from the one variable
+    assert s["init"].max_updates == s["learner"].max_updates == int(dotenv["SPOPP_LEARNER_MAX_UPDATES"])
     assert s["init"].run_config == yaml.safe_load(dotenv["SPOPP_INIT_RUN_CONFIG"])
     tracker = f"http://127.0.0.1:{s['tracker'].port}"  # host network: everyone on 127.0.0.1
     assert {s[n].tracker for n in ("init", "learner", "rollout", "evaluator")} == {tracker}

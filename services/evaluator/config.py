@@ -70,8 +70,9 @@ class EpisodeSettings(EpisodeTuning, EnvChoice, Settings):
 
 class EvaluatorTuning(EpisodeTuning, ClaimSettings, HttpServerSettings):
     """What an evaluator's operator tunes: which versions, how episodes are played and sampled, its
-    server and claim (also the `evaluator:` section of a launch file). EvaluatorSettings adds what
-    binds it to a run: the run, tracker, model, snapshots, held-out tasks, environment and records."""
+    server and claim (also the `evaluator:` section of a launch file). ScoreSettings adds what it
+    scores with (model, held-out tasks, environment, records), EvaluatorSettings the run it follows
+    (the run binding, snapshots, the last version, the hold's name)."""
 
     every: int = Field(1, ge=1, le=1_000_000, description="score policy version v when v % every == 0")
     at_start: bool = Field(True, description="also score policy version 0, the base model")

@@ -50,8 +50,9 @@ class Child:
         naming the command) or, without one, to a temporary file that `output()` reads.
         `with_parent`: the child gets its own session and is SIGKILLed when the thread that
         started it ends, its process dying included (so nothing outlives a killed launcher; leave
-        it off where that thread ends before the child should). `file_limit`: the child's `ulimit -n`. `banner`: the log's line
-        above this start (default: the arguments after `-m module`)."""
+        it off where that thread ends before the child should). `file_limit`: the child's
+        `ulimit -n`. `banner`: the log's line above this start (default: the arguments after
+        `-m module`)."""
         self.name = name
         self.log_path = log_path
         if log_path is not None:
