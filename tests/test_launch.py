@@ -254,6 +254,32 @@ def test_every_child_is_bound_to_the_one_run(toy, tmp_path):
     assert p.tracker.api_token == token
 
 
+def test_the_embedded_redis_port_is_drawn_by_the_launcher_with_the_others(toy, tmp_path):
+    """Every port of a launch is drawn in one place, each different: the tracker's embedded Redis
+    too. Drawn inside the tracker, it could land on a port handed to the tracker itself or to a
+    replica that has not bound it yet (CI saw the tracker's own port taken by its Redis). With
+    an external Redis, none is drawn; a redis_port given in the file is checked like any port."""
+    from services.launch.config import plan
+    from services.launch.run import LaunchError, _resolve_ports
+
+    s = resolve(config(toy, tmp_path), ("rollout.replicas=3",))
+    ports = _resolve_ports(s)
+    assert set(ports) == {"tracker", "redis", "learner", "evaluator", "rollout-0", "rollout-1", "rollout-2"}
+    assert len(set(ports.values())) == len(ports)
+    assert plan(s, ports).tracker.redis_port == ports["redis"]
+
+    external = resolve(config(toy, tmp_path, tracker={"redis_url": "redis://127.0.0.1:6379/0"}))
+    assert "redis" not in _resolve_ports(external)
+    assert plan(external, _resolve_ports(external)).tracker.redis_port == 0
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"port {port} \\(redis\\) is in use"):
+            _resolve_ports(resolve(config(toy, tmp_path, tracker={"redis_port": port})))
+
+
 def test_the_learners_lora_rank_reaches_every_engine(toy, tmp_path):
     """learner.lora_rank is the one LoRA setting a launch config needs: replicas and the evaluator
     get it (what vLLM must know at start-up), and their engines with it; merged snapshots need

@@ -7,6 +7,7 @@ test_hostile_clients."""
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import socket
 import subprocess
@@ -225,3 +226,92 @@ def test_every_serving_service_takes_the_same_http_settings():
     s = TrackerSettings.resolve(env={"SPOPP_TRACKER_HTTP_HEADER_TIMEOUT_SECONDS": "2.5"})
     assert s.server_limits().header_timeout == 2.5
     assert s.server_limits().max_connections == 1000
+
+
+def test_a_taken_port_is_refused_before_the_service_starts_its_work():
+    """serve() binds its port before anything else: a port another process holds is PortInUse
+    (exit 3, one line naming the address), and the service's work (a replica's leases, the
+    evaluator's hold) never starts."""
+    import asyncio
+    import inspect
+
+    from services.shell.server import STARTUP_FAILURE, PortInUse, serve
+
+    started = []
+
+    async def work():
+        started.append(True)
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        coro = work()
+        with pytest.raises(PortInUse) as caught:
+            asyncio.run(serve(_app(), "127.0.0.1", port, coro))
+    assert caught.value.exit_code == STARTUP_FAILURE
+    assert caught.value.format_message() == f"cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert started == [] and inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+
+
+def test_a_drawn_port_taken_before_the_bind_is_drawn_again_a_given_one_is_refused(monkeypatch):
+    """ThreadedServer draws a port when given none; another process may bind it first. The server
+    then draws once more and binds at once. A port the caller gave is the caller's: taken, it is
+    PortInUse, never a silent other port."""
+    from services.shell import server as shell_server
+    from services.shell.server import PortInUse
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        draws = [taken]
+        real = shell_server.free_port
+        monkeypatch.setattr(
+            shell_server,
+            "free_port",
+            lambda host, taken=(): draws.pop() if draws else real(host, taken=taken),
+        )
+        with ThreadedServer(_app()) as s:
+            assert not draws and s.url != f"http://127.0.0.1:{taken}"
+            assert httpx.get(s.url + "/healthz", timeout=10).json() == {"status": "ok"}
+        with pytest.raises(PortInUse, match=f"127.0.0.1:{taken}: Address already in use"):
+            ThreadedServer(_app(), port=taken)
+
+
+@pytest.mark.process
+def test_a_tracker_whose_port_or_redis_fails_at_start_exits_3_with_one_clear_error(tmp_path):
+    """`spopp tracker serve` on a taken port: exit 3, the address in one line, no traceback, and
+    the embedded Redis it had started is stopped. With a Redis that never answers: exit 3 and
+    uvicorn's start-up error, without the torn-down loop's traceback of every task."""
+    from procs import cli
+
+    from spopp.net import port_free
+    from spopp.settings import environ_without_settings
+
+    env = {**environ_without_settings(), "OMP_NUM_THREADS": "1", "SPOPP_API_TOKEN": "t" * 16}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run(
+            cli("tracker", "serve", "--port", str(port), "--data-dir", str(tmp_path / "t")),
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out
+    assert "Traceback" not in out
+    # The embedded Redis had started (its address is logged) and was stopped: its port is free.
+    redis_port = int(re.search(r"embedded redis on redis://127.0.0.1:(\d+)/0", out).group(1))
+    assert port_free(redis_port)
+
+    r = subprocess.run(
+        cli("tracker", "serve", "--port", "0", "--data-dir", str(tmp_path / "u"),
+            "--redis-url", "redis://127.0.0.1:1/0", "--redis-wait-seconds", "1"),
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out
+    assert "redis did not answer within 1 s" in out and "Application startup failed" in out
+    assert "Task exception was never retrieved" not in out and "SystemExit" not in out

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import socket
 import time
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
 
-from services.tracker.embedded import EmbeddedRedis
+from services.tracker.embedded import EmbeddedRedis, SupervisedRedis
 from services.tracker.errors import ApiError
 from services.tracker.launcher import TrackerProcess
 from services.tracker.store import Store, prefix
@@ -430,6 +431,41 @@ def test_a_stopped_embedded_redis_is_slow_not_dead_and_is_not_restarted(tmp_path
         assert _metric(tracker.url, "spopp_tracker_redis_restarts_total") == 0
     finally:
         tracker.stop()
+
+
+@pytest.mark.process
+def test_a_drawn_redis_port_taken_before_redis_binds_it_is_drawn_again(tmp_path, monkeypatch):
+    """The embedded Redis's port is drawn free, then bound by redis-server a moment later; another
+    process may take it in between. The first start draws again (the tracker has told no one the
+    port yet); a port that was given is refused by name; a restart keeps its port whatever happens
+    (the tracker's connection pool knows it)."""
+    from services.tracker import embedded
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        draws = [taken]
+        real = embedded.free_port
+        monkeypatch.setattr(
+            embedded, "free_port", lambda taken=(): draws.pop() if draws else real(taken=taken)
+        )
+        supervised = SupervisedRedis(tmp_path / "drawn").start()
+        try:
+            assert not draws and supervised.redis.port != taken and supervised.state == "running"
+            assert redis_sync.Redis.from_url(supervised.url).ping()
+        finally:
+            supervised.stop()
+
+        given = SupervisedRedis(tmp_path / "given", port=taken)
+        with pytest.raises(RuntimeError, match=f"port {taken} is in use: redis-server exited with 1"):
+            given.start()
+        assert given.redis.port == taken
+        restarted = EmbeddedRedis(tmp_path / "drawn")  # drawn, but a restart passes no redraw
+        restarted.port = taken
+        with pytest.raises(RuntimeError, match=f"port {taken} is in use"):
+            restarted.start()
+        assert restarted.port == taken
 
 
 @pytest.mark.process

@@ -318,9 +318,11 @@ def _run_config(s: LaunchSettings) -> RunConfig:
         ) from None
 
 
-def _tracker(s: LaunchSettings, run_dir: Path, port: int) -> TrackerSettings:
+def _tracker(s: LaunchSettings, run_dir: Path, port: int, redis_port: int) -> TrackerSettings:
     values = {"port": 0, "log_level": "warning", **s.tracker.given()}
     values.update(data_dir=run_dir / "tracker", api_token=s.api_token, port=port, log_format=s.log_format)
+    if redis_port:
+        values["redis_port"] = redis_port
     return _build(TrackerSettings, "tracker", values)
 
 
@@ -417,10 +419,10 @@ def _evaluator(
 
 def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
     """Every child's settings for a run of `s`, with the ports in `ports` (tracker, learner,
-    evaluator, rollout-<i>). Raises SettingsError naming the section and field of every problem."""
+    evaluator, rollout-<i>, and redis for the tracker's embedded Redis). Raises SettingsError naming the section and field of every problem."""
     run_dir = Path(s.run_dir).resolve()
     run_config = _run_config(s)
-    tracker = _tracker(s, run_dir, ports["tracker"])
+    tracker = _tracker(s, run_dir, ports["tracker"], ports.get("redis", 0))
     # Launch's run name and token are validated narrower than the binding's, so this cannot fail.
     binding = RunBinding(run=s.run, tracker=f"http://127.0.0.1:{tracker.port}", api_token=s.api_token)
     learner, nproc = _learner(s, run_dir, binding, ports["learner"])
@@ -433,13 +435,17 @@ def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
 def port_requests(s: LaunchSettings) -> dict[str, int]:
     """The ports the config asks for (0: any free port), per process name; replicas take
     consecutive ports from rollout.port when it is set. Only ports the file gives count: a
-    service's own default port is no request (the launcher picks a free one)."""
+    service's own default port is no request (the launcher picks a free one). The tracker's
+    embedded Redis is drawn here with the others, so that it cannot draw a port the launcher has
+    handed to a child that has not bound it yet."""
 
-    def given(section: Section) -> int:
-        return section.given().get("port") or 0
+    def given(section: Section, field: str = "port") -> int:
+        return section.given().get(field) or 0
 
     base = given(s.rollout)
     out = {"tracker": given(s.tracker), "learner": given(s.learner), "evaluator": given(s.evaluator)}
+    if not s.tracker.given().get("redis_url"):
+        out["redis"] = given(s.tracker, "redis_port")
     for i in range(s.rollout.replicas):
         out[f"rollout-{i}"] = base + i if base else 0
     return out

@@ -18,8 +18,6 @@ import random
 from pathlib import Path
 from typing import Any
 
-from spopp.net import free_port
-
 from .batch import accumulation_steps
 from .config import LearnerSettings
 from .lora import apply_lora
@@ -31,17 +29,17 @@ def init_distributed() -> tuple[int, int]:
     """Join (or create) the process group; returns (rank, world_size). Idempotent.
 
     gloo on CPU, NCCL on CUDA. Without a launcher's environment, this process becomes rank 0 of a
-    world of one (the variables are only filled where unset, so a launcher's values always win).
+    world of one, met through an in-process store (the variables are only filled where unset, so a
+    launcher's values always win).
     """
     import torch
 
     if not torch.cuda.is_available():
         # DeepSpeed picks its accelerator once, at first use; say it rather than rely on detection.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if "WORLD_SIZE" not in os.environ:
+    alone = "WORLD_SIZE" not in os.environ
+    if alone:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
 
     import deepspeed
@@ -50,8 +48,13 @@ def init_distributed() -> tuple[int, int]:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if alone:
+            # A world of one has no one to meet: an in-process store, and no TCP port. A port drawn
+            # here could be one a launcher has handed to a replica that has not bound it yet.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         with LockWatch():  # a stale build lock would hang this silently (op_build.py)
-            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+            deepspeed.init_distributed(dist_backend=backend)  # takes the group above when there is one
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -19,10 +19,12 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import click
 import uvicorn
 
 from spopp.net import free_port
@@ -66,10 +68,46 @@ def arm_shutdown_watchdog(limits: ServerLimits) -> threading.Timer:
     return timer
 
 
+class PortInUse(click.ClickException):
+    """The service's port could not be bound: one line, exit 3, before the service starts any work
+    (uvicorn's own bind error would come from inside its task, after the work began)."""
+
+    exit_code = STARTUP_FAILURE
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) for uvicorn to listen on, or PortInUse. Bound by us, before
+    the app's start-up, so a taken port is known before a replica leases work or a tracker loads."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    # As uvicorn does: a port whose last server's connections linger in TIME_WAIT can be bound again.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield  # the service's loop owns the signals
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn exits from inside its task when the app's start-up fails, which tears through the
+        # loop (a traceback per task). Here the server just does not start: `started` stays false
+        # and serve() exits with the same code once the loop has cleaned up.
+        try:
+            await super().startup(sockets=sockets)
+        except SystemExit:
+            self.should_exit = True
 
 
 def _config(app, host: str, port: int, log_level: str, limits: ServerLimits) -> uvicorn.Config:
@@ -99,9 +137,16 @@ async def serve(
 
     On SIGTERM or SIGINT: `on_signal()` when given (the service winds down and `work` ends by
     itself), else `work` is cancelled (its CancelledError reaches the caller). The server stops
-    after `work`, so /healthz and /metrics answer while the service winds down. Without `work`,
-    SystemExit(3) when the app's start-up failed, as uvicorn.run exits."""
+    after `work`, so /healthz and /metrics answer while the service winds down. PortInUse (exit 3)
+    when the port cannot be bound, before `work` starts; without `work`, SystemExit(3) when the
+    app's start-up failed, as uvicorn.run exits."""
     limits = limits or ServerLimits()
+    try:
+        sock = listen(host, port)
+    except PortInUse:
+        if asyncio.iscoroutine(work):
+            work.close()  # never started: no "never awaited" warning on the way out
+        raise
     server = _Server(_config(app, host, port, log_level, limits))
     watchdog: threading.Timer | None = None
 
@@ -112,7 +157,7 @@ async def serve(
         if watchdog is None:
             watchdog = arm_shutdown_watchdog(limits)
 
-    http = asyncio.ensure_future(server.serve())
+    http = asyncio.ensure_future(server.serve(sockets=[sock]))
     main = asyncio.ensure_future(work) if work is not None else http
     stop = on_signal or (main.cancel if work is not None else stop_server)
     loop = asyncio.get_running_loop()
@@ -145,10 +190,21 @@ class ThreadedServer:
         log_level: str = "warning",
         limits: ServerLimits | None = None,
     ) -> None:
+        drawn = not port
         port = port or free_port(host)
+        try:
+            self.sock = listen(host, port)
+        except PortInUse:
+            if not drawn:
+                raise
+            # Taken between the draw and the bind by another process: one more draw, bound at once.
+            port = free_port(host, taken=(port,))
+            self.sock = listen(host, port)
         self.url = f"http://{host}:{port}"
         self.server = uvicorn.Server(_config(app, host, port, log_level, limits or ServerLimits()))
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"http-{port}")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name=f"http-{port}"
+        )
 
     def start(self, timeout: float = 10.0) -> ThreadedServer:
         self.thread.start()
@@ -166,6 +222,7 @@ class ThreadedServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        self.sock.close()  # uvicorn closed it if it started; a server never started must not keep it
 
     def __enter__(self) -> ThreadedServer:
         return self.start()

@@ -25,6 +25,13 @@ class TrackerTuning(HttpServerSettings):
         "never given on the command line, where process lists show it. The embedded Redis makes its own "
         "(redis.password under data_dir, 0600)",
     )
+    redis_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="embedded Redis only: its port on 127.0.0.1 (0: a free one, drawn again if another "
+        "process takes it before redis binds it)",
+    )
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free port)")
     max_body_bytes: int = Field(

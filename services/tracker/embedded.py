@@ -54,6 +54,7 @@ def find_redis_server() -> str:
 
 
 PASSWORD_FILE = "redis.password"
+FIRST_START_REDRAWS = 3  # a drawn port taken before redis binds it: draw again, this many times
 CONFIG_FILE = "redis.conf"
 
 
@@ -78,6 +79,20 @@ def redis_password(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
+def _log_since(path: Path, offset: int) -> str:
+    """What redis wrote to its log from `offset` on: this start's lines, not an earlier life's."""
+    try:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
+
+
+class PortTaken(RuntimeError):
+    """redis-server could not bind its port: another process holds it."""
+
+
 class EmbeddedRedis:
     """A redis-server on 127.0.0.1 that asks for a password: anyone else on the host reaches the
     port, so the state is behind `requirepass` (read from a 0600 config file under the data folder,
@@ -86,6 +101,9 @@ class EmbeddedRedis:
 
     def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True) -> None:
         self.data_dir = Path(data_dir).resolve()
+        # A port drawn here was free a moment ago; another process may bind it before redis does.
+        # Only such a port may be drawn again, and only before anyone was told it (`start`).
+        self.drawn_port = not port
         self.port = port or free_port()
         self.appendonly = appendonly
         self.proc: subprocess.Popen | None = None
@@ -109,8 +127,27 @@ class EmbeddedRedis:
     def pidfile(self) -> Path:
         return self.data_dir / "redis.pid"
 
-    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+    def start(self, timeout: float = 10.0, redraw: int = 0) -> EmbeddedRedis:
+        """Start redis-server and wait until it answers with its password. With `redraw` and a
+        drawn port, a port that another process took meanwhile is replaced by a new draw, up to
+        `redraw` times (a restart keeps its port: the tracker's clients know it)."""
+        for attempt in range(redraw + 1):
+            try:
+                return self._start_once(timeout)
+            except PortTaken as exc:
+                if not self.drawn_port or attempt == redraw:
+                    raise RuntimeError(str(exc)) from None
+                taken = self.port
+                self.port = free_port(taken=(taken,))
+                log.warning(
+                    "port %d was taken before redis-server bound it; drawing again: %d", taken, self.port
+                )
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        log_file = self.data_dir / "redis.log"
+        log_start = log_file.stat().st_size if log_file.exists() else 0
         args = [
             find_redis_server(),
             str(self._config_file()),
@@ -149,8 +186,11 @@ class EmbeddedRedis:
                 self._answers, timeout, f"redis-server on port {self.port}", interval=0.05, proc=self.proc
             )
         except ProcessExited:
-            tail = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{tail}") from None
+            tail = _log_since(log_file, log_start)[-2000:]
+            message = f"redis-server exited with {self.proc.returncode}:\n{tail}"
+            if "Address already in use" in tail:
+                raise PortTaken(f"port {self.port} is in use: {message}") from None
+            raise RuntimeError(message) from None
         except WaitTimeout:
             self.stop()
             raise RuntimeError(
@@ -267,7 +307,7 @@ class SupervisedRedis:
 
     def _run(self) -> None:
         try:
-            self.redis.start(self.start_timeout)
+            self.redis.start(self.start_timeout, redraw=FIRST_START_REDRAWS)
         except Exception as exc:  # reported by start() in the caller's thread
             self.last_error = str(exc)
             self._started.set()

@@ -29,6 +29,7 @@ def serve(settings: TrackerSettings) -> None:
         # Restarted on the same port and data folder if it dies; /healthz fails if it keeps dying.
         embedded = SupervisedRedis(
             settings.data_dir,
+            port=settings.redis_port or None,
             max_restarts=settings.redis_max_restarts,
             window_seconds=settings.redis_restart_window_seconds,
             start_timeout=settings.redis_wait_seconds,
