@@ -4,6 +4,7 @@ killed by its own pid if still running at the end."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,15 @@ from pathlib import Path
 import yaml
 
 from spopp.settings import environ_without_settings
+
+
+@contextlib.contextmanager
+def held_port():
+    """A port on 127.0.0.1 that another program holds (listening) until the block ends."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
 
 
 def cli(*args: str) -> list[str]:

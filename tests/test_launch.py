@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from procs import cli
+from procs import cli, held_port
 
 from runtime.envs.toy_calc import write_toy_calc_tasks
 from services.launch import gpus
@@ -122,10 +121,7 @@ def test_bad_config_is_refused_with_its_reason(toy, tmp_path, over, expect):
 
 
 def test_a_port_in_use_is_refused(toy, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
+    with held_port() as port:
         _refused(toy, tmp_path, f"port {port} (tracker) is in use", tracker={"port": port})
 
 
@@ -272,10 +268,7 @@ def test_the_embedded_redis_port_is_drawn_by_the_launcher_with_the_others(toy, t
     assert "redis" not in _resolve_ports(external)
     assert plan(external, _resolve_ports(external)).tracker.redis_port == 0
 
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with held_port() as port:
         with pytest.raises(LaunchError, match=f"port {port} \\(redis\\) is in use"):
             _resolve_ports(resolve(config(toy, tmp_path, tracker={"redis_port": port})))
 

@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from procs import held_port
 
 from services.shell.connections import FD_RESERVE, MIN_CONNECTIONS, ServerLimits, effective_cap
 from services.shell.logs import RepeatLimit
@@ -242,10 +243,7 @@ def test_a_taken_port_is_refused_before_the_service_starts_its_work():
     async def work():
         started.append(True)
 
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with held_port() as port:
         coro = work()
         with pytest.raises(PortInUse) as caught:
             asyncio.run(serve(_app(), "127.0.0.1", port, coro))
@@ -261,10 +259,7 @@ def test_a_drawn_port_taken_before_the_bind_is_drawn_again_a_given_one_is_refuse
     from services.shell import server as shell_server
     from services.shell.server import PortInUse
 
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        taken = held.getsockname()[1]
+    with held_port() as taken:
         draws = [taken]
         real = shell_server.free_port
         monkeypatch.setattr(
@@ -290,10 +285,7 @@ def test_a_tracker_whose_port_or_redis_fails_at_start_exits_3_with_one_clear_err
     from spopp.settings import environ_without_settings
 
     env = {**environ_without_settings(), "OMP_NUM_THREADS": "1", "SPOPP_API_TOKEN": "t" * 16}
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with held_port() as port:
         r = subprocess.run(
             cli("tracker", "serve", "--port", str(port), "--data-dir", str(tmp_path / "t")),
             env=env, capture_output=True, text=True, timeout=120,

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import socket
 import time
 
 import httpx
@@ -16,6 +15,7 @@ import psutil
 import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
+from procs import held_port
 
 from services.tracker.embedded import EmbeddedRedis, SupervisedRedis
 from services.tracker.errors import ApiError
@@ -441,10 +441,7 @@ def test_a_drawn_redis_port_taken_before_redis_binds_it_is_drawn_again(tmp_path,
     (the tracker's connection pool knows it)."""
     from services.tracker import embedded
 
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        taken = held.getsockname()[1]
+    with held_port() as taken:
         draws = [taken]
         real = embedded.free_port
         monkeypatch.setattr(
