@@ -419,7 +419,8 @@ def _evaluator(
 
 def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
     """Every child's settings for a run of `s`, with the ports in `ports` (tracker, learner,
-    evaluator, rollout-<i>, and redis for the tracker's embedded Redis). Raises SettingsError naming the section and field of every problem."""
+    evaluator, rollout-<i>, and redis for the tracker's embedded Redis). Raises SettingsError
+    naming the section and field of every problem."""
     run_dir = Path(s.run_dir).resolve()
     run_config = _run_config(s)
     tracker = _tracker(s, run_dir, ports["tracker"], ports.get("redis", 0))
