@@ -253,7 +253,7 @@ def test_every_child_is_bound_to_the_one_run(toy, tmp_path):
 def test_the_embedded_redis_port_is_drawn_by_the_launcher_with_the_others(toy, tmp_path):
     """Every port of a launch is drawn in one place, each different: the tracker's embedded Redis
     too. Drawn inside the tracker, it could land on a port handed to the tracker itself or to a
-    replica that has not bound it yet (CI saw the tracker's own port taken by its Redis). With
+    replica that has not bound it yet (the likely cause of a tracker exiting 3 at start in CI). With
     an external Redis, none is drawn; a redis_port given in the file is checked like any port."""
     from services.launch.config import plan
     from services.launch.run import LaunchError, _resolve_ports

@@ -230,13 +230,13 @@ def test_every_serving_service_takes_the_same_http_settings():
 
 
 def test_a_taken_port_is_refused_before_the_service_starts_its_work():
-    """serve() binds its port before anything else: a port another process holds is PortInUse
+    """serve() binds its port before anything else: a port another process holds is CannotListen
     (exit 3, one line naming the address), and the service's work (a replica's leases, the
     evaluator's hold) never starts."""
     import asyncio
     import inspect
 
-    from services.shell.server import STARTUP_FAILURE, PortInUse, serve
+    from services.shell.server import STARTUP_FAILURE, CannotListen, serve
 
     started = []
 
@@ -245,32 +245,28 @@ def test_a_taken_port_is_refused_before_the_service_starts_its_work():
 
     with held_port() as port:
         coro = work()
-        with pytest.raises(PortInUse) as caught:
+        with pytest.raises(CannotListen) as caught:
             asyncio.run(serve(_app(), "127.0.0.1", port, coro))
     assert caught.value.exit_code == STARTUP_FAILURE
     assert caught.value.format_message() == f"cannot listen on 127.0.0.1:{port}: Address already in use"
     assert started == [] and inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
 
 
-def test_a_drawn_port_taken_before_the_bind_is_drawn_again_a_given_one_is_refused(monkeypatch):
-    """ThreadedServer draws a port when given none; another process may bind it first. The server
-    then draws once more and binds at once. A port the caller gave is the caller's: taken, it is
-    PortInUse, never a silent other port."""
-    from services.shell import server as shell_server
-    from services.shell.server import PortInUse
+def test_a_threaded_server_holds_its_port_from_construction_a_taken_one_is_refused():
+    """ThreadedServer binds when it is built: with port 0 the OS picks a port and no other process
+    can take it before the server starts (the race a drawn port would have); `url` names it. A
+    port the caller gave that another process holds is CannotListen, never a silent other port."""
+    from services.shell.server import CannotListen
+    from spopp.net import port_free
 
+    server = ThreadedServer(_app())
+    port = int(server.url.rsplit(":", 1)[1])
+    assert port != 0 and not port_free(port)  # held before start()
+    with server:
+        assert httpx.get(server.url + "/healthz", timeout=10).json() == {"status": "ok"}
+    assert port_free(port)  # and given back at stop()
     with held_port() as taken:
-        draws = [taken]
-        real = shell_server.free_port
-        monkeypatch.setattr(
-            shell_server,
-            "free_port",
-            lambda host, taken=(): draws.pop() if draws else real(host, taken=taken),
-        )
-        with ThreadedServer(_app()) as s:
-            assert not draws and s.url != f"http://127.0.0.1:{taken}"
-            assert httpx.get(s.url + "/healthz", timeout=10).json() == {"status": "ok"}
-        with pytest.raises(PortInUse, match=f"127.0.0.1:{taken}: Address already in use"):
+        with pytest.raises(CannotListen, match=f"127.0.0.1:{taken}: Address already in use"):
             ThreadedServer(_app(), port=taken)
 
 

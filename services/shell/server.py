@@ -27,7 +27,6 @@ from typing import Any
 import click
 import uvicorn
 
-from spopp.net import free_port
 from spopp.wait import WaitTimeout, wait_until
 
 from .connections import ACCEPT_BURST, ServerLimits, protocol_class
@@ -68,22 +67,23 @@ def arm_shutdown_watchdog(limits: ServerLimits) -> threading.Timer:
     return timer
 
 
-class PortInUse(click.ClickException):
-    """The service's port could not be bound: one line, exit 3, before the service starts any work
-    (uvicorn's own bind error would come from inside its task, after the work began)."""
+class CannotListen(click.ClickException):
+    """The service's address could not be bound (a port another process holds, a host that does
+    not resolve): one line, exit 3, before the service starts any work (uvicorn's own bind error
+    would come from inside its task, after the work began)."""
 
     exit_code = STARTUP_FAILURE
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port) for uvicorn to listen on, or PortInUse. Bound by us, before
+    """A socket bound to (host, port) for uvicorn to listen on, or CannotListen. Bound by us, before
     the app's start-up, so a taken port is known before a replica leases work or a tracker loads."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
     except socket.gaierror as exc:
-        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise CannotListen(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock = socket.socket(family, kind, proto)
     # As uvicorn does: a port whose last server's connections linger in TIME_WAIT can be bound again.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -91,7 +91,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise CannotListen(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
 
 
@@ -137,13 +137,13 @@ async def serve(
 
     On SIGTERM or SIGINT: `on_signal()` when given (the service winds down and `work` ends by
     itself), else `work` is cancelled (its CancelledError reaches the caller). The server stops
-    after `work`, so /healthz and /metrics answer while the service winds down. PortInUse (exit 3)
+    after `work`, so /healthz and /metrics answer while the service winds down. CannotListen (exit 3)
     when the port cannot be bound, before `work` starts; without `work`, SystemExit(3) when the
     app's start-up failed, as uvicorn.run exits."""
     limits = limits or ServerLimits()
     try:
         sock = listen(host, port)
-    except PortInUse:
+    except CannotListen:
         if asyncio.iscoroutine(work):
             work.close()  # never started: no "never awaited" warning on the way out
         raise
@@ -180,7 +180,8 @@ async def serve(
 
 class ThreadedServer:
     """An ASGI app under uvicorn in a background thread: the learner's intake beside its training
-    loop, and the stand-in learner of rollout tests. `port=0` picks a free port."""
+    loop, and the stand-in learner of rollout tests. `port=0`: a free port the OS picks; `url` says
+    which. CannotListen (exit 3) when the port is taken."""
 
     def __init__(
         self,
@@ -190,16 +191,10 @@ class ThreadedServer:
         log_level: str = "warning",
         limits: ServerLimits | None = None,
     ) -> None:
-        drawn = not port
-        port = port or free_port(host)
-        try:
-            self.sock = listen(host, port)
-        except PortInUse:
-            if not drawn:
-                raise
-            # Taken between the draw and the bind by another process: one more draw, bound at once.
-            port = free_port(host, taken=(port,))
-            self.sock = listen(host, port)
+        # Bound here, so port 0 is the OS's choice at once: no other process can take it between
+        # a draw and the bind (spopp.net's draw is for ports handed to a process not started yet).
+        self.sock = listen(host, port)
+        port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{port}"
         self.server = uvicorn.Server(_config(app, host, port, log_level, limits or ServerLimits()))
         self.thread = threading.Thread(
@@ -216,7 +211,9 @@ class ThreadedServer:
 
     def _started(self) -> bool:
         if not self.server.started and not self.thread.is_alive():
-            raise RuntimeError(f"HTTP server on {self.url} did not start: its thread ended (port taken?)")
+            raise RuntimeError(
+                f"HTTP server on {self.url} did not start: its thread ended (the app's start-up failed)"
+            )
         return self.server.started
 
     def stop(self) -> None:

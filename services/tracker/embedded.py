@@ -54,8 +54,8 @@ def find_redis_server() -> str:
 
 
 PASSWORD_FILE = "redis.password"
-FIRST_START_REDRAWS = 3  # a drawn port taken before redis binds it: draw again, this many times
 CONFIG_FILE = "redis.conf"
+FIRST_START_REDRAWS = 3  # a drawn port taken before redis binds it: draw again, this many times
 
 
 def write_secret(path: Path, text: str) -> None:
@@ -131,18 +131,18 @@ class EmbeddedRedis:
         """Start redis-server and wait until it answers with its password. With `redraw` and a
         drawn port, a port that another process took meanwhile is replaced by a new draw, up to
         `redraw` times (a restart keeps its port: the tracker's clients know it)."""
-        for attempt in range(redraw + 1):
+        redraws = redraw if self.drawn_port else 0
+        while True:
             try:
                 return self._start_once(timeout)
             except PortTaken as exc:
-                if not self.drawn_port or attempt == redraw:
+                if redraws == 0:
                     raise RuntimeError(str(exc)) from None
-                taken = self.port
-                self.port = free_port(taken=(taken,))
+                redraws -= 1
+                taken, self.port = self.port, free_port(taken=(self.port,))
                 log.warning(
                     "port %d was taken before redis-server bound it; drawing again: %d", taken, self.port
                 )
-        raise AssertionError("unreachable")
 
     def _start_once(self, timeout: float) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
