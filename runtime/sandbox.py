@@ -7,8 +7,9 @@ Each call of `run_python` starts a fresh sandbox and throws it away afterwards:
 * filesystem: an empty tmpfs root with read-only binds of `/usr` (and the `/bin`, `/lib*`
   symlinks or folders as the host has them), of the interpreter's prefixes (`sys.base_prefix`,
   `sys.prefix` of the venv) and of `/etc/ld.so.cache`; a private `/proc` and a minimal `/dev`;
-  `/tmp` is a fresh tmpfs and the work folder `/tmp/work` a size-limited tmpfs inside it, so that
-  nothing the code writes reaches the host's disk and nothing outlives the run. The host's home
+  `/tmp` is a fresh tmpfs of `workdir_bytes` (every file the run may write, the work folder
+  `/tmp/work` included), so that nothing the code writes reaches the host's disk, outlives the run
+  or passes that size; `/dev` is bwrap's minimal one, not writable by the code. The host's home
   folder is not bound: only the interpreter's own prefix below it, and the folders leading there
   are created mode 0711 (traversable, not listable);
 * identity and limits: the code runs as uid/gid 65534 (`nobody`) with no capabilities, no
@@ -17,6 +18,11 @@ Each call of `run_python` starts a fresh sandbox and throws it away afterwards:
   starts. RLIMIT_NPROC counts every process of that uid on the host, so concurrent sandboxes share
   it (a fork bomb in one can make `fork` fail in another while it lasts); give concurrent
   sandboxes distinct `uid`s where that matters;
+* the run as a whole: a cgroup of its own (`runtime.sandbox_cgroup`) caps the memory of all its
+  processes together with the files they wrote (`total_memory_bytes`) and the count of its
+  processes (`max_processes`); a run the kernel killed for that limit ends with
+  "sandbox_memory_limit". Where no cgroup can be made, the process cap is lowered to
+  `total_memory_bytes // memory_bytes` so that RLIMIT_AS times it stays within the same total;
 * a wall-clock limit enforced from the outside: the sandbox runs in its own process group, which
   is killed on the deadline; killing bwrap tears down the pid namespace and with it every process
   inside;
@@ -41,6 +47,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from . import sandbox_cgroup
+from .sandbox_cgroup import RunGroup
+
 KiB = 1024
 MiB = 1024 * KiB
 
@@ -63,12 +72,14 @@ class SandboxUnavailable(RuntimeError):
 class SandboxConfig:
     wall_seconds: float = 5.0
     cpu_seconds: int = 5
-    memory_bytes: int = 512 * MiB  # RLIMIT_AS
+    memory_bytes: int = 512 * MiB  # RLIMIT_AS, each process
+    total_memory_bytes: int = 1024 * MiB  # every process and file of the run together (a cgroup)
     file_bytes: int = 1 * MiB  # RLIMIT_FSIZE: the largest file the code may write
-    max_processes: int = 16  # RLIMIT_NPROC, counted per uid (see the module docstring)
+    max_processes: int = 16  # the run's processes (its pids cgroup); also RLIMIT_NPROC, per uid
     max_open_files: int = 64  # RLIMIT_NOFILE
     max_output_bytes: int = 8 * KiB  # kept of stdout and of stderr, each
-    workdir_bytes: int = 64 * MiB  # size of the work folder's tmpfs (host memory, freed after)
+    workdir_bytes: int = 256 * MiB  # size of /tmp's tmpfs: all the files of a run (host memory, freed after)
+    cgroups: bool = True  # False: rlimits alone (the fallback where no cgroup can be made)
     python: str = sys.executable
     bwrap_path: str = "bwrap"
     uid: int = 65534
@@ -82,7 +93,8 @@ class SandboxResult:
     exit_code: int | None  # the interpreter's exit status; 128+N when signal N ended it
     timed_out: bool  # the wall-clock or the CPU-time limit ended the run
     # Why the run ended abnormally, when a limit or a signal did it: "wall_timeout", "cpu_limit",
-    # "memory_limit", "file_size_limit", "process_limit", "open_files_limit", "workdir_full",
+    # "memory_limit" (one process's RLIMIT_AS), "sandbox_memory_limit" (the run's cgroup),
+    # "file_size_limit", "process_limit", "open_files_limit", "workdir_full" (/tmp's tmpfs),
     # "signal:SIGSEGV", ... The ones read off a traceback need the exception to end the script.
     killed_reason: str | None
     duration_s: float
@@ -191,14 +203,16 @@ def _filesystem_args(argv: list[str], setup: _Setup, config: SandboxConfig, code
             plan.parents(f)
             argv += ["--ro-bind", f, f]
     argv += ["--proc", "/proc", "--dev", "/dev"]
-    # /tmp first, so that binds below it (a prefix under /tmp, the work folder) land on it.
-    argv += ["--perms", "1777", "--tmpfs", "/tmp"]
+    # /tmp first, so that binds below it (a prefix under /tmp, the work folder) land on it. One
+    # tmpfs for every file the run writes: the work folder is a folder in it, not a second tmpfs,
+    # so that /tmp outside the work folder is no way around the size.
+    argv += ["--perms", "1777", "--size", str(config.workdir_bytes), "--tmpfs", "/tmp"]
     plan.made.add("/tmp")
     for host, inside in setup.prefix_binds:
         plan.parents(inside)
         argv += ["--ro-bind", host, inside]
         plan.made.add(inside)
-    argv += ["--perms", "0777", "--size", str(config.workdir_bytes), "--tmpfs", WORKDIR]
+    argv += ["--perms", "0777", "--dir", WORKDIR]
     argv += ["--perms", "0644", "--file", str(code_fd), f"{WORKDIR}/{SCRIPT_NAME}"]
 
 
@@ -226,7 +240,15 @@ def _environment_args(setup: _Setup) -> list[str]:
     return argv
 
 
-def _command_args(setup: _Setup, config: SandboxConfig) -> list[str]:
+def process_cap(config: SandboxConfig, grouped: bool) -> int:
+    """RLIMIT_NPROC: `max_processes` under a cgroup (which bounds the run's memory as a whole);
+    without one, few enough that RLIMIT_AS times the count stays within `total_memory_bytes`."""
+    if grouped:
+        return config.max_processes
+    return max(1, min(config.max_processes, config.total_memory_bytes // config.memory_bytes))
+
+
+def _command_args(setup: _Setup, config: SandboxConfig, grouped: bool) -> list[str]:
     """The command inside: drop to the unprivileged uid (setpriv), set rlimits (prlimit), run."""
     return [
         setup.setpriv,
@@ -242,7 +264,7 @@ def _command_args(setup: _Setup, config: SandboxConfig) -> list[str]:
         f"--cpu={config.cpu_seconds}:{config.cpu_seconds + 1}",  # SIGXCPU, then SIGKILL a second later
         f"--fsize={config.file_bytes}",
         f"--nofile={config.max_open_files}",
-        f"--nproc={config.max_processes}",
+        f"--nproc={process_cap(config, grouped)}",
         "--core=0",
         "--",
         setup.python,
@@ -252,12 +274,20 @@ def _command_args(setup: _Setup, config: SandboxConfig) -> list[str]:
     ]
 
 
-def _build_argv(setup: _Setup, config: SandboxConfig, code_fd: int) -> list[str]:
-    """The full bwrap command line: namespaces, mounts, environment, then the limited interpreter."""
+# Joins the run's cgroups before bwrap starts (the shell writes its own pid, then becomes bwrap), so
+# that nothing of the run is ever outside them: `sh -c JOIN sh N FILE... BWRAP ARGS...`.
+_JOIN = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
+
+
+def _build_argv(setup: _Setup, config: SandboxConfig, code_fd: int, group: RunGroup | None) -> list[str]:
+    """The full command line: join the run's cgroups, then bwrap (namespaces, mounts, environment,
+    the limited interpreter)."""
     argv = [setup.bwrap, *_NAMESPACE_FLAGS]
     _filesystem_args(argv, setup, config, code_fd)
     argv += _environment_args(setup)
-    argv += _command_args(setup, config)
+    argv += _command_args(setup, config, group is not None)
+    if group is not None:
+        argv = ["/bin/sh", "-c", _JOIN, "sh", str(len(group.procs_files)), *group.procs_files, *argv]
     return argv
 
 
@@ -338,14 +368,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _start(setup: _Setup, config: SandboxConfig, code: str) -> subprocess.Popen:
+def _start(setup: _Setup, config: SandboxConfig, code: str, group: RunGroup | None) -> subprocess.Popen:
     """Start bwrap in its own session, the code passed as an anonymous file (closed here after)."""
     with tempfile.TemporaryFile() as code_file:
         code_file.write(code.encode("utf-8", errors="surrogatepass"))
         code_file.flush()
         code_file.seek(0)
         return subprocess.Popen(
-            _build_argv(setup, config, code_file.fileno()),
+            _build_argv(setup, config, code_file.fileno(), group),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -403,23 +433,42 @@ def _wait_for(proc: subprocess.Popen, out_stream: _Stream, err_stream: _Stream, 
     return timed_out_wall
 
 
+def _run_group(config: SandboxConfig) -> RunGroup | None:
+    """The run's own cgroup, or None where none can be made (the rlimits' fallback)."""
+    if not config.cgroups:
+        return None
+    hierarchies = sandbox_cgroup.detect()
+    if isinstance(hierarchies, str):
+        return None
+    return RunGroup(hierarchies, config.total_memory_bytes, config.max_processes)
+
+
 def _run(setup: _Setup, config: SandboxConfig, code: str) -> SandboxResult:
     started = time.monotonic()
     deadline = started + config.wall_seconds
     out_stream, err_stream = _Stream(config.max_output_bytes), _Stream(config.max_output_bytes)
-    proc = _start(setup, config, code)
+    group = _run_group(config)
     try:
-        timed_out_wall = _wait_for(proc, out_stream, err_stream, deadline)
+        proc = _start(setup, config, code, group)
+        try:
+            timed_out_wall = _wait_for(proc, out_stream, err_stream, deadline)
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+                proc.wait()
+            for f in (proc.stdout, proc.stderr):
+                f.close()
+        oom = group is not None and group.oom_killed()
     finally:
-        if proc.poll() is None:
-            _kill_group(proc)
-            proc.wait()
-        for f in (proc.stdout, proc.stderr):
-            f.close()
+        if group is not None:
+            group.remove()
     duration = time.monotonic() - started
     exit_code = None if timed_out_wall else proc.returncode
     stderr = err_stream.text()
-    reason = "wall_timeout" if timed_out_wall else _killed_reason(exit_code, err_stream.data)
+    if oom:  # whatever else it looks like, the run's memory as a whole ran out
+        reason = "sandbox_memory_limit"
+    else:
+        reason = "wall_timeout" if timed_out_wall else _killed_reason(exit_code, err_stream.data)
     return SandboxResult(
         stdout=out_stream.text(),
         stderr=stderr,
@@ -463,3 +512,22 @@ def _killed_reason(exit_code: int | None, stderr: bytes) -> str | None:
 def check_sandbox(config: SandboxConfig | None = None) -> None:
     """Raise SandboxUnavailable now, at start-up, rather than in the first episode."""
     _get_setup(config or SandboxConfig())
+
+
+def bounds(config: SandboxConfig | None = None) -> str:
+    """One line on how a run's memory and processes are bounded here (cgroup or rlimits alone),
+    for a service's start-up log."""
+    config = config or SandboxConfig()
+    found = sandbox_cgroup.detect() if config.cgroups else "cgroups turned off"
+    mib = 2**20
+    if isinstance(found, str):
+        return (
+            f"sandbox: no cgroup ({found}); each run's memory bounded by rlimits alone: "
+            f"{process_cap(config, False)} processes x {config.memory_bytes // mib} MiB, "
+            f"files {config.workdir_bytes // mib} MiB"
+        )
+    kinds = ", ".join(f"v{h.version} {h.controller}" for h in found)
+    return (
+        f"sandbox: each run in its own cgroup ({kinds}): {config.total_memory_bytes // mib} MiB of memory "
+        f"and files together, {config.max_processes} processes, files {config.workdir_bytes // mib} MiB"
+    )

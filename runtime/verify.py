@@ -1,25 +1,30 @@
 """Answer checking for math tasks: the last `\\boxed{...}` of a response against the reference.
 
-* `verify_answer(..., strict=False)`: math-verify decides equivalence (`\\frac{1}{2}` = 0.5 = 1/2,
-  `x^2+1` = `1+x^2`, sets, intervals, ...). math-verify's own time limits use `signal.alarm`, which
-  only works in the main thread, and environments run in worker threads, so it is called with its
-  limits off and each check runs in its own daemon thread that we wait on for `timeout_s`; a check
-  that overruns scores 0.0 (the thread is abandoned and finishes, or not, on its own).
-* `verify_answer(..., strict=True)`: DAPO's strict boxed match. The boxed string and the reference
+* `check_answer(..., strict=False)`: math-verify decides equivalence (`\\frac{1}{2}` = 0.5 = 1/2,
+  `x^2+1` = `1+x^2`, sets, intervals, ...). math-verify runs sympy on what the model wrote, and
+  sympy can take minutes and gigabytes on a tower of powers (`9^{9^{9}}`) while holding the GIL,
+  so it runs out of process (`runtime.check_pool`), in a worker that is killed at `timeout_s`. A
+  killed or failed check scores 0.0 and says why (`Verdict.reason`). math-verify's own limits use
+  `signal.alarm`, so they are off: the pool's deadline replaces them.
+* `check_answer(..., strict=True)`: DAPO's strict boxed match. The boxed string and the reference
   are compared as strings after a light normalization (spaces, `\\text{...}` wrappers, `$`, a
   trailing `.` removed). DAPO itself compares without any normalization and only looks at the last
   100 characters of the response; we look at the whole response.
 
-No boxed answer scores 0.0 in both modes.
+The normalized exact match is tried first in both modes, in-process (string operations, linear in
+the answer's length): most right answers never reach a worker. No boxed answer scores 0.0.
+`verify_answer` is `check_answer`'s reward alone.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import threading
+from dataclasses import dataclass
 
-__all__ = ["extract_boxed", "normalize_answer", "verify_answer"]
+from .check_pool import CheckPool, shared_pool
+
+__all__ = ["Verdict", "check_answer", "extract_boxed", "normalize_answer", "verify_answer"]
 
 _BOXED = "\\boxed"
 
@@ -105,7 +110,8 @@ for _name in ("math_verify.grader", "math_verify.parser"):
     logging.getLogger(_name).addFilter(_QuietTimeoutWarning())
 
 
-def _math_verify(pred: str, ref: str) -> bool:
+def math_equivalent(pred: str, ref: str) -> bool:
+    """math-verify's verdict on two boxed contents; run in a check worker, never in a service."""
     from math_verify import parse, verify
 
     gold = parse("\\boxed{" + ref + "}", parsing_timeout=None)
@@ -115,33 +121,41 @@ def _math_verify(pred: str, ref: str) -> bool:
     return bool(verify(gold, target, timeout_seconds=None))
 
 
-def _with_time_limit(fn, timeout_s: float, *args) -> bool:
-    result: list[bool] = []
+@dataclass(frozen=True)
+class Verdict:
+    reward: float
+    # Why a check gave no verdict (`runtime.check_pool.REASONS`: "timeout", "memory", ...); None
+    # when it gave one (right or wrong). Recorded in the episode's info as `answer_check`.
+    reason: str | None = None
 
-    def work() -> None:
-        try:
-            result.append(fn(*args))
-        except Exception:  # math-verify and sympy raise all sorts; a failed check is a wrong answer
-            result.append(False)
 
-    t = threading.Thread(target=work, name="verify-answer", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    return bool(result and result[0])
+def check_answer(
+    response_text: str,
+    reference: str | None,
+    *,
+    strict: bool = False,
+    timeout_s: float = 5,
+    pool: CheckPool | None = None,
+) -> Verdict:
+    """Verdict(1.0) when the last boxed answer of `response_text` matches `reference`, else 0.0."""
+    if reference is None:
+        return Verdict(0.0)
+    pred = extract_boxed(response_text)
+    if pred is None:
+        return Verdict(0.0)
+    ref = _reference_text(reference)
+    if normalize_answer(pred) == normalize_answer(ref) and normalize_answer(ref):
+        return Verdict(1.0)
+    if strict:
+        return Verdict(0.0)
+    outcome = (pool or shared_pool()).call("runtime.verify:math_equivalent", pred, ref, timeout_s=timeout_s)
+    if not outcome.ok:
+        return Verdict(0.0, outcome.reason)
+    return Verdict(1.0 if outcome.value else 0.0)
 
 
 def verify_answer(
     response_text: str, reference: str | None, *, strict: bool = False, timeout_s: float = 5
 ) -> float:
     """1.0 when the last boxed answer of `response_text` matches `reference`, else 0.0."""
-    if reference is None:
-        return 0.0
-    pred = extract_boxed(response_text)
-    if pred is None:
-        return 0.0
-    ref = _reference_text(reference)
-    if normalize_answer(pred) == normalize_answer(ref) and normalize_answer(ref):
-        return 1.0
-    if strict:
-        return 0.0
-    return 1.0 if _with_time_limit(_math_verify, timeout_s, pred, ref) else 0.0
+    return check_answer(response_text, reference, strict=strict, timeout_s=timeout_s).reward

@@ -36,6 +36,8 @@ def test_extract_boxed_takes_the_last_box_with_nested_braces():
     assert extract_boxed(r"\boxed{3} and a cut \boxed{4") is None  # the last box never closed
 
 
+# math-verify runs in a worker process (runtime.check_pool; tests/test_check_pool.py has its limits).
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("response", "reference"),
     [
@@ -51,6 +53,7 @@ def test_verify_accepts_equivalent_forms(response, reference):
     assert verify_answer(response, reference) == 1.0
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("response", "reference"),
     [
@@ -65,6 +68,7 @@ def test_verify_rejects_wrong_or_unboxed_answers(response, reference):
     assert verify_answer(response, reference) == 0.0
 
 
+@pytest.mark.process
 def test_strict_mode_is_a_normalized_string_match():
     assert verify_answer(r"\boxed{\frac{1}{2}}", "0.5", strict=True) == 0.0
     assert verify_answer(r"\boxed{\frac{1}{2}}", "0.5", strict=False) == 1.0
@@ -72,21 +76,6 @@ def test_strict_mode_is_a_normalized_string_match():
     assert verify_answer(r"$\boxed{1 2}$", "12", strict=True) == 1.0
     assert verify_answer(r"\boxed{13}", "12", strict=True) == 0.0
     assert verify_answer("12", "12", strict=True) == 0.0
-
-
-def test_verify_time_limit_scores_zero(monkeypatch):
-    import time
-
-    import runtime.verify as verify_mod
-
-    def slow(pred, ref):
-        time.sleep(2)
-        return True
-
-    monkeypatch.setattr(verify_mod, "_math_verify", slow)
-    t0 = time.monotonic()
-    assert verify_answer(r"\boxed{2/4}", "0.5", timeout_s=0.2) == 0.0
-    assert time.monotonic() - t0 < 1.0
 
 
 # ---- the environment -------------------------------------------------------------------------

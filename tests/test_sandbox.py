@@ -287,3 +287,117 @@ def test_concurrent_runs_from_threads_stay_apart():
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda i: run_python(code.replace("{i}", str(i)), FAST), range(4)))
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+
+
+# ---- the run bounded as a whole (issue 48, finding 2) -------------------------------------------
+
+MiB = 1024 * 1024
+
+
+def test_files_anywhere_in_tmp_count_against_one_small_tmpfs():
+    """/tmp outside the work folder was a tmpfs of half the host's RAM: 2,111 MiB written in one
+    episode. Now every file of a run shares `workdir_bytes`; the 17th MiB fails with ENOSPC."""
+    code = (
+        "import os\n"
+        "total = 0\n"
+        "for name in ('/tmp', '/tmp/work'):\n"
+        "    for i in range(48):\n"
+        "        try:\n"
+        "            with open(f'{name}/f{i}', 'wb') as f:\n"
+        "                f.write(b'x' * (1 << 20))\n"
+        "        except OSError as e:\n"
+        "            print('stopped', name, e.errno, flush=True)\n"
+        "            break\n"
+        "        total += 1 << 20\n"
+        "print('total', total, flush=True)\n"
+        "open('/tmp/work/last', 'wb').write(b'x' * (1 << 20))\n"
+    )
+    config = SandboxConfig(wall_seconds=10, cpu_seconds=5, file_bytes=2 * MiB, workdir_bytes=16 * MiB)
+    res = run_python(code, config)
+    lines = res.stdout.split("\n")
+    # ENOSPC (28) below /tmp, outside the work folder
+    assert lines[0] == "stopped /tmp 28", res.stdout + res.stderr
+    total = int(next(line for line in lines if line.startswith("total")).split()[1])
+    assert total <= 16 * MiB  # /tmp and the work folder together: one budget
+    assert res.killed_reason == "workdir_full"
+
+
+_FORK_HOLDERS = (
+    "import os, sys, time\n"
+    "def hold(n):\n"
+    "    b = bytearray(n)\n"
+    "    b[::4096] = b'\\x01' * len(range(0, n, 4096))  # touch every page: resident, not just mapped\n"
+    "    print('held', os.getpid(), flush=True)\n"
+    "    time.sleep(3)\n"
+    "    os._exit(0)\n"
+    "kids = []\n"
+    "for _ in range(4):\n"
+    "    try:\n"
+    "        pid = os.fork()\n"
+    "    except OSError as e:\n"
+    "        print('fork failed', e.errno, flush=True)\n"
+    "        break\n"
+    "    if pid == 0:\n"
+    "        hold(200 << 20)\n"
+    "    kids.append(pid)\n"
+    "codes = [os.waitpid(k, 0)[1] for k in kids]\n"
+    "print('children', len(kids), 'killed', sum(c != 0 for c in codes), flush=True)\n"
+)
+
+
+def test_forked_children_share_one_memory_bound():
+    """RLIMIT_AS is per process: 8 children of 400 MiB were all resident at once (3.1 GiB). In the
+    run's cgroup, 4 children of 200 MiB under a 512 MiB bound cannot all hold their memory: the
+    kernel kills within the run, and the run says which limit."""
+    from runtime import sandbox_cgroup
+
+    assert not isinstance(sandbox_cgroup.detect(), str), sandbox_cgroup.detect()  # root, as the replica
+    config = SandboxConfig(
+        wall_seconds=15, cpu_seconds=10, memory_bytes=400 * MiB, total_memory_bytes=512 * MiB
+    )
+    res = run_python(_FORK_HOLDERS, config)
+    assert res.killed_reason == "sandbox_memory_limit", res.stdout + res.stderr
+    # 4 x 200 MiB plus four interpreters cannot fit in 512 MiB: at least one child was killed (or
+    # the parent with them; then its last line never comes).
+    last = res.stdout.strip().splitlines()[-1]
+    if last.startswith("children"):
+        assert int(last.split()[3]) >= 1, res.stdout
+    assert res.stdout.count("held") <= 4
+
+
+def test_without_a_cgroup_the_process_cap_keeps_the_total():
+    """The fallback (no writable cgroup, e.g. a container's read-only /sys/fs/cgroup): RLIMIT_AS of
+    256 MiB times a cap of 512 // 256 = 2 processes: the first child forks, the second cannot."""
+    from runtime.sandbox import process_cap
+
+    config = SandboxConfig(
+        wall_seconds=15, cpu_seconds=10, memory_bytes=256 * MiB, total_memory_bytes=512 * MiB, cgroups=False
+    )
+    assert process_cap(config, grouped=False) == 2
+    res = run_python(_FORK_HOLDERS, config)
+    # RLIMIT_NPROC counts the uid's processes on the host: other runs of uid 65534 at the same time
+    # only lower what this run may fork, so "at most one child" holds whatever runs beside it.
+    assert "fork failed 11" in res.stdout, res.stdout + res.stderr
+    assert res.stdout.count("held") <= 1
+
+
+def test_run_groups_are_removed_after_each_run_and_swept_after_a_dead_owner():
+    from runtime import sandbox_cgroup
+
+    hierarchies = sandbox_cgroup.detect()
+    assert not isinstance(hierarchies, str), hierarchies
+    mine = f"{sandbox_cgroup.PREFIX}{os.getpid()}-"
+    for res in (
+        run_python("print(1)", FAST),
+        run_python("import time\ntime.sleep(30)", SandboxConfig(wall_seconds=1)),
+    ):
+        assert res.stdout == "1\n" or res.killed_reason == "wall_timeout"
+    for h in hierarchies:
+        assert not [d for d in h.parent.iterdir() if d.name.startswith(mine)]
+    # A group left by a process that died (SIGKILLed mid-run) is swept by the next process's start.
+    stale_pid = 2**22 + 12345  # above pid_max's default: never a live process
+    stale = [h.parent / f"{sandbox_cgroup.PREFIX}{stale_pid}-0" for h in hierarchies]
+    for d in stale:
+        d.mkdir()
+    sandbox_cgroup._sweep(hierarchies)
+    assert not any(d.exists() for d in stale)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .base import Environment
+
+log = logging.getLogger("spopp.sandbox")
 
 ENVIRONMENTS = ("math-tir", "toy-calc", "alfworld")
 
@@ -51,12 +54,15 @@ def env_factory(name: str, options: Mapping[str, Any] | None = None) -> Callable
     """
     options = dict(options or {})
     if name == "math-tir":
-        from ..sandbox import SandboxConfig, check_sandbox
+        from ..check_pool import shared_pool
+        from ..sandbox import SandboxConfig, bounds, check_sandbox
         from .math_tir import MathTIREnv
 
         if options:
             raise ValueError(f"environment math-tir takes no env_options, got {sorted(options)}")
         check_sandbox(SandboxConfig())
+        log.info(bounds(SandboxConfig()))
+        shared_pool().warm()  # the answer checks' first worker starts now, not in the first episode
 
         def make() -> Environment:
             return MathTIREnv(SandboxConfig())

@@ -7,7 +7,8 @@ An episode: `reset(task)` gives [system, user]. Each model turn either
   environment answers with a `tool` message `<output>\\n...\\n</output>` (stdout, then stderr and
   any limit that stopped the run, truncated); the episode goes on; or
 * has no tool call (or a boxed answer after its last code block): the episode ends and the reward
-  is `verify_answer(turn, task.answer)`, 1.0 or 0.0.
+  is `check_answer(turn, task.answer)`, 1.0 or 0.0 (a check killed at its deadline or out of
+  memory is 0.0, with `info["answer_check"]` saying why: `runtime.verify`).
 
 A tool call beyond `max_tool_calls` ends the episode with reward 0 (`info["finish"] ==
 "tool_budget"`), without running it. Only complete blocks count: a `<code>` the turn never closed
@@ -29,7 +30,7 @@ import re
 from typing import Any
 
 from ..sandbox import SandboxConfig, SandboxResult, run_python
-from ..verify import verify_answer
+from ..verify import check_answer
 from .base import Environment, StepResult, Task
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -75,6 +76,10 @@ def format_observation(res: SandboxResult, config: SandboxConfig) -> str:
         parts.append(f"[killed: CPU time limit of {config.cpu_seconds} s exceeded]")
     elif reason == "memory_limit":
         parts.append(f"[memory limit of {config.memory_bytes // 2**20} MiB exceeded]")
+    elif reason == "sandbox_memory_limit":
+        parts.append(f"[killed: the run's memory limit of {config.total_memory_bytes // 2**20} MiB exceeded]")
+    elif reason == "workdir_full":
+        parts.append(f"[no space left: files are limited to {config.workdir_bytes // 2**20} MiB]")
     elif reason is not None:
         parts.append(f"[{reason.replace('_', ' ')}]")
     elif res.exit_code not in (0, None):
@@ -137,10 +142,13 @@ class MathTIREnv(Environment):
             call = None  # an answer after the last block: the model is done
         if call is None:
             self.done = True
-            reward = verify_answer(
+            verdict = check_answer(
                 action, self.task.answer, strict=self.strict, timeout_s=self.verify_timeout_s
             )
-            return StepResult([], done=True, reward=reward, info=self._info(finish="answer"))
+            info = self._info(finish="answer")
+            if verdict.reason is not None:  # the check was killed or failed: scored as wrong
+                info["answer_check"] = verdict.reason
+            return StepResult([], done=True, reward=verdict.reward, info=info)
         if self.tool_calls >= self.max_tool_calls:
             self.done = True
             return StepResult([], done=True, reward=0.0, info=self._info(finish="tool_budget"))

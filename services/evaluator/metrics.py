@@ -27,6 +27,11 @@ class EvaluatorMetrics:
             ["reason"],
             registry=r,
         )
+        self.answer_checks_failed = Counter(
+            "spopp_evaluator_answer_checks_failed",
+            "held-out answers whose check was killed at its deadline or failed, scored as wrong",
+            registry=r,
+        )
         self.greedy_success = Gauge(
             "spopp_evaluator_greedy_success_rate",
             "greedy success rate of the last scored version",
@@ -54,6 +59,7 @@ class EvaluatorMetrics:
         self.last_scored_version.set(version)
         self.show_last(metrics)
         self.seconds.observe(metrics.get("eval/seconds", 0.0))
+        self.answer_checks_failed.inc(metrics.get("eval/answer_checks_failed", 0))
 
     def show_last(self, metrics: dict) -> None:
         """The gauges of the last scored version (also from the records, after a restart)."""

@@ -257,6 +257,9 @@ class Scorer:
         if sampled_eps:
             metrics["eval/sampled/pass_at_k"] = pass_at_k(sampled_eps)
             metrics["eval/sampled/k"] = s.samples
+        # Answers whose check was killed at its deadline or failed (scored as wrong): counted, so
+        # that a version scored low for that reason can be told apart.
+        metrics["eval/answer_checks_failed"] = sum(bool(ep.info.get("answer_check")) for _, ep in results)
         metrics["eval/load_s"] = load_s
         metrics["eval/seconds"] = time.perf_counter() - t0
 

@@ -1,0 +1,99 @@
+"""The cost of an answer check out of process (runtime.check_pool) against the same check in-process.
+
+    python -m bench.check_bench [--rounds N] [--out BENCHMARKS.md]
+
+Baseline: `runtime.verify.math_equivalent` called directly in this process (what the replica did
+before the checks moved out: fast, but a tower of powers froze the process). Measured: the same
+pairs through `check_answer` with the pool (the exact-match fast path skipped, so that every check
+goes to a worker), its first worker's start (its imports), and a worker's replacement after a kill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from bench.tracker_bench import write_section
+from runtime.check_pool import CheckPool
+from runtime.verify import check_answer, math_equivalent
+
+# Typical pairs (prediction, reference) that need math-verify: equal in value, not in text.
+PAIRS = [
+    ("\\frac{1}{2}", "0.5"),
+    ("x^2+1", "1+x^2"),
+    ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}"),
+    ("12", "12.0"),
+    ("(1, 2]", "(1,2]"),
+    ("3\\pi", "3 \\pi"),
+    ("2^{10}", "1024"),
+    ("\\{1,2,3\\}", "\\{3,2,1\\}"),
+]
+
+HEAD = "## Answer checks: out of process against in-process"
+
+
+def _per_check(fn, rounds: int) -> float:
+    """Median seconds per check over `rounds` passes of PAIRS."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for pred, ref in PAIRS:
+            fn(pred, ref)
+        times.append((time.perf_counter() - t0) / len(PAIRS))
+    return statistics.median(times)
+
+
+def run(rounds: int) -> dict:
+    math_equivalent(*PAIRS[0])  # imports paid before timing, as a worker pays them at its start
+    inproc = _per_check(math_equivalent, rounds)
+    pool = CheckPool(size=1, preload=("sympy", "math_verify"))
+    try:
+        t0 = time.perf_counter()
+        pool.call("runtime.verify:math_equivalent", "1", "1", timeout_s=30)
+        first = time.perf_counter() - t0
+
+        def pooled(pred: str, ref: str) -> float:
+            return check_answer(f"\\boxed{{{pred}}}", ref, pool=pool).reward
+
+        out = _per_check(pooled, rounds)
+        t0 = time.perf_counter()
+        killed = pool.call("runtime.verify:math_equivalent", "9^{9^{9}}", "3", timeout_s=0.5)
+        assert killed.reason == "timeout", killed
+        pooled(*PAIRS[0])  # waits for the replacement if it is not ready yet
+        replace = time.perf_counter() - t0 - 0.5
+    finally:
+        pool.close()
+    return {"inproc": inproc, "pooled": out, "first": first, "replace": replace, "rounds": rounds}
+
+
+def markdown(r: dict, command: str) -> str:
+    ms = 1000
+    return (
+        f"{HEAD}\n\n`{command}` ({len(PAIRS)} answer pairs that need math-verify, median of "
+        f"{r['rounds']} passes).\n\n"
+        "| | ms per check | ratio |\n|---|---:|---:|\n"
+        f"| in-process math-verify (baseline; a tower of powers freezes the process) | {r['inproc'] * ms:.2f} | 1.00 |\n"
+        f"| out of process (`runtime.check_pool`, one worker) | {r['pooled'] * ms:.2f} | "
+        f"{r['pooled'] / r['inproc']:.2f} |\n\n"
+        f"- a worker's start (its imports of sympy and math-verify): {r['first']:.2f} s, paid at the "
+        "service's start (`warm()`), not by an episode\n"
+        f"- a check killed at its deadline, then the next check: {r['replace']:.2f} s beyond the "
+        "deadline (the replacement starts in the background at the kill)\n"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--out", type=Path, help="write the table into this markdown file")
+    args = ap.parse_args()
+    section = markdown(run(args.rounds), "python -m bench.check_bench")
+    print(section)
+    if args.out:
+        write_section(args.out, section, HEAD)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Checks that may not return, run in worker processes that are killed at their deadline.
+
+An answer check runs math-verify, hence sympy, on text the model wrote. sympy evaluates
+`\\boxed{9^{9^{9}}}` in C while holding the GIL: a thread with a time limit cannot stop it, and the
+whole process (a replica's event loop, its health route, its SIGTERM handler) stalls with it. So
+such checks run in a small pool of child processes (`runtime.check_worker`): the caller's thread
+waits on a pipe (the GIL is free, the event loop runs), and a check past its deadline has its
+worker SIGKILLed and replaced. The verdict of a killed or failed check is a wrong answer with its
+reason ("timeout", "memory", "error: ...", "busy", "unavailable").
+
+Costs, measured on the CI machine's kind of CPU (`tests/test_check_pool.py` prints them): about
+0.2 ms of round trip per check on top of the check itself, one worker's start (its imports, about a
+second for math-verify) after a kill, and each worker's resident memory (about 100 MB with sympy).
+
+One pool per process (`shared_pool()`), started on first use and closed at exit; the workers also
+end by themselves when the pool's process is gone (end of stdin, or their CPU budget).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+GiB = 1024**3
+
+#: Why a check gave no value: its worker was killed at the deadline, ran out of memory, raised,
+#: waited too long for a free worker, or no worker could be started.
+REASONS = ("timeout", "memory", "error", "busy", "unavailable")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    value: Any = None
+    reason: str | None = None  # None: the check ran and returned `value`
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+class _Worker:
+    """One child process and the pipe ends to talk to it, a line at a time."""
+
+    def __init__(self, memory_bytes: int, preload: tuple[str, ...]):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.check_worker", str(memory_bytes), *preload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            # Its own session: a terminal's Ctrl-C goes to the service, which stops the pool.
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"},
+        )
+        self._buffer = b""
+
+    def read_line(self, deadline: float) -> bytes | None:
+        """The next line the worker writes, or None at the deadline or when it has died."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    def send(self, request: dict) -> bool:
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError, ValueError):
+            return False
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class CheckPool:
+    """Up to `size` worker processes; `call()` runs one function in one of them, with a deadline.
+
+    `preload` names modules every worker imports before it is ready (so their import is not part
+    of any check's time); `memory_bytes` is each worker's address-space cap.
+    """
+
+    def __init__(
+        self,
+        size: int = 2,
+        *,
+        memory_bytes: int = 1 * GiB,
+        preload: tuple[str, ...] = (),
+        start_timeout_s: float = 60.0,
+        queue_timeout_s: float = 60.0,
+    ):
+        if size < 1:
+            raise ValueError(f"a check pool needs at least one worker, got size={size}")
+        self.size = size
+        self.memory_bytes = memory_bytes
+        self.preload = tuple(preload)
+        self.start_timeout_s = start_timeout_s
+        self.queue_timeout_s = queue_timeout_s
+        self._idle: list[_Worker] = []
+        self._count = 0  # workers alive or starting, idle or busy
+        self._cond = threading.Condition()
+        self._closed = False
+        # Checks that gave no value, by reason; and checks run: read by the services' /metrics.
+        self.failures: Counter[str] = Counter()
+        self.checks = 0
+
+    def _start_worker(self) -> _Worker | None:
+        """A new worker, once it says it is ready; None when it cannot start in time."""
+        try:
+            worker = _Worker(self.memory_bytes, self.preload)
+        except OSError:
+            return None
+        if worker.read_line(time.monotonic() + self.start_timeout_s) != b"ready":
+            worker.kill()
+            return None
+        return worker
+
+    def _acquire(self) -> _Worker | str:
+        """An idle worker (started if the pool has room), or the reason there is none."""
+        deadline = time.monotonic() + self.queue_timeout_s
+        with self._cond:
+            while not self._idle and self._count >= self.size:
+                if self._closed:
+                    return "unavailable"
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return "busy"
+                self._cond.wait(remaining)
+            if self._closed:
+                return "unavailable"
+            if self._idle:
+                return self._idle.pop()
+            self._count += 1  # a slot for the worker started below, outside the lock
+        try:
+            worker = self._start_worker()
+        except BaseException:  # the slot must not leak, whatever stopped the start
+            self._release(None)
+            raise
+        if worker is None:
+            self._release(None)
+            return "unavailable"
+        return worker
+
+    def _release(self, worker: _Worker | None) -> None:
+        """Give a worker back to the pool, or (None) free the slot of one that was killed."""
+        with self._cond:
+            if worker is not None and not self._closed:
+                self._idle.append(worker)
+            else:
+                self._count -= 1
+                if worker is not None:
+                    worker.kill()
+            self._cond.notify()
+
+    def warm(self) -> None:
+        """Start a worker in the background if the pool has room: at a service's start, and for the
+        slot a kill freed, so that the next check does not pay the start (imports) itself."""
+
+        def start() -> None:
+            with self._cond:
+                if self._closed or self._count >= self.size:
+                    return
+                self._count += 1
+            worker = None
+            try:
+                worker = self._start_worker()
+            finally:
+                self._release(worker)
+
+        threading.Thread(target=start, name="check-pool-replace", daemon=True).start()
+
+    def call(self, fn: str, *args: Any, timeout_s: float) -> Outcome:
+        """Run `fn` ("module:attribute", importable in the worker) on JSON-able `args`, at most
+        `timeout_s` seconds from the moment a worker takes it; never raises for what `fn` does."""
+        acquired = self._acquire()
+        if isinstance(acquired, str):
+            return self._failed(acquired)
+        worker = acquired
+        deadline = time.monotonic() + timeout_s
+        if not worker.send({"fn": fn, "args": list(args), "cpu_s": timeout_s}):
+            self._release(None)
+            worker.kill()
+            self.warm()
+            return self._failed("unavailable", "the worker had died")
+        line = worker.read_line(deadline)
+        if line is None:
+            died = worker.proc.poll()  # ended by itself (its CPU budget, a crash) or still at work
+            worker.kill()
+            self._release(None)
+            self.warm()
+            if died is not None:
+                return self._failed("error", f"the worker exited with {died}")
+            return self._failed("timeout", f"no verdict within {timeout_s:g} s: worker killed")
+        self._release(worker)
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            return self._failed("error", "unreadable reply")
+        if "error" in reply:
+            reason = "memory" if reply["error"] == "memory" else "error"
+            return self._failed(reason, str(reply["error"]))
+        with self._cond:
+            self.checks += 1
+        return Outcome(value=reply.get("value"))
+
+    def _failed(self, reason: str, detail: str = "") -> Outcome:
+        with self._cond:
+            self.checks += 1
+            self.failures[reason] += 1
+        return Outcome(reason=reason, detail=detail)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+            self._cond.notify_all()
+        for worker in idle:
+            worker.kill()
+
+
+_shared: CheckPool | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_pool() -> CheckPool:
+    """The process's pool for answer checks (math-verify and sympy preloaded), made on first use."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = CheckPool(size=2, preload=("sympy", "math_verify"))
+            atexit.register(_shared.close)
+        return _shared
