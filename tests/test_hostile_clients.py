@@ -15,11 +15,21 @@ The findings, and where each is held:
 7. ids that could be created but not read: here.
 8. Redis without a password: test_redis_password.
 9. a log flood under file exhaustion and a SIGTERM that never finished: here.
+
+Issue 48's, each here on the tracker process, and on the shared server one by one in
+test_header_bounds:
+10. unbounded headers: 100,000 headers and a 1 MiB header got 200, a 64 MB header cost 4.9 CPU-s
+    and 50 connections of 12 MB took the tracker from 74 to 784 MB.
+11. two Content-Types split the parsers: `{"alpha0": 1, "alpha0": 2}` passed the repeated-key
+    check (which read text/plain) and FastAPI (application/json) stored alpha 2.
+12. a line of log per request at the tracker's default level: 600 requests with 15 KB paths
+    wrote 9 MB.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -217,3 +227,150 @@ def test_sigterm_under_a_connection_flood_stops_within_its_bound_and_the_log_sta
     assert code == 0, proc.output()[-2000:]
     assert took < 1 + 5, took
     assert len(proc.output()) < 64 * 1024, len(proc.output())
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _send_head(port: int, pieces) -> bytes:
+    """Send a request's pieces, then read what the tracker answers until it closes (a reset while
+    sending is the tracker refusing early; its answer came first)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        try:
+            for piece in pieces:
+                sock.sendall(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except ConnectionResetError:
+            pass
+    return out
+
+
+def _big_header(size: int, piece: int = 1 << 20):
+    yield b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: "
+    block = b"a" * piece
+    for _ in range(size // piece):
+        yield block
+    yield b"\r\n\r\n"
+
+
+def test_oversized_headers_are_refused_as_they_arrive_at_little_cost(tracker):
+    """Finding 10: 100,000 headers or a 1 MiB header: 431 (they got 200). A 64 MB header: 431,
+    the tracker's CPU a few hundredths of a second (4.9 s before, until its header deadline). 20
+    connections of 12 MB at once: all 431, the tracker's memory as it was (50 such took it from 74
+    to 784 MB) and /healthz quick meanwhile."""
+    port, pid = tracker.port, tracker.proc.pid
+    many = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(100_000))
+    assert _send_head(port, [many + b"\r\n"]).startswith(b"HTTP/1.1 431 ")
+    assert _send_head(port, _big_header(1 << 20, 1 << 16)).startswith(b"HTTP/1.1 431 ")
+
+    cpu0 = _cpu_seconds(pid)
+    reply = _send_head(port, _big_header(64 << 20))
+    time.sleep(0.2)  # what the tracker does after answering is counted too
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["detail"]["code"] == "headers_too_large"
+    assert _cpu_seconds(pid) - cpu0 < 0.5
+
+    rss0, peak, times = _rss_mb(pid), [0.0], []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mb(pid))
+            time.sleep(0.02)
+
+    replies: list[bytes] = []
+    senders = [
+        threading.Thread(target=lambda: replies.append(_send_head(port, _big_header(12 << 20, 1 << 16))))
+        for _ in range(20)
+    ]
+    watcher = threading.Thread(target=watch)
+    probe = threading.Thread(target=_healthz_times, args=(tracker.url, stop, times))
+    watcher.start()
+    probe.start()
+    try:
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(30)
+    finally:
+        stop.set()
+        watcher.join()
+        probe.join()
+    assert len(replies) == 20 and all(r.startswith(b"HTTP/1.1 431 ") for r in replies)
+    assert peak[0] - rss0 < 40, (rss0, peak[0])
+    assert times and max(times) < QUICK * 2, max(times)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        # the finding: the repeated-key check took text/plain and passed the body, FastAPI took JSON
+        b"Content-Type: application/json\r\nContent-Type: text/plain\r\n",
+        b"Content-Type: text/plain\r\nContent-Type: application/json\r\n",
+        # two tokens: the auth check and the route must not each read another
+        f"Content-Type: application/json\r\nAuthorization: Bearer {'x' * 30}\r\n".encode(),
+    ],
+)
+def test_two_content_types_or_tokens_cannot_split_the_parsers(tracker, run, headers):
+    """Finding 11: each is 400 duplicate_header, and the task is not stored (it was, alpha 2)."""
+    body = b'{"tasks": [{"task_id": "q9", "alpha0": 1, "alpha0": 2, "beta0": 1}]}'
+    head = (
+        f"PUT /v1/runs/{run}/tasks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
+        + headers
+        + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+    )
+    reply = _send_head(tracker.port, [head + body])
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:300]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["detail"]["code"] == "duplicate_header"
+    assert httpx.get(f"{tracker.url}/v1/runs/{run}/tasks/q9", headers=AUTH).status_code == 404
+
+
+def _statuses(port: int, request: bytes, count: int) -> set[int]:
+    """Send `request` `count` times on one keep-alive connection; the statuses answered."""
+    statuses = set()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock, sock.makefile("rb") as reader:
+        for _ in range(count):
+            sock.sendall(request)
+            statuses.add(int(reader.readline().split()[1]))
+            length = 0
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.partition(b":")
+                if name.lower() == b"content-length":
+                    length = int(value)
+            reader.read(length)
+    return statuses
+
+
+def test_request_lines_are_off_by_default_and_bounded_when_asked(redis_server):
+    """Finding 12: a tracker as `spopp tracker serve` starts it (log level info) writes nothing for
+    300 refused requests with 15 KB paths (4.5 MB of log before); asked for 20 lines a minute, it
+    writes 20 in all (its start-up's /readyz included), each under 400 characters."""
+    request = b"GET /v1/runs/" + b"p" * 15_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"  # 401: no token
+    for asked, lines in ((None, 0), ("20", 20)):
+        env = {"SPOPP_API_TOKEN": TOKEN}
+        if asked:
+            env["SPOPP_TRACKER_HTTP_ACCESS_LOG_PER_MINUTE"] = asked
+        proc = TrackerProcess(redis_server.url, env=env, args=())
+        try:
+            before = len(proc.output())
+            assert _statuses(proc.port, request, 300) == {401}
+            time.sleep(0.3)
+            log = proc.output()
+        finally:
+            proc.stop()
+        access = [line for line in log.splitlines() if "uvicorn.access" in line]
+        assert len(access) == lines, log[-2000:]
+        assert all(len(line) < 400 for line in access)
+        assert len(log) - before < lines * 400 + 2048, len(log) - before

@@ -39,6 +39,26 @@ class HttpServerSettings(SettingsGroup):
         description="open connections at most (lowered to fit the file limit, `ulimit -n`, less 192); "
         "beyond it the connection idle longest is closed, or the newcomer is answered 503 when all are busy",
     )
+    http_max_headers: int = Field(
+        _DEFAULTS.max_headers,
+        ge=1,
+        le=10_000,
+        description="headers a request may carry; past them it is answered 431 and the connection closed",
+    )
+    http_max_header_bytes: int = Field(
+        _DEFAULTS.max_header_bytes,
+        ge=1024,
+        le=1 << 20,
+        description="bytes of a request's line and headers together; past them it is answered 431 "
+        "and the connection closed, as the bytes arrive",
+    )
+    http_access_log_per_minute: int = Field(
+        _DEFAULTS.access_log_per_minute,
+        ge=0,
+        le=1_000_000,
+        description="request lines (uvicorn's access log) written a minute at most, paths cut to 200 "
+        "characters; 0: none",
+    )
     shutdown_timeout_seconds: float = Field(
         _DEFAULTS.shutdown_timeout,
         gt=0,
@@ -54,4 +74,7 @@ class HttpServerSettings(SettingsGroup):
             idle_timeout=self.http_idle_timeout_seconds,
             max_connections=self.http_max_connections,
             shutdown_timeout=self.shutdown_timeout_seconds,
+            max_headers=self.http_max_headers,
+            max_header_bytes=self.http_max_header_bytes,
+            access_log_per_minute=self.http_access_log_per_minute,
         )

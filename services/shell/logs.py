@@ -14,11 +14,17 @@ traceback. `bind(worker=...)` adds context learnt later (a replica's claimed wor
 Warnings and errors that repeat are rate-limited (`RepeatLimit`): a process that fails the same
 way thousands of times a second (asyncio's accept loop out of file descriptors once wrote 202 MB in
 a minute) logs the first few of each kind per minute, then one line with the count it left out.
+
+Request lines (uvicorn's access log) are off unless a server asks for them
+(`http_access_log_per_minute`); then `AccessLog` writes at most that many a minute, each path cut
+to ACCESS_PATH_CHARS with its control characters escaped. Logged at INFO for every request, they
+once let one client write 49 MB in 20 s (16 KB paths, refused or not).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import time
@@ -51,8 +57,8 @@ class _Context(logging.Filter):
 class RepeatLimit(logging.Filter):
     """At most `burst` records of one kind (logger, level, the message's first line up to 60
     characters) per `window` seconds, for WARNING and above; the first record of a kind after a
-    window in which some were dropped says how many. INFO and below pass: a request's access line
-    is one per request, and requests are bounded by the server (services/shell/connections.py)."""
+    window in which some were dropped says how many. INFO and below pass: nothing logs at INFO
+    per request but the access log, which is off or bounded by its own `AccessLog`."""
 
     MAX_KINDS = 1024  # kinds remembered; the oldest window is forgotten first
 
@@ -87,6 +93,57 @@ class RepeatLimit(logging.Filter):
                 return True
             state[2] += 1
             return False
+
+
+# An access line's path (with its query) is cut to this many characters: the request line may be
+# as long as the server's header bound (16 KiB), the log line need not.
+ACCESS_PATH_CHARS = 200
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _printable_path(path: str) -> str:
+    """The path cut to ACCESS_PATH_CHARS (saying how long it was), its control characters written as
+    escapes: it is the client's text, and a newline in it would forge a line (uvicorn quotes the
+    path again, not the query)."""
+    if len(path) > ACCESS_PATH_CHARS:
+        path = f"{path[:ACCESS_PATH_CHARS]}...({len(path)} chars)"
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", path)
+
+
+class AccessLog:
+    """One server's request lines: uvicorn's access log, at most `per_minute` lines in a window of
+    `window` seconds; the first line after a window that dropped some says how many. Stands in for
+    uvicorn's access logger on the server's connections (`connections.BoundedHttpProtocol`), which
+    call `info` with uvicorn's arguments (client, method, path, HTTP version, status).
+
+    Written at INFO to `uvicorn.access` whatever that logger's level: the server's setting is what
+    turns the lines on or off, not the service's log level."""
+
+    def __init__(self, per_minute: int, window: float = 60.0, clock=time.monotonic) -> None:
+        self.per_minute, self.window, self.clock = per_minute, window, clock
+        self.logger = logging.getLogger("uvicorn.access")
+        self.lock = threading.Lock()
+        self.start, self.passed, self.dropped = -float("inf"), 0, 0
+
+    def info(self, msg: str, *args: Any) -> None:
+        now = self.clock()
+        with self.lock:
+            dropped = 0
+            if now - self.start >= self.window:
+                self.start, self.passed, dropped, self.dropped = now, 0, self.dropped, 0
+            if self.passed >= self.per_minute:
+                self.dropped += 1
+                return
+            self.passed += 1
+        if len(args) == 5:
+            client, method, path, version, status = args
+            args = (client, method, _printable_path(str(path)), version, status)
+        if dropped:
+            msg = f"{msg} [{dropped} more requests in the last {self.window:.0f} s, not logged]"
+        record = self.logger.makeRecord(self.logger.name, logging.INFO, "(access)", 0, msg, args, None)
+        if dropped:
+            record.suppressed = dropped
+        self.logger.handle(record)  # past the logger's level (uvicorn's log level); filters apply
 
 
 class _AccessFields(logging.Filter):

@@ -9,6 +9,14 @@ import json
 import secrets
 
 
+def header(scope, name: bytes, default: bytes | None = None) -> bytes | None:
+    """A request header's first value, as Starlette (and so FastAPI's routes) reads it. The server
+    refuses a request that carries Content-Type, Content-Length, Authorization or Host twice
+    (connections.SINGLE_HEADERS, 400); this keeps the middleware and the routes on one value
+    where an app is called without that server (TestClient)."""
+    return next((value for key, value in scope["headers"] if key == name), default)
+
+
 async def send_error(send, status: int, detail: dict, headers: list | None = None) -> None:
     """Answer from inside a middleware with the API's error body {"detail": {...}}."""
     body = json.dumps({"detail": detail}).encode()
@@ -48,7 +56,7 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
+        declared = header(scope, b"content-length")
         if declared is not None:
             if declared.isdigit() and int(declared) > self.max_bytes:
                 return await self._refuse(send)
@@ -85,7 +93,7 @@ class BearerAuth:
             return await self.app(scope, receive, send)
         if not scope["path"].startswith("/v1/") and scope["path"] not in self.also:
             return await self.app(scope, receive, send)
-        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        scheme, _, given = header(scope, b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer" and secrets.compare_digest(given, self.token):
             return await self.app(scope, receive, send)
         detail = {"code": "unauthorized", "message": "missing or wrong bearer token"}
@@ -180,7 +188,7 @@ class UniqueJsonKeys:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in self.METHODS:
             return await self.app(scope, receive, send)
-        ctype = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+        ctype = header(scope, b"content-type", b"").split(b";")[0].strip().lower()
         # FastAPI parses a body as JSON when it says so, or when it gives no content type at all.
         if ctype and not (ctype == b"application/json" or ctype.endswith(b"+json")):
             return await self.app(scope, receive, send)

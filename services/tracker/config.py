@@ -89,7 +89,9 @@ class TrackerTuning(HttpServerSettings):
         "when the tracker binds beyond loopback (host other than 127.0.0.1, ::1, localhost) and a token is set",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
-        "info", description="uvicorn log level"
+        "info",
+        description="uvicorn's log level (its start, stop and error lines); request lines are "
+        "http_access_log_per_minute's, off by default",
     )
 
 
