@@ -862,3 +862,30 @@ def test_learner_example_config_loads_and_bad_configs_say_why(tmp_path):
         with pytest.raises(SettingsError) as err:
             LearnerSettings.resolve(bad, env={})
         assert needle in str(err.value), text
+
+
+def test_replica_containers_have_a_memory_limit_that_covers_their_episodes():
+    """Issue 48: the sandbox bounds each run (1 GiB of memory, 256 MiB of files); a container of N
+    episodes in flight needs N x 1.25 GiB beside its engine, and a limit so that past it the kernel
+    kills inside the container, not elsewhere on the node."""
+    from runtime.sandbox import SandboxConfig
+    from services.evaluator.config import EvaluatorTuning
+    from services.rollout.config import RolloutTuning
+
+    def gib(value: str) -> float:
+        return float(value.rstrip("g"))
+
+    per_run = (SandboxConfig().total_memory_bytes + SandboxConfig().workdir_bytes) / 2**30
+    example = ENV_EXAMPLE
+    for service, variable, tuning in (
+        ("rollout", "SPOPP_MEMORY_ROLLOUT", RolloutTuning),
+        ("evaluator", "SPOPP_MEMORY_EVALUATOR", EvaluatorTuning),
+    ):
+        assert COMPOSE["services"][service]["mem_limit"] == f"${{{variable}:-{example[variable]}}}"
+        concurrency = tuning.model_fields["concurrency"].default
+        assert gib(example[variable]) >= concurrency * per_run + 8, (service, concurrency)  # + the engine
+    for name in ("rollout", "evaluator"):
+        docs = yaml.safe_load_all((ROOT / "deploy" / "k8s" / "base" / f"{name}.yaml").read_text())
+        (deployment,) = [d for d in docs if d and d["kind"] in ("Deployment", "StatefulSet")]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["memory"] == "64Gi"

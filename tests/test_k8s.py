@@ -60,6 +60,8 @@ COMPOSE_ONLY = {
     "SPOPP_BIND", "SPOPP_REDIS_PORT", "SPOPP_TRACKER_PORT", "SPOPP_LEARNER_PORT", "SPOPP_ROLLOUT_PORT",
     "SPOPP_EVALUATOR_PORT", "SPOPP_GPUS_LEARNER", "SPOPP_NPROC_LEARNER", "SPOPP_ROLLOUT_DEVICES",
     "SPOPP_EVALUATOR_DEVICES", "SPOPP_GPUS_PRIOR",
+    # Containers' memory limits: the pods' own are in their resources (rollout.yaml, evaluator.yaml).
+    "SPOPP_MEMORY_ROLLOUT", "SPOPP_MEMORY_EVALUATOR",
 }  # fmt: skip
 # The ConfigMap's only variable .env.example lacks: the tracker's address in the cluster, which
 # compose derives from the host port (x-run-binding in docker-compose.yml).
