@@ -58,9 +58,10 @@ test: setup
 	@$(MAKE) --no-print-directory -j 2 lint ops
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" --durations=15
 
-# DeepSpeed's CPU ops, built once into TORCH_EXTENSIONS_DIR (.cache/torch_extensions).
+# DeepSpeed's CPU ops, built once into TORCH_EXTENSIONS_DIR (.cache/torch_extensions), under the
+# learner's own lock (services/learner/op_build.py): a build killed midway never blocks a later one.
 ops: setup
-	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m services.learner.op_build
 
 # The slow tier: what only a long run shows (the demo-sized runs, the learning curve, processes
 # killed in turn mid-run, resumes across launches, the soak). CI runs it after `make test`.

@@ -27,6 +27,10 @@ mini-batch, not of this call, so that gradients of micro-batches add up to the m
 Padding positions (mask == 0) may hold anything, including inf or NaN: they are replaced by zeros
 before any arithmetic, because a NaN multiplied by a zero mask would still be NaN in the forward
 pass and in the gradient.
+
+policy_loss refuses a non-finite value at a counted token (ValueError): one bad row would make the
+whole mini-batch's gradient NaN. screen_rows finds such rows beforehand, without raising, so that a
+caller can leave them out (the learner drops those trajectories before its update's first step).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from torch import Tensor
 
 # The off-policy corrections of stale tokens (policy_loss's off_policy).
 OFF_POLICY = ("decoupled", "tis")
+# What screen_rows finds not finite at a row's counted tokens: bit k of its answer is SCREENED[k].
+SCREENED = ("logp", "rollout_logp", "advantages", "loss term")
 
 
 def _check_hparams(clip_low: float, clip_high: float, dual_clip: float | None, is_cap: float) -> None:
@@ -153,6 +159,64 @@ def policy_loss(
         stats = _stats(surrogate, new, old, raw_w, weight, keep, fresh, is_cap, rollout_logp is not None)
         stats.update(_stale_stats(raw_w, weight, stale_keep, behaviour_cap))
     return loss, stats
+
+
+def screen_rows(
+    logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    rollout_logp: Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = 2.0,
+    is_cap: float = 2.0,
+    stale: Tensor | None = None,
+    off_policy: str = "decoupled",
+    behaviour_cap: float = 2.0,
+) -> Tensor:
+    """[n] int64, one per row (the first dimension: a trajectory each): 0 where policy_loss could
+    train on the row, else the bits (SCREENED) of what is not finite at its counted tokens.
+
+    The inputs are policy_loss's, with logp standing for both the new and the old log-probs: the
+    loss term at an update's start (ratio 1), where old_logp is the learner's own pass. A token's
+    "loss term" (w * L) is checked where its inputs are finite: it is not finite where the weight is
+    not (is_cap may be up to +inf here), e.g. exp(old_logp - rollout_logp) overflowing float32. Rows
+    are independent: a bad row says nothing about the others. Raises on what policy_loss raises on
+    for shapes, dtypes, the mask and the hyperparameters.
+    """
+    _check_hparams(clip_low, clip_high, dual_clip, is_cap)
+    _check_off_policy(off_policy, behaviour_cap, stale, rollout_logp)
+    keep, stale_keep = _counted_tokens(logp, logp, advantages, mask, rollout_logp, stale)
+    with torch.no_grad():
+        inputs = {"logp": logp.detach(), "advantages": advantages.detach()}
+        if rollout_logp is not None:
+            inputs["rollout_logp"] = rollout_logp.detach()
+        bad = {name: keep & ~torch.isfinite(t) for name, t in inputs.items()}
+        ok = keep
+        for b in bad.values():
+            ok = ok & ~b
+        # The term as policy_loss forms it, on the tokens whose inputs are finite (zeros elsewhere,
+        # as policy_loss puts zeros on padding).
+        new, adv = (torch.where(ok, inputs[k], torch.zeros_like(inputs[k])) for k in ("logp", "advantages"))
+        rollout = inputs.get("rollout_logp")
+        if rollout is not None:
+            rollout = torch.where(ok, rollout, torch.zeros_like(rollout))
+        term = _surrogate(new, new, adv, clip_low, clip_high, dual_clip).per_token
+        _, weight = _token_weights(new, rollout, ok, stale_keep & ok, is_cap, off_policy, behaviour_cap)
+        bad["loss term"] = ok & ~torch.isfinite(weight * term)
+        n = keep.shape[0] if keep.ndim else 1
+        rows = torch.zeros(n, dtype=torch.int64, device=keep.device)
+        for bit, name in enumerate(SCREENED):
+            if name in bad:
+                rows |= bad[name].reshape(n, -1).any(dim=1).to(torch.int64) << bit
+    return rows
+
+
+def screened(code: int) -> str:
+    """What screen_rows' code for a row says, in words: "rollout_logp, loss term not finite"."""
+    names = [name for bit, name in enumerate(SCREENED) if code >> bit & 1]
+    return f"{', '.join(names)} not finite" if names else "finite"
 
 
 def _counted_tokens(

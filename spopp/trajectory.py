@@ -26,6 +26,11 @@ MAX_TOKENS = 1 << 20
 # vocabulary (services.learner.ingest.IntakeLimits), this bound holds where none is given.
 MAX_TOKEN_ID = 2**31 - 1
 MAX_TIMINGS = 64
+# The largest float32, exactly (a float64 can hold it). The learner trains in float32 (every
+# float of a record that becomes a tensor is cast to it: log-probs, advantages, rewards, values),
+# and a float64 beyond this is finite on the wire but +-inf there: rollout_logprobs = -1e308
+# passed allow_inf_nan and became -inf in the loss, which stopped the learner at its first update.
+FLOAT32_MAX = 3.4028234663852886e38
 MAX_LABEL_CHARS = 64
 # The learner's intake routes (rank 0): one record, and many in one call.
 INTAKE = "/v1/trajectories"
@@ -64,6 +69,9 @@ class Trajectory(BaseModel):
     token_versions: list[Annotated[int, Field(ge=0, le=MAX_VERSION)]] | None = Field(
         None, max_length=MAX_TOKENS
     )
+    # reward, value and advantage become float32 tensors too: their bounds keep them far inside
+    # float32's range (FLOAT32_MAX), so no value of theirs that passes can be infinite there.
+    # timings never become tensors.
     reward: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
     value: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     # reward - value with both in [0, 1]; anything outside is a broken sender, not a big signal.
@@ -99,6 +107,14 @@ class Trajectory(BaseModel):
             raise ValueError(
                 f"token_ids, action_mask and rollout_logprobs must have one length; got "
                 f"{n} token_ids and {len(logprobs)} rollout_logprobs"
+            )
+        # min and max run in C: a long valid list costs two passes, the loop below only a bad one.
+        # Every position, not only action tokens: the whole list is cast to float32 on collation.
+        if logprobs and (min(logprobs) < -FLOAT32_MAX or max(logprobs) > FLOAT32_MAX):
+            i = next(i for i, lp in enumerate(logprobs) if not -FLOAT32_MAX <= lp <= FLOAT32_MAX)
+            raise ValueError(
+                f"rollout_logprobs[{i}] = {logprobs[i]!r} is outside float32's range "
+                f"(+-{FLOAT32_MAX!r}), the dtype the learner trains in"
             )
         if mask is not None:
             for i, (m, lp) in enumerate(zip(mask, logprobs, strict=True)):

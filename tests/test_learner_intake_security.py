@@ -22,7 +22,7 @@ from services.learner.batch import collate, trainable_tokens
 from services.learner.ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
 from services.shell.server import ThreadedServer
-from spopp.trajectory import Trajectory, count_action_tokens
+from spopp.trajectory import FLOAT32_MAX, Trajectory, count_action_tokens
 from spopp.wait import WaitTimeout, wait_http, wait_until
 
 TOKEN = "intake-token-for-tests-0123456789"
@@ -121,6 +121,15 @@ CASES = [
         {"rollout_logprobs": [0.0, 0.0, 0.5, -0.25]},
         "rollout_logprobs",
     ),
+    # Finite float64s that float32, the learner's training dtype, holds as infinities: -1e308
+    # became -inf in the loss and stopped the learner at its first update (issue 48).
+    (
+        "log-prob -1e308 on an action token",
+        {"rollout_logprobs": [0.0, 0.0, -1e308, -0.25]},
+        "rollout_logprobs",
+    ),
+    ("log-prob 1e308 on a prompt token", {"rollout_logprobs": [0.0, 1e308, -0.5, -0.25]}, "rollout_logprobs"),
+    ("value -1e308", {"value": -1e308}, "value"),
     ("NaN reward", b"NaN", "reward"),
     ("advantage null on SPO++", {"advantage": None}, "advantage"),
     ("advantage 1.7e308", {"advantage": 1.7e308}, "advantage"),
@@ -186,10 +195,11 @@ def test_the_edges_themselves_are_accepted(intake, model_limits):
         traj(1, **long(limits.max_tokens)),
         traj(2, advantage=1.0),
         traj(3, advantage=-1.0),
+        traj(4, rollout_logprobs=[0.0, -FLOAT32_MAX, -FLOAT32_MAX, -0.25]),  # float32's lowest
     ]
     for body in edges:
         assert post(url, body).status_code == 200, post(url, body).text
-    assert [t.request_id for t in buffer.take(4)] == ["q0", "q1", "q2", "q3"]
+    assert [t.request_id for t in buffer.take(5)] == ["q0", "q1", "q2", "q3", "q4"]
 
 
 def test_spo_learner_accepts_a_missing_advantage_spopp_does_not(model_limits):
@@ -324,9 +334,12 @@ def test_real_learner_keeps_training_through_hostile_trajectories(
     def hostile(version):
         # What an update must never see: an index past the embedding (an IndexError mid-update on
         # CPU, a device fault on GPU), positions past the context, a trained position 0, SPO++
-        # without its advantage, an advantage that would swamp the batch's normalisation.
+        # without its advantage, an advantage that would swamp the batch's normalisation, a log-prob
+        # that is -inf in float32 (it stopped the learner at its first update: issue 48).
         b = good(0, version)
         n = len(b["token_ids"])
+        action = b["action_mask"].index(1)
+        minus_inf = [-1e308 if k == action else x for k, x in enumerate(b["rollout_logprobs"])]
         return [
             (401, {**b, "request_id": "h-noauth"}, {}),
             (422, {**b, "request_id": "h-vocab", "token_ids": [vocab + 3] * n}, AUTH),
@@ -334,6 +347,7 @@ def test_real_learner_keeps_training_through_hostile_trajectories(
             (422, {**b, "request_id": "h-mask0", "action_mask": [1] + b["action_mask"][1:]}, AUTH),
             (422, {**b, "request_id": "h-adv", "advantage": None}, AUTH),
             (422, {**b, "request_id": "h-huge", "advantage": 1.7e308}, AUTH),
+            (422, {**b, "request_id": "h-logp", "rollout_logprobs": minus_inf}, AUTH),
         ]
 
     def send(version):
@@ -374,7 +388,7 @@ def test_real_learner_keeps_training_through_hostile_trajectories(
         assert gauge(m, "spopp_learner_tokens_per_second") > 0
         assert m[("spopp_learner_publish_seconds_count", frozenset())] == 1
         assert m[("spopp_learner_trajectories_accepted_total", frozenset())] == B
-        assert refused(m, "unauthorized") == 1 and refused(m, "invalid") == 5
+        assert refused(m, "unauthorized") == 1 and refused(m, "invalid") == 6
         # A trajectory of the old version is drained, not trained on.
         r = httpx.post(f"{url}/v1/trajectories", json=good(0, 0), headers=AUTH)
         assert r.status_code == 409 and r.json()["detail"]["code"] == "stale_policy"

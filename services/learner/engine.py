@@ -21,7 +21,7 @@ from typing import Any
 from .batch import accumulation_steps
 from .config import LearnerSettings
 from .lora import apply_lora
-from .op_build import LockWatch
+from .op_build import LockWatch, build_shm_op
 from .zero3_state import forget_model
 
 
@@ -53,7 +53,11 @@ def init_distributed() -> tuple[int, int]:
             # A world of one has no one to meet: an in-process store, and no TCP port. A port drawn
             # here could be one a launcher has handed to a replica that has not bound it yet.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        with LockWatch():  # a stale build lock would hang this silently (op_build.py)
+        with LockWatch():  # a live build that never ends would hang this silently (op_build.py)
+            # DeepSpeed builds its CPU op in init_distributed under torch's lock file alone, which a
+            # killed build leaves behind: built here first under a lock that dies with its holder,
+            # the op is already loaded when DeepSpeed asks for it.
+            build_shm_op()
             deepspeed.init_distributed(dist_backend=backend)  # takes the group above when there is one
     return dist.get_rank(), dist.get_world_size()
 

@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from services.shell.middleware import BearerAuth, BodyLimit, UniqueJsonKeys, invalid_detail, short_errors
 from services.shell.routes import add_service_routes
@@ -220,10 +221,22 @@ class TrajectoryBuffer:
                 "taken": self._taken,
             }
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict) -> dict[str, str]:
+        """Take up a checkpoint's state(). Its waiting trajectories pass today's schema again: a
+        checkpoint written before a check existed may hold one the intake now refuses (log-probs
+        of -1e308, infinite in float32, once were taken), and training on it would stop the
+        learner again at every restart. Such a trajectory is dropped, its place freed for a later
+        arrival; answers the dropped ones, {request_id: why}."""
         with self._cond:
             self.version = state["version"]
-            self._items = [Trajectory.model_validate(x) for x in state["pending"]]
+            self._items, dropped = [], {}
+            for x in state["pending"]:
+                try:
+                    self._items.append(Trajectory.model_validate(x))
+                except ValidationError as err:
+                    first = err.errors()[0]
+                    where = ".".join(map(str, first["loc"]))
+                    dropped[str(x.get("request_id"))] = f"{where}: {first['msg']}"
             # A checkpoint written before the window existed keeps {request_id: position}, all of
             # its own version.
             self._seen = {
@@ -231,8 +244,12 @@ class TrajectoryBuffer:
                 for rid, vp in state["seen"].items()
             }
             self._count = int(state.get("count", len(self._seen)))
+            for rid in dropped:
+                if self._seen.pop(rid, None) is not None:
+                    self._count -= 1
             self._taken = state["taken"]
             self._cond.notify_all()
+            return dropped
 
     @property
     def accepted(self) -> int:

@@ -25,8 +25,18 @@ if TYPE_CHECKING:
 disable_created_metrics()
 
 # Every reason the intake refuses a trajectory for, exported at 0 from the start so that a rate()
-# over them has a first sample.
-REFUSAL_REASONS = ("unauthorized", "too_large", "invalid", "unknown_run", "stale", "full")
+# over them has a first sample; and those for which the trainer drops one it had accepted:
+# unissued (the tracker never issued its request) and nonfinite (its loss term is not finite).
+REFUSAL_REASONS = (
+    "unauthorized",
+    "too_large",
+    "invalid",
+    "unknown_run",
+    "stale",
+    "full",
+    "unissued",
+    "nonfinite",
+)
 _SLOW = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -45,7 +55,7 @@ class LearnerMetrics:
         )
         self.refused = Counter(
             "spopp_learner_trajectories_refused",
-            "trajectory POSTs refused, by reason",
+            "trajectories refused at the intake or dropped before an update, by reason",
             ["reason"],
             registry=r,
         )

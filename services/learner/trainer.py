@@ -35,7 +35,7 @@ from .metrics import LearnerMetrics
 from .metrics_log import MetricsLog
 from .snapshot import discard_unannounced, publish_snapshot
 from .spo import SpoDriftCache
-from .update import length_advantage_corr, run_update, staleness_stats
+from .update import NonFiniteTrajectories, length_advantage_corr, run_update, staleness_stats
 
 log = logging.getLogger("spopp.learner")
 _WAIT = "wait"  # broadcast while rank 0 still waits for a batch, so other ranks' collectives stay alive
@@ -127,7 +127,12 @@ class Learner:
             )
         self.step = state["step"]
         self.version = state["version"]
-        self.buffer.restore(state["buffer"])
+        for rid, why in self.buffer.restore(state["buffer"]).items():
+            if self.rank == 0:  # each rank restores the same buffer; one says it
+                log.warning(
+                    "dropped trajectory %s from the checkpoint: the intake now refuses it (%s)", rid, why
+                )
+                self.prometheus.refuse("invalid")
         if self.spo is not None and state.get("spo") is not None:
             self.spo.restore(state["spo"])
         self.snapshot = state.get("snapshot")
@@ -276,14 +281,45 @@ class Learner:
                     out[j] = lp[i, : lengths[j] - 1].tolist()
         return out
 
+    def _drop_nonfinite(self, batch: list, reasons: dict[int, str]) -> None:
+        """Rank 0: the trajectories run_update screened out are dropped (logged, counted) and the
+        rest go back to the front of the buffer, so later arrivals take the dropped ones' places."""
+        if self.rank != 0:
+            return
+        bad = {batch[i].request_id: why for i, why in reasons.items()}
+        self.buffer.forget(bad)
+        self.buffer.putback([t for i, t in enumerate(batch) if i not in reasons])
+        for rid, why in bad.items():
+            log.warning("dropped trajectory %s: its loss term is not finite (%s)", rid, why)
+            self.prometheus.refuse("nonfinite")
+        if len(reasons) == len(batch):
+            log.error(
+                "every trajectory of the batch had a non-finite loss term: if that goes on, suspect "
+                "the weights (a NaN or inf in the model), not the trajectories"
+            )
+
+    def _train(self) -> tuple[list, list[float], list[int], float, int, dict]:
+        """The update on the next batch the screen lets through: (batch, raw advantages, action
+        tokens, seconds waited, trajectories dropped for a non-finite loss term, stats)."""
+        waited, dropped = 0.0, 0
+        while True:
+            batch, values, w = self._next_batch()
+            waited += w
+            raw = self._advantages(batch, values)
+            lengths = [t.action_tokens for t in batch]
+            adv = normalize_advantages(
+                torch.tensor(raw, dtype=torch.float64), torch.tensor(lengths), measure=self.cfg.normalization
+            )
+            try:
+                stats = run_update(self.engine, batch, adv.tolist(), self.cfg, version=self.version)
+            except NonFiniteTrajectories as exc:  # raised before any step: nothing was trained
+                dropped += len(exc.reasons)
+                self._drop_nonfinite(batch, exc.reasons)
+                continue
+            return batch, raw, lengths, waited, dropped, stats
+
     def update_once(self) -> dict:
-        batch, values, waited = self._next_batch()
-        raw = self._advantages(batch, values)
-        lengths = [t.action_tokens for t in batch]
-        adv = normalize_advantages(
-            torch.tensor(raw, dtype=torch.float64), torch.tensor(lengths), measure=self.cfg.normalization
-        )
-        stats = run_update(self.engine, batch, adv.tolist(), self.cfg, version=self.version)
+        batch, raw, lengths, waited, dropped, stats = self._train()
         lags = [self.version - t.policy_version for t in batch]
         self.prometheus.observe_update(stats, lags)
         if self.spo is not None:
@@ -317,6 +353,8 @@ class Learner:
             advantage_raw_mean=sum(raw) / len(raw),
             length_advantage_corr=length_advantage_corr(lengths, raw),
             batch_wait_s=waited,
+            # Trajectories dropped before this update for a non-finite loss term (replaced by later ones).
+            dropped_nonfinite=float(dropped),
             **staleness_stats(lags, self.cfg.max_staleness),
         )
         if self.step % self.cfg.updates_per_publish == 0:

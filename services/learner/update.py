@@ -20,6 +20,15 @@ old_logp (the learner's log-probs before this update) is computed for all of thi
 micro-batches before the first step, under no_grad, on the very same padded micro-batches as
 the training pass: the first mini-batch then has ratio exactly 1 and later ones measure only the
 effect of the earlier steps, not padding-dependent kernel noise.
+
+That pass also screens the batch (spopp.loss.screen_rows): a trajectory whose loss term is not
+finite (its rollout log-probs or advantage in float32, or the learner's own log-probs of it) would
+make every gradient of its mini-batch NaN, or stop the update in policy_loss. The ranks agree on
+the screen (one all-reduce) and, before any optimizer step, run_update raises
+NonFiniteTrajectories naming them; the weights and optimizer are untouched, and the caller drops
+them and updates on a batch without them (the trainer: later arrivals take their places). Once a
+step is taken, a log-prob that is not finite is the new weights' doing, not a trajectory's (a
+diverged update): policy_loss still raises then.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from typing import Any
 
 import torch
 
-from spopp.loss import policy_loss
+from spopp.loss import policy_loss, screen_rows, screened
 
 from .batch import Batch, TrajectoryLike, action_tokens, collate, mini_batches, plan_micro_batches
 from .config import LearnerSettings
@@ -49,6 +58,16 @@ BeforeStep = Callable[[Any, int], None]
 
 
 Plan = list[tuple[slice, list[list[int]]]]
+
+
+class NonFiniteTrajectories(Exception):
+    """Raised by run_update before its first optimizer step: these trajectories' loss terms are
+    not finite. `reasons`: {index in the batch: what is not finite}, the same on every rank."""
+
+    def __init__(self, reasons: dict[int, str]) -> None:
+        self.reasons = reasons
+        listed = "; ".join(f"{i}: {why}" for i, why in sorted(reasons.items()))
+        super().__init__(f"{len(reasons)} trajectories with a non-finite loss term ({listed})")
 
 
 def _plan(trajs: Sequence[TrajectoryLike], cfg: LearnerSettings, rank: int, world: int, gas: int) -> Plan:
@@ -99,6 +118,8 @@ def run_update(
     """Run one update (cfg.mini_batches optimizer steps) on `trajs`; every rank calls it alike.
 
     `advantages` are the per-trajectory, already normalised advantages, aligned with `trajs`.
+    Raises NonFiniteTrajectories, before any optimizer step, where some trajectory's loss term is
+    not finite (see the module).
     Returns stats identical on every rank: loss (mean over mini-batches of the mini-batch loss),
     clip_fraction, dual_clip_fraction, approx_kl, is_weight_mean, is_capped_fraction (token
     means over the update), is_weight_max, grad_norm (pre-clip, mean over mini-batches), lr,
@@ -120,7 +141,7 @@ def run_update(
     # backward (zero3_state.py): put it back as it was once the update's forwards are done.
     depth = forward_stack_depth()
     try:
-        batches = _collate_with_old_logp(engine, trajs, adv, plan, version)
+        batches = _collate_with_old_logp(engine, trajs, adv, plan, cfg, version)
         tally = _Tally()
         grad_norms: list[float] = []
         # Undo DeepSpeed's mean over accumulation steps (engine.backward) and over ranks (reduction).
@@ -142,19 +163,56 @@ def _collate_with_old_logp(
     trajs: Sequence[TrajectoryLike],
     adv: torch.Tensor,
     plan: Plan,
+    cfg: LearnerSettings,
     version: int | None,
 ) -> list[list[tuple[Batch, torch.Tensor]]]:
     """This rank's micro-batches, collated once, each with old_logp: the weights as they are
-    before any step, on the very padding the training pass will see."""
+    before any step, on the very padding the training pass will see. Raises NonFiniteTrajectories
+    (on every rank alike) where the screen finds a trajectory that cannot be trained on."""
     batches = []
+    # Per trajectory of the batch: screen_rows' code, set by the one rank whose micro-batch holds
+    # it (every trajectory is in exactly one), so a sum over the ranks is each one's code.
+    codes = torch.zeros(len(trajs), dtype=torch.int64)
     with torch.no_grad():
         for _, micro in plan:
             row = []
             for rows in micro:
                 b = collate([trajs[i] for i in rows], adv[rows], version=version).to(engine.device)
-                row.append((b, token_logprobs(engine, b.input_ids, b.attention_mask)))
+                old = token_logprobs(engine, b.input_ids, b.attention_mask)
+                codes[rows] = _screen(old, b, cfg).cpu()
+                row.append((b, old))
             batches.append(row)
+    _all_ranks_sum(codes, engine.device)
+    if bool(codes.any()):
+        raise NonFiniteTrajectories({i: screened(int(c)) for i, c in enumerate(codes.tolist()) if c})
     return batches
+
+
+def _screen(old: torch.Tensor, b: Batch, cfg: LearnerSettings) -> torch.Tensor:
+    """screen_rows on one micro-batch, with the settings the loss will use."""
+    return screen_rows(
+        old,
+        b.advantages,
+        b.loss_mask,
+        rollout_logp=b.rollout_logp,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        is_cap=cfg.is_cap,
+        stale=b.stale,
+        off_policy=cfg.off_policy,
+        behaviour_cap=cfg.behaviour_cap,
+    )
+
+
+def _all_ranks_sum(t: torch.Tensor, device: Any) -> None:
+    """`t` summed over the ranks, in place (on `device`: NCCL reduces only CUDA tensors)."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() > 1:
+        on = t.to(device)
+        dist.all_reduce(on, op=dist.ReduceOp.SUM)
+        t.copy_(on.cpu())
 
 
 class _Tally:
