@@ -145,7 +145,9 @@ class _TextEncoder:
     """Encodes (text, is_template) runs with special tokens only where the template wrote them."""
 
     def __init__(self, tokenizer) -> None:
-        self.tok = tokenizer
+        # Weakly: the encoder is the value of a WeakKeyDictionary keyed by this very tokenizer, and
+        # a strong reference from the value would keep both alive for good.
+        self._tok = weakref.ref(tokenizer)
         added = dict(getattr(tokenizer, "added_tokens_decoder", None) or {})
         by_name = {t.content: t for t in added.values()}
         names = {t.content for t in added.values() if getattr(t, "special", False)}
@@ -240,7 +242,8 @@ class _TextEncoder:
             if token is not None and token.rstrip and isinstance(items[k + 1], str):
                 items[k + 1] = items[k + 1].lstrip()
         pieces = [x for x in items if isinstance(x, str) and x]
-        encoded = iter(self.tok(pieces, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        tok = self._tok()  # alive: the renderer calling this holds it
+        encoded = iter(tok(pieces, add_special_tokens=False, split_special_tokens=True)["input_ids"])
         ids: list[int] = []
         for x in items:
             if isinstance(x, int):

@@ -8,9 +8,10 @@ waits on a pipe (the GIL is free, the event loop runs), and a check past its dea
 worker SIGKILLed and replaced. The verdict of a killed or failed check is a wrong answer with its
 reason ("timeout", "memory", "error: ...", "busy", "unavailable").
 
-Costs, measured on the CI machine's kind of CPU (`tests/test_check_pool.py` prints them): about
-0.2 ms of round trip per check on top of the check itself, one worker's start (its imports, about a
-second for math-verify) after a kill, and each worker's resident memory (about 100 MB with sympy).
+Costs (`make bench`, BENCHMARKS.md "Answer checks"): a check out of process took no longer than
+in-process on this project's CPU machines; a worker's start (its imports, about a second for
+math-verify) after a kill, in the background; each worker's resident memory (about 60 MB with
+sympy and math-verify loaded).
 
 One pool per process (`shared_pool()`), started on first use and closed at exit; the workers also
 end by themselves when the pool's process is gone (end of stdin, or their CPU budget).
@@ -19,6 +20,7 @@ end by themselves when the pool's process is gone (end of stdin, or their CPU bu
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import select
@@ -67,12 +69,12 @@ class _Worker:
     def read_line(self, deadline: float) -> bytes | None:
         """The next line the worker writes, or None at the deadline or when it has died."""
         fd = self.proc.stdout.fileno()
+        # poll, not select: a replica may hold more than 1024 descriptors, which select refuses.
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
         while b"\n" not in self._buffer:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            ready, _, _ = select.select([fd], [], [], remaining)
-            if not ready:
+            if remaining <= 0 or not poller.poll(remaining * 1000):
                 return None
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -132,6 +134,7 @@ class CheckPool:
         # Checks that gave no value, by reason; and checks run: read by the services' /metrics.
         self.failures: Counter[str] = Counter()
         self.checks = 0
+        self._ids = itertools.count(1)  # request ids: a reply must carry its request's
 
     def _start_worker(self) -> _Worker | None:
         """A new worker, once it says it is ready; None when it cannot start in time."""
@@ -139,7 +142,12 @@ class CheckPool:
             worker = _Worker(self.memory_bytes, self.preload)
         except OSError:
             return None
-        if worker.read_line(time.monotonic() + self.start_timeout_s) != b"ready":
+        try:
+            ready = worker.read_line(time.monotonic() + self.start_timeout_s) == b"ready"
+        except BaseException:
+            worker.kill()
+            raise
+        if not ready:
             worker.kill()
             return None
         return worker
@@ -200,37 +208,70 @@ class CheckPool:
 
     def call(self, fn: str, *args: Any, timeout_s: float) -> Outcome:
         """Run `fn` ("module:attribute", importable in the worker) on JSON-able `args`, at most
-        `timeout_s` seconds from the moment a worker takes it; never raises for what `fn` does."""
-        acquired = self._acquire()
-        if isinstance(acquired, str):
-            return self._failed(acquired)
-        worker = acquired
-        deadline = time.monotonic() + timeout_s
-        if not worker.send({"fn": fn, "args": list(args), "cpu_s": timeout_s}):
-            self._release(None)
+        `timeout_s` seconds from the moment a worker takes it; never raises for what `fn` does.
+
+        A worker found dead when the check is handed to it (killed by the kernel while idle) is
+        replaced and the check tried once more, so that its death does not cost a right answer."""
+        for attempt in (1, 2):
+            acquired = self._acquire()
+            if isinstance(acquired, str):
+                return self._failed(acquired)
+            outcome = self._run_on(acquired, fn, args, timeout_s, retry=attempt == 1)
+            if outcome is not None:
+                return outcome
+        return self._failed("unavailable", "two workers in a row had died")
+
+    def _run_on(
+        self, worker: _Worker, fn: str, args: tuple, timeout_s: float, *, retry: bool
+    ) -> Outcome | None:
+        """The check on `worker`, which goes back to the pool only after a well-formed reply to
+        this very request; None when it was dead before it started (and `retry` allows another)."""
+        released = False
+
+        def drop() -> None:
+            nonlocal released
+            released = True
             worker.kill()
-            self.warm()
-            return self._failed("unavailable", "the worker had died")
-        line = worker.read_line(deadline)
-        if line is None:
-            died = worker.proc.poll()  # ended by itself (its CPU budget, a crash) or still at work
-            worker.kill()
             self._release(None)
             self.warm()
-            if died is not None:
-                return self._failed("error", f"the worker exited with {died}")
-            return self._failed("timeout", f"no verdict within {timeout_s:g} s: worker killed")
-        self._release(worker)
+
         try:
-            reply = json.loads(line)
-        except ValueError:
-            return self._failed("error", "unreadable reply")
-        if "error" in reply:
-            reason = "memory" if reply["error"] == "memory" else "error"
-            return self._failed(reason, str(reply["error"]))
-        with self._cond:
-            self.checks += 1
-        return Outcome(value=reply.get("value"))
+            request_id = next(self._ids)
+            deadline = time.monotonic() + timeout_s
+            if not worker.send({"id": request_id, "fn": fn, "args": list(args), "cpu_s": timeout_s}):
+                drop()
+                return None if retry else self._failed("unavailable", "the worker had died")
+            line = worker.read_line(deadline)
+            if line is None:
+                try:  # ended by itself (its CPU budget, a crash, a kill while idle) or still at work
+                    died = worker.proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    died = None
+                drop()
+                if died is None:
+                    return self._failed("timeout", f"no verdict within {timeout_s:g} s: worker killed")
+                if retry and time.monotonic() < deadline - timeout_s / 2:  # dead on arrival, not mid-check
+                    return None
+                return self._failed("error", f"the worker exited with {died}")
+            try:
+                reply = json.loads(line)
+                if not isinstance(reply, dict) or reply.get("id") != request_id:
+                    raise ValueError("not this request's reply")
+            except ValueError as e:  # the worker is out of step: never reused
+                drop()
+                return self._failed("error", f"unreadable reply: {e}")
+            released = True
+            self._release(worker)
+            if "error" in reply:
+                reason = "memory" if reply["error"] == "memory" else "error"
+                return self._failed(reason, str(reply["error"]))
+            with self._cond:
+                self.checks += 1
+            return Outcome(value=reply.get("value"))
+        finally:
+            if not released:  # an exception on the way (a signal, a bug): the worker is not reused
+                worker.kill()
+                self._release(None)
 
     def _failed(self, reason: str, detail: str = "") -> Outcome:
         with self._cond:

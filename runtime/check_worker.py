@@ -3,9 +3,10 @@
 It is started by the pool as `python -m runtime.check_worker MEMORY_BYTES PRELOAD...`, caps its own
 address space, imports the modules named in PRELOAD (math-verify and sympy take about a second,
 paid once per worker, not per check) and says `ready`. Then, per line on stdin, a JSON request
-`{"fn": "module:attribute", "args": [...], "cpu_s": N}`, and per request one JSON line on stdout:
-`{"value": ...}` or `{"error": "..."}` (an exception the function raised: a wrong answer to the
-caller, the worker lives on).
+`{"id": N, "fn": "module:attribute", "args": [...], "cpu_s": N}`, and per request one JSON line
+`{"id": N, "value": ...}` or `{"id": N, "error": "..."}` (an exception the function raised: a
+wrong answer to the caller, the worker lives on) on the pipe that was stdout; stdout itself is
+sent to stderr, so nothing a library prints can be read as a reply.
 
 What bounds it, from the outside and from the inside:
 - the pool kills it at the check's wall-clock deadline (SIGKILL: sympy evaluates `9^(9^9)` in C
@@ -22,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import resource
 import sys
 from collections.abc import Callable
@@ -56,22 +58,35 @@ def _function(spec: str) -> Callable:
 
 
 def _answer(line: bytes) -> dict:
+    """The reply to one request line, carrying the request's id (the pool checks it)."""
+    reply: dict = {"id": None}
     try:
         request = json.loads(line)
+        reply["id"] = request.get("id")
         fn = _function(request["fn"])
         _cap_cpu(float(request.get("cpu_s", 10)))
-        return {"value": fn(*request.get("args", ()))}
+        reply["value"] = fn(*request.get("args", ()))
     except MemoryError:
-        return {"error": "memory"}
+        reply["error"] = "memory"
     except Exception as e:  # noqa: BLE001 - sympy and math-verify raise all sorts: a failed check
-        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        reply["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return reply
+
+
+def _protocol_channel():
+    """The pipe to the pool, on a descriptor of its own; stdout (fd 1) then goes to stderr, so that
+    what a checked library prints (antlr4 prints to stdout) can never pass for a reply."""
+    channel = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
 
 
 def main(argv: list[str]) -> None:
+    out = _protocol_channel()
     _cap_memory(int(argv[0]))
     for module in argv[1:]:
         importlib.import_module(module)
-    out = sys.stdout.buffer
     out.write(b"ready\n")
     out.flush()
     for line in sys.stdin.buffer:
@@ -80,7 +95,7 @@ def main(argv: list[str]) -> None:
             data = json.dumps(reply).encode()
         except (TypeError, ValueError):
             data = json.dumps(
-                {"error": f"unserializable result {type(reply.get('value')).__name__}"}
+                {"id": reply.get("id"), "error": f"unserializable result {type(reply.get('value')).__name__}"}
             ).encode()
         out.write(data + b"\n")
         out.flush()

@@ -36,6 +36,7 @@ them); `SandboxUnavailable` says what is missing when that does not hold.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import selectors
 import shutil
@@ -49,6 +50,8 @@ from dataclasses import dataclass
 
 from . import sandbox_cgroup
 from .sandbox_cgroup import RunGroup
+
+log = logging.getLogger("spopp.sandbox")
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -276,7 +279,11 @@ def _command_args(setup: _Setup, config: SandboxConfig, grouped: bool) -> list[s
 
 # Joins the run's cgroups before bwrap starts (the shell writes its own pid, then becomes bwrap), so
 # that nothing of the run is ever outside them: `sh -c JOIN sh N FILE... BWRAP ARGS...`.
-_JOIN = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
+_JOIN_FAILED = "spopp-sandbox: cannot join the run's cgroup"
+_JOIN = (
+    f'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || {{ echo "{_JOIN_FAILED}" >&2; exit 125; }}; '
+    'shift; n=$((n-1)); done; exec "$@"'
+)
 
 
 def _build_argv(setup: _Setup, config: SandboxConfig, code_fd: int, group: RunGroup | None) -> list[str]:
@@ -434,13 +441,18 @@ def _wait_for(proc: subprocess.Popen, out_stream: _Stream, err_stream: _Stream, 
 
 
 def _run_group(config: SandboxConfig) -> RunGroup | None:
-    """The run's own cgroup, or None where none can be made (the rlimits' fallback)."""
+    """The run's own cgroup, or None where none can be made (the rlimits' fallback: for this run
+    alone when a group that could be made before cannot now, e.g. the kernel out of cgroup ids)."""
     if not config.cgroups:
         return None
     hierarchies = sandbox_cgroup.detect()
     if isinstance(hierarchies, str):
         return None
-    return RunGroup(hierarchies, config.total_memory_bytes, config.max_processes)
+    try:
+        return RunGroup(hierarchies, config.total_memory_bytes, config.max_processes)
+    except OSError as e:
+        log.warning("sandbox: no cgroup for this run (%s): rlimits alone", e)
+        return None
 
 
 def _run(setup: _Setup, config: SandboxConfig, code: str) -> SandboxResult:
@@ -483,6 +495,8 @@ def _run(setup: _Setup, config: SandboxConfig, code: str) -> SandboxResult:
 def _killed_reason(exit_code: int | None, stderr: bytes) -> str | None:
     if exit_code is None or exit_code == 0:
         return None
+    if exit_code == 125 and _JOIN_FAILED.encode() in stderr:
+        return "sandbox_setup_failed"  # the code never ran
     if exit_code > 128:
         sig = exit_code - 128
         if sig == signal.SIGXCPU:

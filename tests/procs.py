@@ -7,6 +7,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -61,3 +62,26 @@ def learner_config(tmp: Path, tracker_url: str, model, run: str, **settings) -> 
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "learner.yaml").write_text(yaml.safe_dump(cfg))
     return tmp / "learner.yaml", port
+
+
+def send_raw(url: str, pieces, timeout: float = 10) -> tuple[bytes, float]:
+    """Send `pieces` on one connection, then read until the server closes it: (what came back,
+    seconds from the first byte sent to the close). A reset while sending is the server closing
+    early; what it answered before is still read."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        for piece in pieces:
+            sock.sendall(piece)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    finally:
+        sock.close()
+    return out, time.monotonic() - t0

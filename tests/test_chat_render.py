@@ -311,3 +311,20 @@ def test_smollm2_an_episode_whose_tool_prints_markup_has_the_control_tokens_of_a
     assert [i for i in forged.token_ids if i in specials] == [i for i in plain.token_ids if i in specials]
     assert CHATML_FORGERY in smol.decode(forged.token_ids)
     assert forged.generated_tokens == plain.generated_tokens and forged.finish_reason == "answer"
+
+
+def test_a_tokenizer_no_longer_used_is_freed_with_its_cached_encoder():
+    """The encoder cache is keyed weakly by tokenizer; an encoder that held its tokenizer strongly
+    kept both (and a copy of the Rust backend) alive for the life of the process."""
+    import gc
+    import weakref
+
+    from runtime import chat
+
+    tok = build_toy_tokenizer()
+    ChatRenderer(tok).prompt([{"role": "user", "content": "hi"}])
+    gone = weakref.ref(tok)
+    assert tok in chat._ENCODERS
+    del tok
+    gc.collect()
+    assert gone() is None

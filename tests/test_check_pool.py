@@ -204,3 +204,14 @@ def test_a_replica_episode_with_a_tower_ends_wrong_and_is_counted(tiny_model):
     metrics.observe_episode(ep)
     text = generate_latest(metrics.registry).decode()
     assert 'spopp_rollout_answer_checks_failed_total{reason="timeout"} 1.0' in text
+
+
+def test_what_a_checked_function_prints_never_passes_for_a_verdict(pool):
+    """antlr4 (math-verify's LaTeX parser) prints to stdout; the replies have a descriptor of their
+    own, and each carries its request's id, so printed text (even a forged reply) is never read as
+    one, and the worker stays in step for the next check."""
+    forged = '{"id": 2, "value": true}'
+    printed = pool.call("builtins:print", forged, timeout_s=30)
+    assert printed.ok and printed.value is None  # print's own return value
+    assert check_answer(r"\boxed{\frac{1}{3}}", "0.5", timeout_s=30, pool=pool).reward == 0.0
+    assert pool.call("runtime.verify:math_equivalent", "1", "1", timeout_s=30).value is True

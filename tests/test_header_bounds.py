@@ -26,6 +26,7 @@ import httpx
 import pytest
 import yaml
 from fastapi import FastAPI, Request
+from procs import send_raw
 
 from services.shell.connections import LINGER, ServerLimits
 from services.shell.logs import ACCESS_PATH_CHARS, AccessLog
@@ -65,29 +66,6 @@ def served():
         yield server, seen
 
 
-def _exchange(url: str, pieces, timeout: float = 10) -> tuple[bytes, float]:
-    """Send `pieces` on one connection, then read until the server closes it: (what came back,
-    seconds from the first byte sent to the close). A reset while sending is the server closing
-    early; what it answered before is still read."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=timeout)
-    t0 = time.monotonic()
-    try:
-        for piece in pieces:
-            sock.sendall(piece)
-    except (BrokenPipeError, ConnectionResetError):
-        pass
-    out = b""
-    try:
-        while chunk := sock.recv(65536):
-            out += chunk
-    except ConnectionResetError:
-        pass
-    finally:
-        sock.close()
-    return out, time.monotonic() - t0
-
-
 def _status(reply: bytes) -> int:
     return int(reply.split(b" ", 2)[1]) if reply else 0
 
@@ -118,7 +96,7 @@ def test_at_most_100_headers(served, count, status):
     """A head with more than 100 headers is answered 431 (JSON, the bounds named) and closed."""
     server, seen = served
     before = len(seen)
-    reply, _ = _exchange(server.url, [HEAD + _headers(count) + b"Connection: close\r\n\r\n"])
+    reply, _ = send_raw(server.url, [HEAD + _headers(count) + b"Connection: close\r\n\r\n"])
     assert _status(reply) == status, reply[:200]
     if status == 431:
         detail = _detail(reply)
@@ -136,9 +114,9 @@ def _head_of(size: int) -> bytes:
 
 def test_a_head_of_16_KiB_passes_and_one_byte_more_is_431(served):
     server, _ = served
-    reply, _ = _exchange(server.url, [_head_of(16 * 1024)])
+    reply, _ = send_raw(server.url, [_head_of(16 * 1024)])
     assert _status(reply) == 200
-    reply, _ = _exchange(server.url, [_head_of(16 * 1024 + 1)])
+    reply, _ = send_raw(server.url, [_head_of(16 * 1024 + 1)])
     assert _status(reply) == 431 and _detail(reply)["code"] == "headers_too_large"
 
 
@@ -165,7 +143,7 @@ def test_a_64_MB_header_is_refused_after_16_KiB_at_a_cost_that_does_not_grow_wit
     before = len(seen)
     cpu0 = _thread_cpu(server.thread)
     mib = b"a" * (1 << 20)
-    reply, took = _exchange(server.url, [HEAD + b"X-Big: ", *([mib] * 64), b"\r\n\r\n"], timeout=30)
+    reply, took = send_raw(server.url, [HEAD + b"X-Big: ", *([mib] * 64), b"\r\n\r\n"], timeout=30)
     cpu = _thread_cpu(server.thread) - cpu0
     assert _status(reply) == 431 and _detail(reply)["code"] == "headers_too_large"
     assert took < LINGER + 1.5, took  # the old server answered nothing and closed at its 3 s deadline
@@ -181,13 +159,11 @@ def test_trailers_are_bounded_as_headers_are(served):
     head's are: a 64 MB trailer cost as a 64 MB header did (2.5 CPU-s for 32 MB before). Now 431
     after 16 KiB, a few hundredths of a CPU-s; small trailers pass as before."""
     server, _ = served
-    reply, _ = _exchange(server.url, [CHUNKED + b"2\r\nab\r\n0\r\nX-Sum: 1\r\n\r\n"])
+    reply, _ = send_raw(server.url, [CHUNKED + b"2\r\nab\r\n0\r\nX-Sum: 1\r\n\r\n"])
     assert _status(reply) == 200 and json.loads(reply.split(b"\r\n\r\n", 1)[1])["bytes"] == 2
     cpu0 = _thread_cpu(server.thread)
     mib = b"a" * (1 << 20)
-    reply, took = _exchange(
-        server.url, [CHUNKED + b"2\r\nab\r\n0\r\nX-Big: ", *([mib] * 64), b"\r\n\r\n"], 30
-    )
+    reply, took = send_raw(server.url, [CHUNKED + b"2\r\nab\r\n0\r\nX-Big: ", *([mib] * 64), b"\r\n\r\n"], 30)
     cpu = _thread_cpu(server.thread) - cpu0
     assert _status(reply) == 431 and _detail(reply)["code"] == "headers_too_large"
     assert took < LINGER + 1.5 and cpu < 0.5, (took, cpu)
@@ -238,9 +214,9 @@ def test_the_bounds_are_settings_of_every_service():
 def test_a_server_takes_its_own_bounds():
     seen: list = []
     with ThreadedServer(_app(seen), limits=ServerLimits(max_headers=10, max_header_bytes=2048)) as server:
-        assert _status(_exchange(server.url, [HEAD + _headers(9) + b"Connection: close\r\n\r\n"])[0]) == 431
-        assert _status(_exchange(server.url, [HEAD + _headers(8) + b"Connection: close\r\n\r\n"])[0]) == 200
-        assert _status(_exchange(server.url, [_head_of(2049)])[0]) == 431
+        assert _status(send_raw(server.url, [HEAD + _headers(9) + b"Connection: close\r\n\r\n"])[0]) == 431
+        assert _status(send_raw(server.url, [HEAD + _headers(8) + b"Connection: close\r\n\r\n"])[0]) == 200
+        assert _status(send_raw(server.url, [_head_of(2049)])[0]) == 431
 
 
 # --- finding 6: one value where one is read ---------------------------------------------------------
@@ -266,7 +242,7 @@ def test_a_server_takes_its_own_bounds():
 def test_a_header_read_once_sent_twice_is_400_before_any_app_runs(served, name, headers):
     server, seen = served
     before = len(seen)
-    reply, _ = _exchange(server.url, [b"POST /echo HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n{}"])
+    reply, _ = send_raw(server.url, [b"POST /echo HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n{}"])
     assert _status(reply) == 400, reply[:300]
     detail = _detail(reply)
     assert detail == {
@@ -281,7 +257,7 @@ def test_headers_that_may_repeat_still_pass(served):
     """List-valued headers (Accept, a custom one) may come twice: 200, as before."""
     server, _ = served
     head = b"POST /echo HTTP/1.1\r\nHost: x\r\nAccept: a/b\r\nAccept: c/d\r\nX-Tag: 1\r\nX-Tag: 2\r\n"
-    reply, _ = _exchange(
+    reply, _ = send_raw(
         server.url, [head + b"Content-Type: text/plain\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"]
     )
     assert _status(reply) == 200
@@ -291,7 +267,7 @@ def test_headers_that_may_repeat_still_pass(served):
 def test_a_malformed_request_is_a_json_400(served):
     """What the parser refuses (here a space in a header's name) is the API's JSON error too."""
     server, _ = served
-    reply, _ = _exchange(server.url, [HEAD + b"Bad Name: x\r\n\r\n"])
+    reply, _ = send_raw(server.url, [HEAD + b"Bad Name: x\r\n\r\n"])
     assert _status(reply) == 400
     assert _detail(reply) == {
         "code": "invalid_http",

@@ -37,6 +37,7 @@ import time
 
 import httpx
 import pytest
+from procs import send_raw
 
 from services.tracker.launcher import TrackerProcess
 
@@ -240,21 +241,8 @@ def _rss_mb(pid: int) -> float:
 
 
 def _send_head(port: int, pieces) -> bytes:
-    """Send a request's pieces, then read what the tracker answers until it closes (a reset while
-    sending is the tracker refusing early; its answer came first)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        try:
-            for piece in pieces:
-                sock.sendall(piece)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        out = b""
-        try:
-            while chunk := sock.recv(65536):
-                out += chunk
-        except ConnectionResetError:
-            pass
-    return out
+    """What the tracker answers to a request sent in `pieces`, read until it closes."""
+    return send_raw(f"http://127.0.0.1:{port}", pieces, timeout=20)[0]
 
 
 def _big_header(size: int, piece: int = 1 << 20):

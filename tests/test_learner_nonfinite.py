@@ -265,3 +265,48 @@ def test_poisoned_trajectories_stop_nothing_before_or_after_a_restart(
     assert [r["step"] for r in _records(tmp_path)] == [1, 2]
     assert _records(tmp_path)[1]["tokens"] == trajs[2].action_tokens + trajs[3].action_tokens
     assert client.policy(run_name).version == 1
+
+
+@pytest.mark.process
+def test_a_learner_whose_weights_fail_every_trajectory_stops_instead_of_draining_the_run(
+    tiny_model, tracker, client, run_name, tmp_path
+):
+    """The screen drops trajectories, not the weights' failures: when every trajectory of
+    WHOLE_BATCHES_DROPPED batches in a row is screened out (here each holds the NaN token, as
+    every trajectory would under NaN weights), the learner exits non-zero with the reason, as it
+    did before the screen, rather than consume the run's trajectories without training."""
+    from services.learner.trainer import WHOLE_BATCHES_DROPPED
+
+    model, nan_token = _nan_token_model(Path(tiny_model), tmp_path / "model")
+    b = 2
+    client.put_run(run_name, {"recipe": "spopp", "lease_seconds": 60, "base_snapshot": str(model)})
+    config, port = learner_config(
+        tmp_path, tracker.url, model, run_name, batch_size=b, mini_batches=1, micro_batch_size=2,
+        max_updates=2, lr=1e-4, verify_requests=False,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    n = b * WHOLE_BATCHES_DROPPED
+    trajs, _ = make_batch(tiny_model, n=n)
+    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))}
+    with running(cli("learner", "run", "--config", str(config)), tmp_path / "learner.log", env) as learner:
+        wait_http(
+            url + "/healthz",
+            180,
+            "the learner intake",
+            ok=None,
+            interval=0.2,
+            request_timeout=5,
+            proc=learner,
+        )
+        for i, t in enumerate(trajs):
+            ids = list(t.token_ids)
+            ids[1] = nan_token
+            body = {
+                **t.model_dump(), "run": run_name, "request_id": f"n{i}", "policy_version": 0,
+                "value": 0.5, "advantage": t.reward - 0.5, "token_ids": ids,
+            }  # fmt: skip
+            assert httpx.post(f"{url}/v1/trajectories", json=body, timeout=30).status_code == 200
+        assert learner.wait(120) != 0
+    log = (tmp_path / "learner.log").read_text()
+    assert f"{WHOLE_BATCHES_DROPPED} batches in a row had a non-finite loss term" in log
+    assert not _records(tmp_path)  # nothing was trained

@@ -160,6 +160,7 @@ def test_tool_budget_ends_the_episode_with_zero_reward():
     assert r.info["finish"] == "tool_budget" and r.info["tool_calls"] == 2
 
 
+@pytest.mark.process  # the answer check runs in a worker process
 def test_answer_without_tool_call_and_wrong_answer():
     env = MathTIREnv(CONFIG)
     env.reset(TASK)
@@ -167,6 +168,7 @@ def test_answer_without_tool_call_and_wrong_answer():
     assert r.done and r.reward == 0.0 and r.info["tool_calls"] == 0
 
 
+@pytest.mark.process  # the answer check runs in a worker process
 def test_strict_env_uses_string_match():
     task = Task(task_id="h", prompt="half?", answer="0.5")
     loose, strict = MathTIREnv(CONFIG), MathTIREnv(CONFIG, strict=True)

@@ -66,7 +66,7 @@ def build_folder(op_name: str) -> Path:
 def _builders(folder: Path) -> list[int]:
     """Live processes (other than this one) of a build in `folder`: one with torch's lock file open
     (a FileBaton holder that does not take the flock: it keeps the file open while it builds), or
-    ninja working in `folder` (which, with its compilers, outlives a killed builder). Linux's
+    one working in `folder` (ninja and its compilers, which outlive a killed builder). Linux's
     /proc; processes this user may not inspect are not seen."""
     folder = folder.resolve()
     lock, me, found = str(folder / TORCH_LOCK), os.getpid(), []
@@ -75,7 +75,9 @@ def _builders(folder: Path) -> list[int]:
             continue
         proc = Path(entry.path)
         try:
-            if os.readlink(proc / "cwd") == str(folder) and (proc / "comm").read_text().strip() == "ninja":
+            # ninja and the compilers it ran (cc1plus, c++) work in the folder; each outlives a
+            # killed builder, and any of them still writing objects is a live build.
+            if os.readlink(proc / "cwd") == str(folder):
                 found.append(int(entry.name))
             elif any(os.readlink(fd.path) == lock for fd in os.scandir(proc / "fd")):
                 found.append(int(entry.name))

@@ -38,6 +38,8 @@ from .spo import SpoDriftCache
 from .update import NonFiniteTrajectories, length_advantage_corr, run_update, staleness_stats
 
 log = logging.getLogger("spopp.learner")
+# Batches screened out whole, in a row, after which the learner stops (the weights are suspect).
+WHOLE_BATCHES_DROPPED = 3
 _WAIT = "wait"  # broadcast while rank 0 still waits for a batch, so other ranks' collectives stay alive
 
 
@@ -301,7 +303,7 @@ class Learner:
     def _train(self) -> tuple[list, list[float], list[int], float, int, dict]:
         """The update on the next batch the screen lets through: (batch, raw advantages, action
         tokens, seconds waited, trajectories dropped for a non-finite loss term, stats)."""
-        waited, dropped = 0.0, 0
+        waited, dropped, whole = 0.0, 0, 0
         while True:
             batch, values, w = self._next_batch()
             waited += w
@@ -315,6 +317,15 @@ class Learner:
             except NonFiniteTrajectories as exc:  # raised before any step: nothing was trained
                 dropped += len(exc.reasons)
                 self._drop_nonfinite(batch, exc.reasons)
+                # Whole batches in a row: the weights, not the trajectories (every rank counts
+                # alike: the screen's answer is all-reduced). Stop loudly, as before the screen,
+                # rather than drain the run's trajectories without ever training.
+                whole = whole + 1 if len(exc.reasons) == len(batch) else 0
+                if whole >= WHOLE_BATCHES_DROPPED:
+                    raise RuntimeError(
+                        f"{whole} batches in a row had a non-finite loss term in every trajectory: the "
+                        "model's weights are not finite (a NaN or inf), not the trajectories"
+                    ) from exc
                 continue
             return batch, raw, lengths, waited, dropped, stats
 

@@ -188,21 +188,24 @@ def _collate_with_old_logp(
     return batches
 
 
+def _loss_options(b: Batch, cfg: LearnerSettings) -> dict[str, Any]:
+    """The loss's keyword arguments for micro-batch `b`: one source for the screen and the step, so
+    that what is screened is what is trained on."""
+    return {
+        "rollout_logp": b.rollout_logp,
+        "clip_low": cfg.clip_low,
+        "clip_high": cfg.clip_high,
+        "dual_clip": cfg.dual_clip,
+        "is_cap": cfg.is_cap,
+        "stale": b.stale,
+        "off_policy": cfg.off_policy,
+        "behaviour_cap": cfg.behaviour_cap,
+    }
+
+
 def _screen(old: torch.Tensor, b: Batch, cfg: LearnerSettings) -> torch.Tensor:
     """screen_rows on one micro-batch, with the settings the loss will use."""
-    return screen_rows(
-        old,
-        b.advantages,
-        b.loss_mask,
-        rollout_logp=b.rollout_logp,
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip,
-        is_cap=cfg.is_cap,
-        stale=b.stale,
-        off_policy=cfg.off_policy,
-        behaviour_cap=cfg.behaviour_cap,
-    )
+    return screen_rows(old, b.advantages, b.loss_mask, **_loss_options(b, cfg))
 
 
 def _all_ranks_sum(t: torch.Tensor, device: Any) -> None:
@@ -264,19 +267,7 @@ def _mini_batch_step(
         engine.set_gradient_accumulation_boundary(i == len(row) - 1)
         logp = token_logprobs(engine, b.input_ids, b.attention_mask)
         loss, st = policy_loss(
-            logp,
-            old,
-            b.advantages,
-            b.loss_mask,
-            rollout_logp=b.rollout_logp,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            dual_clip=cfg.dual_clip,
-            is_cap=cfg.is_cap,
-            token_count=denom,
-            stale=b.stale,
-            off_policy=cfg.off_policy,
-            behaviour_cap=cfg.behaviour_cap,
+            logp, old, b.advantages, b.loss_mask, token_count=denom, **_loss_options(b, cfg)
         )
         engine.backward(loss * scale)
         tally.add(loss, st)

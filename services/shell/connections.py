@@ -262,7 +262,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             if cycle.response_started or not cycle.more_body:
                 # A reply is under way, or this is a pipelined request behind one still answered:
-                # nothing is cut into it, the connection just ends.
+                # no refusal is written into it; the connection ends, which cuts that reply short
+                # (a client that pipelines a bad request loses the reply before it; none of ours
+                # pipelines).
                 self._close(f"refused with {refusal.status} behind a request in flight")
                 return
             # The refused request is in the app, its body not over (trailers, a bad chunk): the app
