@@ -85,3 +85,12 @@ def send_raw(url: str, pieces, timeout: float = 10) -> tuple[bytes, float]:
     finally:
         sock.close()
     return out, time.monotonic() - t0
+
+
+def wait_learner(url: str, learner: subprocess.Popen) -> None:
+    """Until the learner process at `url` answers /healthz (its model loaded), or it exits."""
+    from spopp.wait import wait_http
+
+    wait_http(
+        url + "/healthz", 180, "the learner intake", ok=None, interval=0.2, request_timeout=5, proc=learner
+    )

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from learner_worker import make_batch
-from procs import cli, learner_config, running
+from procs import cli, learner_config, running, wait_learner
 from prometheus_client.parser import text_string_to_metric_families
 from test_learner_ingest import traj
 
@@ -23,7 +23,7 @@ from services.learner.ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
 from services.shell.server import ThreadedServer
 from spopp.trajectory import FLOAT32_MAX, Trajectory, count_action_tokens
-from spopp.wait import WaitTimeout, wait_http, wait_until
+from spopp.wait import WaitTimeout, wait_until
 
 TOKEN = "intake-token-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -363,15 +363,7 @@ def test_real_learner_keeps_training_through_hostile_trajectories(
         "SPOPP_API_TOKEN": TOKEN,
     }
     with running(cli("learner", "run", "--config", str(config)), tmp_path / "learner.log", env) as learner:
-        wait_http(
-            url + "/healthz",
-            180,
-            "the learner intake",
-            ok=None,
-            interval=0.2,
-            request_timeout=5,
-            proc=learner,
-        )
+        wait_learner(url, learner)
         send(0)
         # After the first update is published and checkpointed, the learner waits for version 1.
         m = _wait_for_metrics(

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 from learner_worker import make_batch
-from procs import cli, learner_config, running
+from procs import cli, learner_config, running, wait_learner
 from test_learner_ingest import traj
 from test_learner_intake_security import refused, scrape
 
@@ -31,7 +31,6 @@ from services.learner.batch import collate
 from services.learner.ingest import TrajectoryBuffer
 from spopp.loss import policy_loss, screen_rows, screened
 from spopp.trajectory import FLOAT32_MAX, Trajectory
-from spopp.wait import wait_http
 
 POISON = -1e308  # finite in float64, -inf in float32
 
@@ -207,15 +206,7 @@ def test_poisoned_trajectories_stop_nothing_before_or_after_a_restart(
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))}
     learner_cmd = cli("learner", "run", "--config", str(config), "--nproc", str(nproc))
     with running(learner_cmd, tmp_path / "leg1.log", env) as learner:
-        wait_http(
-            url + "/healthz",
-            180,
-            "the learner intake",
-            ok=None,
-            interval=0.2,
-            request_timeout=5,
-            proc=learner,
-        )
+        wait_learner(url, learner)
         refused_poison()
         for x in (nan_traj, body(0), body(1)):  # the first batch is [nan-token, r0]; r1 replaces it
             assert post(x).status_code == 200
@@ -246,15 +237,7 @@ def test_poisoned_trajectories_stop_nothing_before_or_after_a_restart(
     torch.save(state, state_file)
 
     with running([*learner_cmd, "--resume"], tmp_path / "leg2.log", env) as learner:
-        wait_http(
-            url + "/healthz",
-            180,
-            "the learner intake",
-            ok=None,
-            interval=0.2,
-            request_timeout=5,
-            proc=learner,
-        )
+        wait_learner(url, learner)
         assert refused(scrape(url), "invalid") == 1  # dropped from the restored buffer
         refused_poison()  # the replica redelivers it after the restart
         for x in (body(2), body(3)):  # both fit: the dropped record's place was freed
@@ -289,15 +272,7 @@ def test_a_learner_whose_weights_fail_every_trajectory_stops_instead_of_draining
     trajs, _ = make_batch(tiny_model, n=n)
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))}
     with running(cli("learner", "run", "--config", str(config)), tmp_path / "learner.log", env) as learner:
-        wait_http(
-            url + "/healthz",
-            180,
-            "the learner intake",
-            ok=None,
-            interval=0.2,
-            request_timeout=5,
-            proc=learner,
-        )
+        wait_learner(url, learner)
         for i, t in enumerate(trajs):
             ids = list(t.token_ids)
             ids[1] = nan_token
