@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from .chat import ChatRenderer
 from .engines.base import Engine, SamplingConfig
-from .envs.base import Environment, Task
+from .envs.base import Environment, Task, reward_verdict
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class Episode:
     # Per token, the policy version that generated it (None: the engine does not say; tokens
     # the engine did not generate carry the version of the last generation before them).
     token_versions: list[int | None] = field(default_factory=list)
+    # Where each segment starts in token_ids: [0] for one sequence; an agent that rewrote its
+    # history between calls has more (runtime.agent_session), each trained apart.
+    segment_starts: list[int] = field(default_factory=lambda: [0])
 
     @property
     def generated_tokens(self) -> int:
@@ -166,7 +169,10 @@ async def _play_turn(
     progress.env_s += time.perf_counter() - s
     progress.info = result.info
     if result.done:
-        progress.reward, progress.finish = float(result.reward), str(result.info.get("finish", "done"))
+        progress.reward, why = reward_verdict(result.reward)
+        progress.finish = str(result.info.get("finish", "done"))
+        if why is not None:  # a reward outside [0, 1] scores 0, saying why (as a failed check)
+            progress.info = {**result.info, "answer_check": why}
         seq.add(renderer.close_turn(gen.token_ids))
         return False
     # A reward the environment has settled survives a budget that cuts the episode afterwards.
@@ -187,10 +193,19 @@ async def run_episode(
     sampling: SamplingConfig,
     renderer: ChatRenderer | None = None,
     env_seed: int | None = None,
+    endpoint=None,
 ) -> Episode:
     """One episode of `engine` against `env` on `task`. `env_seed` (`envs.base.episode_seed` of the
     run's seed and the episode's identity) seeds the environment's random draws for this episode;
-    None leaves the environment's stream as it is (a fixed one for an environment never seeded)."""
+    None leaves the environment's stream as it is (a fixed one for an environment never seeded).
+
+    An environment an agent drives (`Environment.driven_by_agent`: runtime/envs/agent.py) is played
+    by its agent through the chat endpoint `endpoint` (`runtime.chat_endpoint.Endpoint`; None: the
+    process's), with the same budgets and sampling."""
+    if env.driven_by_agent:
+        from .envs.agent import run_agent_episode
+
+        return await run_agent_episode(engine, env, task, budget, sampling, renderer, endpoint=endpoint)
     renderer = renderer or ChatRenderer(engine.tokenizer)
     budget = within_context(budget, engine)
     if env_seed is not None:

@@ -57,17 +57,21 @@ class ChatRenderer:
         self.turn_end_ids = self.encode(self.turn_end)
         self._base = base
 
-    def _text(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def _text(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
+        return self.tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
+        )
 
     def encode(self, text: str) -> list[int]:
         """`text` with special-token text parsed: for the template's own markup (and for text that
         stands for what the model writes, e.g. a teacher's turn), never for message contents."""
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def prompt(self, messages: list[dict]) -> list[int]:
-        """The opening of an episode, up to and including the first assistant header."""
-        return self._render(messages, prefix=[])
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The opening of an episode, up to and including the first assistant header; `tools`
+        (JSON-schema function specs) go to a template that renders them."""
+        return self._render(messages, prefix=[], tools=tools)
 
     def close_turn(self, generated_ids: list[int]) -> list[int]:
         """Tokens that close the assistant turn after what the model generated (masked out).
@@ -86,7 +90,7 @@ class ChatRenderer:
         """New messages after a closed assistant turn, then the next assistant header."""
         return self._render(messages, prefix=_PLACEHOLDER)
 
-    def _render(self, messages: list[dict], prefix: list[dict]) -> list[int]:
+    def _render(self, messages: list[dict], prefix: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The ids of the template on `prefix + messages` (with the generation prompt), less what
         it writes for `prefix` alone; every content of `messages` encoded as text."""
         contents = []
@@ -95,8 +99,10 @@ class ChatRenderer:
                 raise ValueError(f"message {i} ({m.get('role')!r}): its content must be a string")
             contents.append(m["content"])
         slots = {_slot(i): i for i in range(len(messages))}
-        shape = self._text(prefix + [{**m, "content": s} for m, s in zip(messages, slots, strict=True)], True)
-        real = self._text(prefix + messages, generation_prompt=True)
+        shape = self._text(
+            prefix + [{**m, "content": s} for m, s in zip(messages, slots, strict=True)], True, tools
+        )
+        real = self._text(prefix + messages, generation_prompt=True, tools=tools)
         if prefix:
             if not (shape.startswith(self._base) and real.startswith(self._base)):
                 raise ValueError("the chat template rewrites earlier turns when messages are added")

@@ -51,6 +51,12 @@ class Outcome:
         return self.reason is None
 
 
+def _search_path() -> str:
+    """This process's module search path, for the worker: a function this process can import (a
+    user's reward function from a folder the service put on sys.path) is importable there too."""
+    return os.pathsep.join(os.path.abspath(p or ".") for p in sys.path)
+
+
 class _Worker:
     """One child process and the pipe ends to talk to it, a line at a time."""
 
@@ -62,7 +68,12 @@ class _Worker:
             stderr=subprocess.DEVNULL,
             # Its own session: a terminal's Ctrl-C goes to the service, which stops the pool.
             start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"},
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONDONTWRITEBYTECODE": "1",
+                "PYTHONPATH": _search_path(),
+            },
         )
         self._buffer = b""
 

@@ -18,6 +18,7 @@ from spopp import __version__
 
 def build() -> click.Group:
     from runtime.envs.alfworld.cli import group as alfworld
+    from runtime.envs.cli import group as env
     from services.evaluator.cli import group as evaluator
     from services.evaluator.cli import prior_command as prior
     from services.launch.cli import ablate_command as ablate
@@ -53,6 +54,7 @@ def build() -> click.Group:
         map_,
         lora,
         model,
+        env,
         alfworld,
     ):
         app.add_command(command)

@@ -26,6 +26,9 @@ MAX_TOKENS = 1 << 20
 # vocabulary (services.learner.ingest.IntakeLimits), this bound holds where none is given.
 MAX_TOKEN_ID = 2**31 - 1
 MAX_TIMINGS = 64
+# Segments of one agent episode (a new one each time the agent rewrites its history); an episode
+# makes at most this many calls anyway (the agent's max_calls is at most 10,000, rarely near).
+MAX_SEGMENTS = 10_000
 # The largest float32, exactly (a float64 can hold it). The learner trains in float32 (every
 # float of a record that becomes a tensor is cast to it: log-probs, advantages, rewards, values),
 # and a float64 beyond this is finite on the wire but +-inf there: rollout_logprobs = -1e308
@@ -68,6 +71,11 @@ class Trajectory(BaseModel):
     # token is of policy_version.
     token_versions: list[Annotated[int, Field(ge=0, le=MAX_VERSION)]] | None = Field(
         None, max_length=MAX_TOKENS
+    )
+    # Where each segment of an agent's episode starts (runtime.agent_session: the agent rewrote
+    # its history, so the next call is a sequence of its own). None: one segment.
+    segment_starts: list[Annotated[int, Field(ge=0, le=MAX_TOKENS)]] | None = Field(
+        None, max_length=MAX_SEGMENTS
     )
     # reward, value and advantage become float32 tensors too: their bounds keep them far inside
     # float32's range (FLOAT32_MAX), so no value of theirs that passes can be infinite there.
@@ -137,6 +145,23 @@ class Trajectory(BaseModel):
                 f"{dispatched}: no token is generated before its request is dispatched"
             )
         return versions
+
+    @field_validator("segment_starts")
+    @classmethod
+    def _segments_fit(cls, starts: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if starts is None:
+            return None
+        ids, mask = info.data.get("token_ids"), info.data.get("action_mask")
+        if not starts or starts[0] != 0:
+            raise ValueError("segment_starts must begin with 0")
+        if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
+            raise ValueError("segment_starts must increase")
+        if ids is not None and starts[-1] >= len(ids):
+            raise ValueError(f"segment_starts[-1] = {starts[-1]} is past the {len(ids)} token_ids")
+        if mask is not None and any(mask[i] for i in starts):
+            i = next(i for i in starts if mask[i])
+            raise ValueError(f"action_mask[{i}] must be 0: a segment's first token has no prefix")
+        return starts
 
     @property
     def action_tokens(self) -> int:

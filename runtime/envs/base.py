@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -35,6 +36,19 @@ class StepResult:
     done: bool
     reward: float = 0.0  # read when done; in [0, 1]
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def reward_verdict(value: Any) -> tuple[float, str | None]:
+    """(reward, None) for a finite number in [0, 1]; otherwise (0, why): what a user's environment,
+    reward function or agent returned is never passed on unchecked (the tracker refuses anything
+    else, and the episode would be lost)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0, "not_a_number"
+    if not math.isfinite(value):
+        return 0.0, "not_finite"
+    if not 0.0 <= value <= 1.0:
+        return 0.0, "out_of_range"
+    return float(value), None
 
 
 def episode_seed(seed: int, *identity: str | int) -> int:
@@ -61,6 +75,9 @@ class Environment(ABC):
     # game loads in about 0.5 s); an episode whose opening fills the budget still ends at once with
     # reward 0 and finish "max_total_tokens".
     cheap_reset: bool = True
+    # True for an environment whose episodes an agent drives through the chat endpoint instead of
+    # reset/step (runtime/envs/agent.py); `runtime.agent.run_episode` plays either.
+    driven_by_agent: bool = False
 
     # The episode's random stream (see the module's docstring); built on first use, so that
     # subclasses need not call a base __init__.
@@ -71,6 +88,12 @@ class Environment(ABC):
         if self._rng is None:
             self._rng = random.Random(UNSEEDED)
         return self._rng
+
+    @classmethod
+    def prepare(cls, options: dict[str, Any]) -> None:
+        """Check, once at start-up and before any episode is built, what the machine must have for
+        this environment with these options (a sandbox, a package, a data folder); raise naming what
+        is missing. Bad options need no check here: building one with them is the check."""
 
     def seed_episode(self, seed: int) -> None:
         """Draw the next episode's randomness from `seed` (`episode_seed(...)`); call before reset."""

@@ -113,6 +113,21 @@ class MathTIREnv(Environment):
         self.turns = 0
         self.done = False
 
+    @classmethod
+    def prepare(cls, options: dict[str, Any]) -> None:
+        """The sandbox must work here (bubblewrap, its namespaces): checked by running it once; the
+        answer checks' first worker starts now, not in the first episode."""
+        import logging
+
+        from ..check_pool import shared_pool
+        from ..sandbox import bounds, check_sandbox
+
+        if "sandbox_config" in options:
+            raise ValueError("sandbox_config is not an env_option (the sandbox's bounds are the machine's)")
+        check_sandbox(SandboxConfig())
+        logging.getLogger("spopp.sandbox").info(bounds(SandboxConfig()))
+        shared_pool().warm()
+
     def reset(self, task: Task) -> list[dict]:
         self.task = task
         self.tool_calls = 0

@@ -47,6 +47,7 @@ from pydantic import (
     model_validator,
 )
 
+from runtime.envs.registry import ENV_HELP, EnvSpec
 from services.evaluator.config import EvaluatorSettings, EvaluatorTuning
 from services.learner.config import LearnerSettings, LearnerTuning
 from services.rollout.config import RolloutSettings, RolloutTuning
@@ -161,7 +162,7 @@ class LaunchSettings(Settings):
         None, description="task prior from `spopp prior`; unset: a flat Jeffreys prior for every task"
     )
     heldout: Path | None = Field(None, description="held-out tasks of the evaluator; unset: no evaluator")
-    env: Literal["math-tir", "toy-calc", "alfworld"] = Field("math-tir", description="environment plug-in")
+    env: EnvSpec = Field("math-tir", description=ENV_HELP)
     env_options: dict = Field(
         default_factory=dict,
         description="the environment's arguments for every replica, the evaluator and the prior, a mapping: {max_steps: 50, action_format: tag} (alfworld)",

@@ -99,13 +99,25 @@ def collate(
     version: int | None = None,
 ) -> Batch:
     """Pad `trajs` on the right into a Batch; `advantages[i]` is broadcast over trajectory i.
-    `version`, the policy version being trained, marks the tokens older versions generated."""
+    `version`, the policy version being trained, marks the tokens older versions generated.
+
+    A trajectory of several segments (an agent that rewrote its history: `segment_starts`) takes
+    a row per segment, each with the trajectory's advantage: a segment never attends to another.
+    Its first token is never an action (the record's check), so no action token loses its prefix,
+    and the loss's token counts are the trajectory's either way."""
     adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
     if len(trajs) == 0:
         raise ValueError("cannot collate an empty list of trajectories")
     if adv.numel() != len(trajs):
         raise ValueError(f"{len(trajs)} trajectories but {adv.numel()} advantages")
-    n, width = len(trajs), max(len(t.token_ids) for t in trajs)
+    rows: list[tuple[int, int, int]] = []  # (trajectory, first token, end)
+    for i, t in enumerate(trajs):
+        k = len(t.token_ids)
+        if len(t.action_mask) != k or len(t.rollout_logprobs) != k:
+            raise ValueError(f"trajectory {i}: token_ids, action_mask and rollout_logprobs differ in length")
+        bounds = [*(getattr(t, "segment_starts", None) or [0]), k]
+        rows += [(i, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    n, width = len(rows), max(b - a for _, a, b in rows)
     if width < 2:
         raise ValueError("every batch needs a sequence of at least 2 tokens to predict anything")
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -113,17 +125,16 @@ def collate(
     action = torch.zeros((n, width), dtype=torch.bool)
     rollout = torch.zeros((n, width), dtype=torch.float32)
     stale = torch.zeros((n, width), dtype=torch.bool)
-    for i, t in enumerate(trajs):
-        k = len(t.token_ids)
-        if len(t.action_mask) != k or len(t.rollout_logprobs) != k:
-            raise ValueError(f"trajectory {i}: token_ids, action_mask and rollout_logprobs differ in length")
-        input_ids[i, :k] = torch.as_tensor(t.token_ids, dtype=torch.long)
-        attention_mask[i, :k] = 1
-        action[i, :k] = torch.as_tensor(t.action_mask, dtype=torch.long) != 0
-        rollout[i, :k] = torch.as_tensor(t.rollout_logprobs, dtype=torch.float32)
+    row_adv = adv[[i for i, _, _ in rows]]
+    for r, (i, a, b) in enumerate(rows):
+        t, k = trajs[i], b - a
+        input_ids[r, :k] = torch.as_tensor(t.token_ids[a:b], dtype=torch.long)
+        attention_mask[r, :k] = 1
+        action[r, :k] = torch.as_tensor(t.action_mask[a:b], dtype=torch.long) != 0
+        rollout[r, :k] = torch.as_tensor(t.rollout_logprobs[a:b], dtype=torch.float32)
         versions = token_versions(t) if version is not None else None
         if versions is not None:
-            stale[i, :k] = torch.as_tensor(versions, dtype=torch.long) < version
+            stale[r, :k] = torch.as_tensor(versions[a:b], dtype=torch.long) < version
     # Shift by one: column t holds what the prediction made at position t is scored on (token t+1).
     loss_mask = action[:, 1:]
     return Batch(
@@ -131,7 +142,7 @@ def collate(
         attention_mask=attention_mask,
         loss_mask=loss_mask,
         rollout_logp=torch.where(loss_mask, rollout[:, 1:], torch.zeros_like(rollout[:, 1:])),
-        advantages=adv[:, None].expand(n, width - 1).clone(),
+        advantages=row_adv[:, None].expand(n, width - 1).clone(),
         stale=(stale[:, 1:] & loss_mask) if bool((stale[:, 1:] & loss_mask).any()) else None,
     )
 

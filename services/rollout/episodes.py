@@ -20,6 +20,7 @@ import httpx
 
 from runtime.agent import Budget, Episode, prompts_over_budget, run_episode, within_context
 from runtime.chat import ChatRenderer
+from runtime.chat_endpoint import Endpoint
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Environment, Task, episode_seed
 from spopp.client import AsyncTrackerClient, TrackerError
@@ -74,6 +75,9 @@ class Episodes:
             on_retry=metrics.learner_retries.inc,
         )
         self.renderer = ChatRenderer(engine.tokenizer)
+        # Agent-driven episodes' sessions: their calls come in through the replica's
+        # /v1/chat/completions (serve.py adds the routes), or in-process from spopp's own client.
+        self.endpoint = Endpoint()
         self.budget = Budget(settings.max_turns, settings.max_tokens_per_turn, settings.max_total_tokens)
         self.sampling = SamplingConfig(
             max_tokens=settings.max_tokens_per_turn,
@@ -154,7 +158,7 @@ class Episodes:
             env_seed = episode_seed(self.run_seed, lease.task_id, lease.request_id)
             return await run_episode(
                 self.engine, env, task, self.budget, replace(self.sampling, seed=seed), self.renderer,
-                env_seed=env_seed,
+                env_seed=env_seed, endpoint=self.endpoint,
             )  # fmt: skip
         except asyncio.CancelledError:
             await asyncio.shield(self.leases.release(lease))
@@ -238,6 +242,7 @@ class Episodes:
             value=value,
             advantage=advantage,
             num_turns=ep.num_turns,
+            segment_starts=ep.segment_starts if len(ep.segment_starts) > 1 else None,
             finish_reason=ep.finish_reason,
             timings=ep.timings,
         ).model_dump(mode="json")

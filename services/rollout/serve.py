@@ -7,6 +7,7 @@ import logging
 
 from fastapi import FastAPI
 
+from runtime.chat_endpoint import MAX_CHAT_BODY_BYTES, add_chat_routes
 from runtime.envs import env_factory
 from runtime.envs.base import Task
 from services.shell import server as http
@@ -31,7 +32,12 @@ def load_task_table(s: RolloutSettings) -> dict[str, Task]:
 
 
 def health_app(worker: Worker) -> FastAPI:
-    return service_app(
+    """/healthz, /readyz, /metrics; and where the environment is an agent's, the episodes' chat
+    routes (`runtime.chat_endpoint`: each episode's own token, not the cluster's)."""
+    probe = worker.episodes.make_env()
+    agents = probe.driven_by_agent
+    probe.close()
+    app = service_app(
         "spopp rollout",
         health=lambda: {
             "status": "ok",
@@ -41,7 +47,11 @@ def health_app(worker: Worker) -> FastAPI:
             "in_flight": len(worker.inflight),
         },
         metrics=worker.metrics.registry,
+        max_body_bytes=MAX_CHAT_BODY_BYTES if agents else None,
     )
+    if agents:
+        add_chat_routes(app, worker.episodes.endpoint.sessions)
+    return app
 
 
 async def serve(s: RolloutSettings) -> None:

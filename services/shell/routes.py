@@ -91,13 +91,15 @@ def service_app(
     health: Callable[[], Any],
     metrics: Registries | Callable[[], Any],
     ready: Callable[[], Any] | None = None,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
     """The app of a service whose only routes are /healthz, /readyz and /metrics (a rollout
     replica, the evaluator, the launcher): no API docs (it has no API), the API's error bodies,
-    and bodies (which no route reads) refused past NO_BODY_MAX_BYTES."""
+    and bodies (which no route reads) refused past NO_BODY_MAX_BYTES; a replica that also serves
+    its agents' chat routes gives their bound as `max_body_bytes`."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
     add_service_routes(app, health, metrics, ready)
-    app.add_middleware(BodyLimit, max_bytes=NO_BODY_MAX_BYTES)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or NO_BODY_MAX_BYTES)
     return app
 
 

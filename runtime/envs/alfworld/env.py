@@ -70,6 +70,13 @@ class AlfworldEnv(Environment):
     name = "alfworld"
     cheap_reset = False  # a game load per opening; see Environment.cheap_reset
 
+    @classmethod
+    def prepare(cls, options: dict[str, Any]) -> None:
+        """The alfworld and textworld packages must be installed (their engine loads on the first game)."""
+        from .engine import require_alfworld
+
+        require_alfworld()
+
     def __init__(
         self,
         *,

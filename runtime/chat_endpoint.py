@@ -1,0 +1,141 @@
+"""`POST /v1/chat/completions` (OpenAI's chat API) on the open agent sessions of a process.
+
+The bearer token of a request is its episode's (`AgentSession.token`, made when the episode
+starts and dropped when it ends), never the cluster's API token: an agent can reach its own
+episode's model calls and nothing else (no tracker, no learner, no other episode). A finished
+episode's token answers 401 like any unknown one.
+
+Errors come in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`) so that the
+`openai` client raises its own exceptions (BadRequestError, AuthenticationError) for them.
+`stream: true` is answered as server-sent events of `chat.completion.chunk`s after the
+generation ends (the engine returns a turn whole): clients that stream work unchanged.
+
+The replica serves these routes over HTTP beside /healthz (agents in other processes may use
+them with the episode's token); an agent function run by spopp gets an `openai.AsyncOpenAI`
+bound to its episode (`episode_client`), which reaches the same routes in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .agent_session import AgentSession, AgentSessions, ChatRequestError
+
+# Bound on a request body (a long agent history): the replica's HTTP server refuses bigger ones
+# before they are read.
+MAX_CHAT_BODY_BYTES = 8 * 1024 * 1024
+
+
+def _error(exc: ChatRequestError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _token(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _chunks(result: dict) -> AsyncIterator[bytes]:
+    """The completion as the chunks a streaming client reads: role, content, tool calls, finish."""
+    choice = result["choices"][0]
+    message = choice["message"]
+    base = {
+        "id": result["id"],
+        "object": "chat.completion.chunk",
+        "created": result["created"],
+        "model": result["model"],
+    }
+
+    def event(delta: dict, finish: str | None = None) -> bytes:
+        body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    async def gen() -> AsyncIterator[bytes]:
+        yield event({"role": "assistant", "content": ""})
+        if message.get("content"):
+            yield event({"content": message["content"]})
+        for i, call in enumerate(message.get("tool_calls") or []):
+            yield event({"tool_calls": [{"index": i, **call}]})
+        yield event({}, choice["finish_reason"])
+        yield b"data: [DONE]\n\n"
+
+    return gen()
+
+
+def add_chat_routes(app: FastAPI, sessions: AgentSessions) -> None:
+    @app.post("/v1/chat/completions", tags=["agents"])
+    async def chat_completions(request: Request):
+        try:
+            session: AgentSession = sessions.get(_token(request))
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
+                raise ChatRequestError(400, "invalid_json", "the body is not JSON") from None
+            result = await session.complete(body)
+        except ChatRequestError as exc:
+            return _error(exc)
+        if isinstance(body, dict) and body.get("stream"):
+            return StreamingResponse(_chunks(result), media_type="text/event-stream")
+        return JSONResponse(result)
+
+    @app.get("/v1/models", tags=["agents"])
+    async def models(request: Request):
+        try:
+            sessions.get(_token(request))
+        except ChatRequestError as exc:
+            return _error(exc)
+        return {
+            "object": "list",
+            "data": [{"id": "policy", "object": "model", "created": int(time.time()), "owned_by": "spopp"}],
+        }
+
+
+def chat_app(sessions: AgentSessions) -> FastAPI:
+    """An app with only the chat routes: what an in-process agent client talks to."""
+    app = FastAPI(title="spopp agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+    add_chat_routes(app, sessions)
+    return app
+
+
+def episode_client(app: FastAPI, session: AgentSession, timeout_s: float):
+    """An `openai.AsyncOpenAI` bound to `session`: its requests reach `app` in-process (no socket),
+    with the episode's token; retries off (a refused call is the agent's to handle)."""
+    import httpx
+    import openai
+
+    http = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://episode", timeout=timeout_s
+    )
+    return openai.AsyncOpenAI(
+        base_url="http://episode/v1",
+        api_key=session.token,
+        http_client=http,
+        max_retries=0,
+        timeout=timeout_s,
+    )
+
+
+class Endpoint:
+    """A process's agent sessions and the app that serves their calls."""
+
+    def __init__(self, sessions: AgentSessions | None = None, app: FastAPI | None = None) -> None:
+        self.sessions = sessions or AgentSessions()
+        self.app = app or chat_app(self.sessions)
+
+
+_default: Endpoint | None = None
+
+
+def default_endpoint() -> Endpoint:
+    """The process's endpoint where no service made its own (the evaluator, `spopp env check`)."""
+    global _default
+    if _default is None:
+        _default = Endpoint()
+    return _default

@@ -1,0 +1,188 @@
+"""`spopp env check`: play a few episodes of an environment (or agent) and say whether it keeps the
+contract the services rely on.
+
+What is checked, each a row of the table (`Finding`):
+
+* `builds`: the spec resolves and the environment builds with its options (runtime/envs/registry.py);
+* `template`: the model's chat template does not rewrite earlier turns when a message is added
+  (the incremental rendering of runtime/chat.py refuses such a template mid-episode);
+* `prompts`: no task's opening fills the token budget or the model's context;
+* `exceptions`: no episode raised (each failure is listed with its task);
+* `rewards`: every reward is a finite number in [0, 1], and no reward check or reward function
+  failed (killed at its limit, raised, or returned something else: `info["answer_check"]`);
+* `ends`: every episode ended within the turn budget (finish `max_turns` means it never would);
+* `deterministic`: the first task played twice with one seed gives the same tokens and reward.
+
+Exit 0 only when every row holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import traceback
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..agent import Budget, Episode, prompts_over_budget, run_episode, within_context
+from ..chat import ChatRenderer
+from ..engines.base import SamplingConfig
+from .base import Task, episode_seed
+
+
+@dataclass
+class Finding:
+    check: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    spec: str
+    findings: list[Finding] = field(default_factory=list)
+    episodes: list[tuple[str, Episode]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.findings)
+
+    def add(self, check: str, ok: bool, detail: str = "") -> None:
+        self.findings.append(Finding(check, ok, detail))
+
+    def table(self) -> str:
+        width = max(len(f.check) for f in self.findings)
+        lines = [f"{'check':<{width}}  result  detail", f"{'-' * width}  ------  ------"]
+        for f in self.findings:
+            lines.append(f"{f.check:<{width}}  {'ok' if f.ok else 'FAIL':<6}  {f.detail}")
+        verdict = "the contract holds" if self.ok else "the contract does NOT hold"
+        return "\n".join([f"environment {self.spec}: {verdict}", *lines])
+
+
+def probe_tasks(n: int) -> list[Task]:
+    """Tasks for an environment checked without a task file: small arithmetic questions."""
+    return [Task(f"check-{i}", f"What is {i + 2} + {i + 3}?", str(2 * i + 5)) for i in range(n)]
+
+
+def _template_rewrites(renderer: ChatRenderer) -> str | None:
+    try:
+        renderer.continuation([{"role": "user", "content": "probe"}])
+        renderer.continuation([{"role": "tool", "content": "probe"}])
+    except ValueError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - a template that refuses a role is a finding, not a crash
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+async def _play(engine, make_env, task, budget, sampling, seed) -> Episode:
+    env = make_env()
+    try:
+        return await run_episode(
+            engine, env, task, budget, sampling, env_seed=episode_seed(seed, task.task_id, "check")
+        )
+    finally:
+        env.close()
+
+
+async def check_environment(
+    spec: str,
+    options: dict,
+    engine,
+    tasks: Sequence[Task],
+    episodes: int,
+    budget: Budget,
+    seed: int = 0,
+) -> Report:
+    from . import env_factory
+
+    report = Report(spec)
+    try:
+        make_env = env_factory(spec, options)
+    except Exception as e:  # noqa: BLE001 - any failure to build is the finding
+        report.add("builds", False, str(e))
+        return report
+    report.add("builds", True, type(make_env()).__name__)
+    renderer = ChatRenderer(engine.tokenizer)
+    rewrites = _template_rewrites(renderer)
+    report.add("template", rewrites is None, rewrites or "earlier turns stay as they were")
+    budget = within_context(budget, engine)
+    try:
+        too_long = prompts_over_budget(tasks, make_env, renderer, budget)
+        report.add(
+            "prompts",
+            not too_long,
+            ", ".join(too_long[:3]) or f"every opening under {budget.max_total_tokens} tokens",
+        )
+    except Exception as e:  # noqa: BLE001
+        report.add("prompts", False, f"opening a task raised {type(e).__name__}: {e}")
+    sampling = SamplingConfig(max_tokens=budget.max_tokens_per_turn, seed=seed)
+    failures: list[str] = []
+    for i in range(episodes):
+        task = tasks[i % len(tasks)]
+        try:
+            ep = await _play(engine, make_env, task, budget, replace(sampling, seed=seed + i), seed)
+        except Exception as e:  # noqa: BLE001 - listed with its episode
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            failures.append(
+                f"episode {i} ({task.task_id}): {type(e).__name__}: {e} at {where.filename}:{where.lineno}"
+            )
+            continue
+        report.episodes.append((task.task_id, ep))
+    report.add("exceptions", not failures, "; ".join(failures[:3]) or f"{episodes} episodes played")
+    bad = [
+        f"{tid}: {ep.reward!r}" for tid, ep in report.episodes
+        if not (isinstance(ep.reward, float) and math.isfinite(ep.reward) and 0.0 <= ep.reward <= 1.0)
+    ]  # fmt: skip
+    checks = Counter(str(ep.info["answer_check"]) for _, ep in report.episodes if ep.info.get("answer_check"))
+    detail = "; ".join([*bad[:3], *(f"{n} checks failed: {why}" for why, n in checks.items())])
+    rewards = [ep.reward for _, ep in report.episodes]
+    mean = f"mean {sum(rewards) / len(rewards):.3f} over {len(rewards)}" if rewards else "no episode ended"
+    report.add("rewards", not bad and not checks, detail or f"all in [0, 1], {mean}")
+    endless = [tid for tid, ep in report.episodes if ep.finish_reason == "max_turns"]
+    finishes = Counter(ep.finish_reason for _, ep in report.episodes)
+    report.add(
+        "ends", not endless,
+        f"{len(endless)} episodes hit max_turns={budget.max_turns}: {', '.join(endless[:3])}" if endless
+        else ", ".join(f"{k} {v}" for k, v in sorted(finishes.items())),
+    )  # fmt: skip
+    if report.episodes:
+        task = tasks[0]
+        try:
+            a = await _play(engine, make_env, task, budget, sampling, seed)
+            b = await _play(engine, make_env, task, budget, sampling, seed)
+            same = a.token_ids == b.token_ids and a.reward == b.reward
+            report.add(
+                "deterministic", same,
+                "one seed, the same tokens and reward" if same
+                else f"task {task.task_id}: two plays with one seed differ ({len(a.token_ids)} vs "
+                f"{len(b.token_ids)} tokens, rewards {a.reward} vs {b.reward})",
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            report.add("deterministic", False, f"replay raised {type(e).__name__}: {e}")
+    return report
+
+
+def run_check(
+    spec: str,
+    options: dict,
+    model: Path,
+    tasks: Sequence[Task],
+    episodes: int,
+    budget: Budget,
+    seed: int = 0,
+) -> Report:
+    """`check_environment` on the transformers engine with `model`, in this process."""
+    from ..engines.hf import TransformersEngine
+
+    engine = TransformersEngine(model)
+
+    async def main() -> Report:
+        try:
+            return await check_environment(spec, options, engine, tasks, episodes, budget, seed)
+        finally:
+            await engine.close()
+
+    return asyncio.run(main())

@@ -1,0 +1,160 @@
+"""Which environment a spec names: an installed plug-in's name, or an import path.
+
+A spec is one of:
+
+* a name that an installed package registers in the entry-point group `spopp.environments`
+  (spopp's own `math-tir`, `toy-calc`, `alfworld`, `single-turn`, `agent`, `reasoning-gym` and
+  `verifiers` are registered there by its pyproject.toml, exactly as a user's package would be);
+* an import path `package.module:attribute`, importable where the service runs.
+
+What the name or path points at decides how it is played:
+
+* an `Environment` subclass: the environment itself, built with the run's `env_options`;
+* an `async def` function `agent(client, task) -> float`: an agent that drives its episode through
+  the replica's OpenAI-compatible endpoint (`runtime.envs.agent.AgentEnv`);
+* any other function `score(answer_text, task) -> float`: the reward of a single-turn task
+  (`runtime.envs.single_turn.SingleTurnEnv`), called out of process with a time limit.
+
+Nothing is imported until `resolve`, so settings validate a spec's shape without loading it (the
+services' `--help` stays instant); `resolve` fails with a message that says what is wrong: no such
+name, no such module, no such attribute, or an object that is none of the three.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
+
+from .base import Environment
+
+GROUP = "spopp.environments"
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_PATH_RE = re.compile(
+    r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+)
+
+
+class EnvSpecError(ValueError):
+    """A spec that names no environment; the message says why."""
+
+
+def check_spec(spec: str) -> str:
+    """`spec` if it has the shape of a name or an import path (nothing is imported)."""
+    if not isinstance(spec, str):
+        raise EnvSpecError(f"an environment is a name or module:attribute, got {type(spec).__name__}")
+    if _PATH_RE.fullmatch(spec) or (":" not in spec and _NAME_RE.fullmatch(spec)):
+        return spec
+    raise EnvSpecError(
+        f"environment {spec!r}: expected a registered name (e.g. toy-calc) or an import path "
+        "package.module:attribute"
+    )
+
+
+# The settings' type of an environment spec (the services' and the launch file's `env`): its shape
+# is checked when settings load, what it names when the service starts (`resolve`).
+EnvSpec = Annotated[str, AfterValidator(check_spec)]
+ENV_HELP = (
+    "environment: a name an installed package registers (math-tir, toy-calc, alfworld, single-turn, "
+    "agent, ...) or an import path package.module:attribute (an Environment class, an async agent "
+    "function, or a reward function); see docs/environments.md"
+)
+
+
+def installed() -> dict[str, metadata.EntryPoint]:
+    """The names of the group, as the installed packages register them (the first of a name wins,
+    as importlib lists the distributions)."""
+    out: dict[str, metadata.EntryPoint] = {}
+    for ep in metadata.entry_points(group=GROUP):
+        out.setdefault(ep.name, ep)
+    return out
+
+
+def _import_path(path: str, spec: str) -> Any:
+    module_name, _, attribute = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise EnvSpecError(
+                f"environment {spec}: no module named {e.name!r} (is the package installed, or its "
+                "folder on PYTHONPATH?)"
+            ) from None
+        raise EnvSpecError(f"environment {spec}: importing {module_name} failed: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module raised at import: say so, with what
+        raise EnvSpecError(
+            f"environment {spec}: importing {module_name} failed: {type(e).__name__}: {e}"
+        ) from None
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise EnvSpecError(
+                f"environment {spec}: module {module_name} has no attribute {attribute!r}"
+            ) from None
+    return obj
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a spec resolves to: the environment class and the options it is built with (for a
+    function, the adapter class and its options with the function's path added)."""
+
+    spec: str
+    cls: type[Environment]
+    options: dict[str, Any]
+    kind: str  # "environment", "agent" or "reward"
+
+
+def load(spec: str) -> Any:
+    """The object `spec` names (a class or a function), imported."""
+    check_spec(spec)
+    if ":" in spec:
+        return _import_path(spec, spec)
+    eps = installed()
+    ep = eps.get(spec)
+    if ep is None:
+        names = ", ".join(sorted(eps)) or "none: is spopp installed (pip install -e .)?"
+        raise EnvSpecError(
+            f"unknown environment {spec!r}; installed: {names}; or give an import path package.module:attribute"
+        )
+    return _import_path(ep.value.replace(" ", ""), spec)
+
+
+def resolve(spec: str, options: Mapping[str, Any] | None = None) -> Resolved:
+    """The environment class `spec` names and the options to build it with."""
+    options = dict(options or {})
+    obj = load(spec)
+    if inspect.isclass(obj):
+        if not issubclass(obj, Environment):
+            raise EnvSpecError(
+                f"environment {spec}: {obj.__module__}.{obj.__qualname__} is a class but not a "
+                "runtime.envs.base.Environment (subclass it: reset, step, close)"
+            )
+        return Resolved(spec, obj, options, "environment")
+    if inspect.iscoroutinefunction(obj):
+        from .agent import AgentEnv
+
+        return Resolved(spec, AgentEnv, {**options, "agent": _path_of(obj, spec)}, "agent")
+    if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+        from .single_turn import SingleTurnEnv
+
+        return Resolved(spec, SingleTurnEnv, {**options, "reward": _path_of(obj, spec)}, "reward")
+    raise EnvSpecError(
+        f"environment {spec}: names a {type(obj).__name__}, not an Environment class, an async agent "
+        "function (client, task) -> float or a reward function (answer_text, task) -> float"
+    )
+
+
+def _path_of(fn: Any, spec: str) -> str:
+    """The import path of function `fn` (what a worker process imports it by)."""
+    if ":" in spec:
+        return spec
+    return f"{fn.__module__}:{fn.__qualname__}"
