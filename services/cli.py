@@ -19,6 +19,7 @@ from spopp import __version__
 def build() -> click.Group:
     from runtime.envs.alfworld.cli import group as alfworld
     from runtime.envs.cli import group as env
+    from runtime.tasks_cli import group as tasks
     from services.evaluator.cli import group as evaluator
     from services.evaluator.cli import prior_command as prior
     from services.launch.cli import ablate_command as ablate
@@ -55,6 +56,7 @@ def build() -> click.Group:
         lora,
         model,
         env,
+        tasks,
         alfworld,
     ):
         app.add_command(command)

@@ -637,5 +637,70 @@ def test_wandb_offline_mirrors_the_learner_and_evaluator_records(toy, tmp_path):
     assert [row["policy_version"] for row in evals] == [0, 2]
 
 
+# -- a user's own environment, reward function and agent, from a package outside the repository -------
+USER_PACKAGE = {
+    "envs.py": """
+from runtime.envs.toy_calc import ToyCalcEnv
+
+class MyCalc(ToyCalcEnv):
+    \"\"\"toy-calc with one tool call at most: the user's own environment class.\"\"\"
+
+    def __init__(self, *, max_tool_calls: int = 1):
+        super().__init__(max_tool_calls=max_tool_calls)
+""",
+    "rewards.py": """
+def exact(answer_text, task):
+    return float(answer_text.strip().removeprefix("<ans>").removesuffix("</ans>") == task.answer)
+""",
+    "agents.py": """
+from runtime.envs.toy_calc import ToolError, evaluate_tool_code
+
+async def calc(client, task):
+    messages = [{"role": "user", "content": task.prompt}]
+    for _ in range(3):
+        r = await client.chat.completions.create(model="policy", messages=messages, stop=["</code>", "</ans>"])
+        text = r.choices[0].message.content or ""
+        if r.choices[0].finish_reason == "length":
+            return 0.0
+        messages.append({"role": "assistant", "content": text})
+        if text.startswith("<ans>"):
+            return float(text[5:] == task.answer)
+        if not text.startswith("<code>"):
+            return 0.0
+        try:
+            out = str(evaluate_tool_code(text[6:]))
+        except ToolError:
+            out = "error"
+        messages.append({"role": "tool", "content": f"<out>{out}</out>"})
+    return 0.0
+""",
+}
+
+
+@pytest.mark.parametrize("spec", ["calcpkg.envs:MyCalc", "calcpkg.rewards:exact", "calcpkg.agents:calc"])
+def test_a_users_package_is_trained_without_touching_spopp(toy, tmp_path, spec):
+    """The package lives in the test's folder, on PYTHONPATH only: spopp launch checks it (one
+    episode), then trains on it, and its evaluator scores it."""
+    pkg = tmp_path / "site" / "calcpkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    for name, text in USER_PACKAGE.items():
+        (pkg / name).write_text(text)
+    env = {**environ_without_settings(), "PYTHONPATH": str(tmp_path / "site")}
+    path = config(toy, tmp_path, env=spec, updates=2)
+    check = subprocess.run(
+        cli("launch", str(path), "--check"), capture_output=True, text=True, timeout=240, env=env
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"environment {spec}: the contract holds" in check.stdout
+    r = subprocess.run(cli("launch", str(path)), capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    learner = [
+        json.loads(x) for x in (tmp_path / "run" / "learner" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [row["step"] for row in learner] == [1, 2]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["env"] == spec
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

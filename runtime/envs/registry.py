@@ -47,10 +47,19 @@ class EnvSpecError(ValueError):
 
 
 def check_spec(spec: str) -> str:
-    """`spec` if it has the shape of a name or an import path (nothing is imported)."""
+    """`spec` if it is an installed name or has the shape of an import path (nothing is imported)."""
     if not isinstance(spec, str):
         raise EnvSpecError(f"an environment is a name or module:attribute, got {type(spec).__name__}")
-    if _PATH_RE.fullmatch(spec) or (":" not in spec and _NAME_RE.fullmatch(spec)):
+    if _PATH_RE.fullmatch(spec):
+        return spec
+    if ":" not in spec and _NAME_RE.fullmatch(spec):
+        # A name is looked up in the installed packages' metadata (no module is imported).
+        names = installed()
+        if spec not in names:
+            raise EnvSpecError(
+                f"unknown environment {spec!r}; installed: {', '.join(sorted(names)) or 'none'}; or give "
+                "an import path package.module:attribute"
+            )
         return spec
     raise EnvSpecError(
         f"environment {spec!r}: expected a registered name (e.g. toy-calc) or an import path "

@@ -107,7 +107,7 @@ class SingleTurnEnv(Environment):
         """The reward function must import here and be a plain function of two arguments; its
         pool's first worker starts now."""
         reward = options.get("reward")
-        cls(**options)  # the options' own checks first, with their messages
+        SingleTurnEnv(**options)  # the options' own checks first, with their messages
         try:
             fn = import_function(reward)
         except (ImportError, AttributeError) as e:

@@ -89,7 +89,7 @@ def _import_package_model(settings: LaunchSettings, config: Path) -> None:
 def _launch(
     config: Path, sets: tuple[str, ...], run_dir: Path | None, print_config: bool, check: bool, log_format
 ) -> None:
-    from .preflight import render_first_prompt
+    from .preflight import check_environment, render_first_prompt
     from .run import Launcher, LaunchError
 
     try:
@@ -133,6 +133,14 @@ def _launch(
                 f"{config}: the first task's prompt is {shown['tokens']} tokens, not under "
                 f"rollout.max_total_tokens {budget}: no episode could generate a token"
             )
+        r = plan.rollouts[0] if plan.rollouts else None
+        found = check_environment(
+            Path(settings.model), Path(settings.tasks), settings.env, settings.env_options,
+            (r.max_turns, r.max_tokens_per_turn, r.max_total_tokens) if r else None,
+        )  # fmt: skip
+        click.echo("  " + found.stdout.strip().replace("\n", "\n  "))
+        if found.returncode != 0:
+            _fail(f"{config}: environment {settings.env} does not keep the contract (spopp env check)")
         return
     raise SystemExit(launcher.run())
 

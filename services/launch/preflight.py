@@ -7,7 +7,9 @@ command lines (the launcher composes services by their command lines; it imports
   again, or another run of the same package, finds it there and imports nothing.
 * `--check` also renders the first training task's prompt with the model's own chat template
   (`spopp model render`), as a replica will: a model without a chat template, an environment option
-  it rejects, or a prompt longer than the episode budget shows here, not in a started run.
+  it rejects, or a prompt longer than the episode budget shows here, not in a started run; and it
+  plays one episode of the environment (`spopp env check --episodes 1`, the replica's budgets):
+  an environment that raises, never ends or scores outside [0, 1] fails the check.
 """
 
 from __future__ import annotations
@@ -55,3 +57,16 @@ def render_first_prompt(model: Path, tasks: Path, env: str, env_options: dict) -
     if r.returncode != 0:
         raise ValueError(_last_error(r))
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def check_environment(
+    model: Path, tasks: Path, env: str, env_options: dict, budget: tuple[int, int, int] | None
+) -> subprocess.CompletedProcess:
+    """`spopp env check` of one episode of the run's environment on its model and first task."""
+    turns = ("--max-turns", "--max-tokens-per-turn", "--max-total-tokens")
+    args = [a for pair in zip(turns, map(str, budget), strict=True) for a in pair] if budget else []
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "env", "check", env, "--model", str(model), "--tasks", str(tasks),
+         "--episodes", "1", "--env-options", json.dumps(env_options), *args],
+        text=True, capture_output=True, timeout=3600,
+    )  # fmt: skip

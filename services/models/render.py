@@ -40,7 +40,10 @@ def render_first_prompt(model: Path, tasks: Path, env: str, env_options: dict) -
     if not tasks_read:
         raise ValueError(f"{tasks}: no tasks")
     first = tasks_read[0]
-    messages = env_factory(env, env_options)().reset(first)
-    ids = ChatRenderer(tokenizer).prompt(messages)
+    episode = env_factory(env, env_options)()
     context = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    if episode.driven_by_agent:  # its agent writes the opening, call by call
+        text = "(an agent's episode: the agent writes its own messages; spopp env check plays one)"
+        return RenderedPrompt(str(model), len(tokenizer), context, first.task_id, 0, text)
+    ids = ChatRenderer(tokenizer).prompt(episode.reset(first))
     return RenderedPrompt(str(model), len(tokenizer), context, first.task_id, len(ids), tokenizer.decode(ids))

@@ -1,0 +1,98 @@
+"""reasoning-gym's task families (runtime/envs/reasoning_gym.py): task files from a seed, held-out
+tasks disjoint from training's, the family's own scorer as the reward (out of process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from runtime.envs import EnvSpecError, env_factory
+from runtime.envs.reasoning_gym import HELDOUT_SEED_OFFSET, extract, generate_tasks
+from runtime.tasks import load_tasks
+
+
+def test_tasks_are_the_seeds_and_held_out_ones_never_repeat_training():
+    train, heldout = generate_tasks(
+        "chain_sum", 200, 50, seed=3, options={"min_terms": 2, "max_terms": 2, "max_digits": 1}
+    )
+    assert (len(train), len(heldout)) == (200, 50)
+    again, _ = generate_tasks(
+        "chain_sum", 200, 50, seed=3, options={"min_terms": 2, "max_terms": 2, "max_digits": 1}
+    )
+    assert [t.prompt for t in again] == [t.prompt for t in train]
+    # One-digit sums of two terms: at most 100 questions, so training repeats itself; held-out
+    # never asks what training asks.
+    assert not {t.prompt for t in heldout} & {t.prompt for t in train}
+    assert len({t.task_id for t in train + heldout}) == 250
+    assert heldout[0].task_id.startswith(f"rg-chain_sum-heldout-{3 + HELDOUT_SEED_OFFSET}-")
+
+
+def test_a_family_too_small_for_its_held_out_set_is_refused():
+    with pytest.raises(ValueError, match="only .* held-out questions differ"):
+        generate_tasks(
+            "chain_sum", 400, 50, seed=0, options={"min_terms": 2, "max_terms": 2, "max_digits": 1}
+        )
+
+
+@pytest.mark.parametrize(
+    "name, options, expect",
+    [
+        ("no_such_family", {}, "reasoning-gym has no dataset 'no_such_family'"),
+        ("chain_sum", {"colour": 1}, "bad options"),
+    ],
+)
+def test_bad_families_and_options_are_refused(name, options, expect):
+    with pytest.raises(ValueError, match=expect):
+        generate_tasks(name, 2, 0, options=options)
+
+
+def test_the_answer_is_the_last_answer_tag():
+    assert extract("I think <answer>3</answer> no, <answer> 4 </answer>") == "4"
+    assert extract("no tag") is None
+    assert extract("<answer>5") == "5"
+
+
+@pytest.mark.process  # the scorer runs in a reward worker
+def test_the_familys_scorer_is_the_reward(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "tasks", "reasoning-gym", "chain_sum", "--out", str(tmp_path),
+         "--train", "4", "--heldout", "2", "--seed", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    train = load_tasks(tmp_path / "train.jsonl")
+    assert len(train) == 4 and len(load_tasks(tmp_path / "heldout.jsonl")) == 2
+    task = train[0]
+    env = env_factory("reasoning-gym")()
+    opening = env.reset(task)
+    assert opening[0]["role"] == "system" and "<answer>" in opening[0]["content"]
+    assert opening[1] == {"role": "user", "content": task.prompt}
+    assert env.step(f"so <answer>{task.answer}</answer>").reward == 1.0
+    env.reset(task)
+    wrong = env.step(f"<answer>{int(task.answer) + 1}</answer>")
+    assert wrong.reward < 1.0 and "answer_check" not in wrong.info
+    env.reset(task)
+    assert env.step(task.answer).reward == 0.0  # no tag, no answer
+    # The task file keeps the whole entry the scorer reads.
+    row = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
+    assert row["rg_dataset"] == "chain_sum" and row["rg_entry"]["answer"] == task.answer
+
+
+def test_a_bad_cli_family_exits_with_its_reason(tmp_path):
+    from click.testing import CliRunner
+
+    from runtime.tasks_cli import group
+
+    r = CliRunner().invoke(group, ["reasoning-gym", "nope", "--out", str(tmp_path)])
+    assert r.exit_code == 1 and "reasoning-gym has no dataset 'nope'" in r.output
+
+
+def test_reasoning_gym_is_an_installed_environment():
+    from runtime.envs import installed
+
+    assert installed()["reasoning-gym"].value == "runtime.envs.reasoning_gym:ReasoningGymEnv"
+    with pytest.raises(EnvSpecError, match="bad env_options"):
+        env_factory("reasoning-gym", {"reward": "x:y"})
