@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render
+.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-agent demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render
 
 setup: $(STAMP) system
 
@@ -129,6 +129,13 @@ demo: setup
 demo-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo --quick $(if $(SEEDS),--seeds "$(SEEDS)") \
 		$(if $(LORA),--lora $(if $(filter 1,$(LORA)),8,$(LORA)) --out demo-quick-lora-out,--out demo-quick-out)
+
+# A run that learns through the agent endpoint: toy-calc written as an agent against the OpenAI
+# client (tools/toy_calc_agent.py) beside the built-in toy-calc, same seeds, data, prior and budget;
+# both held-out curves with s.e., then a reasoning-gym pilot on SmolLM2 (NO_SMOLLM=1 skips it).
+# Output: demo-agent-out/summary.json.
+demo-agent: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo_agent --out demo-agent-out $(if $(SEEDS),--seeds "$(SEEDS)") $(if $(NO_SMOLLM),--no-smollm)
 
 # SPO++ with LoRA on a real pretrained instruct model (SmolLM2-135M-Instruct, imported from its PyPI
 # package): about 45 minutes on 2 cores (docs/models.md). PAIRED=1 adds SPO; DEVICE=cuda

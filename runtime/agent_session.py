@@ -170,6 +170,7 @@ class CallOptions:
     logprobs: bool
     stream: bool
     model: str
+    keep_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string stays in the content
 
 
 def parse_options(body: dict, sampling: SamplingConfig) -> CallOptions:
@@ -220,6 +221,7 @@ def parse_options(body: dict, sampling: SamplingConfig) -> CallOptions:
         logprobs=bool(body.get("logprobs")),
         stream=bool(body.get("stream")),
         model=model if isinstance(model, str) else "policy",
+        keep_stop=body.get("include_stop_str_in_output") is True,
     )
 
 
@@ -333,7 +335,7 @@ class AgentSession:
         segment.cut = gen.finish_reason == "length"
         text = self.engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         finish = gen.finish_reason
-        if finish == "stop":
+        if finish == "stop" and not options.keep_stop:
             for stop in sampling.stop:  # as OpenAI's API: the stop string is not in the content
                 if text.endswith(stop):
                     text = text[: -len(stop)]

@@ -360,3 +360,65 @@ def test_tools_reach_a_template_without_tool_support_and_calls_come_back(engine)
     seen["prompt"] = engine.tokenizer.decode(ep.token_ids[: ep.prompt_tokens])
     assert '<tools>\n{"type": "function", "function": {"name": "calc"' in seen["prompt"]
     assert ep.info["segments"] == 1 and ep.num_turns == 2
+
+
+# -- toy-calc as an agent (make demo-agent's) against the built-in toy-calc ------------------------------
+SCRIPTS = [
+    ["<code>123*45+6</code>", "<ans>5541</ans>"],  # tool, then the right answer
+    ["<code>123*45+6</code>", "<code>oops</code>", "<ans>5540</ans>"],  # a tool error, a wrong answer
+    ["<ans>5541</ans>"],  # straight to the answer
+    ["5541"],  # no block: malformed
+    ["<code>1+1</code>", "<code>2+2</code>", "<code>3+3</code>"],  # past the tool budget
+    ["<code>1+1"],  # ended without closing the block (an end-of-turn, not the stop string)
+    [[0] * 40],  # cut at the turn's token limit
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=range(len(SCRIPTS)))
+def test_the_toy_calc_agent_is_toy_calc_token_for_token(tiny_model, script):
+    from transformers import AutoTokenizer
+
+    from runtime.envs.toy_calc import ToyCalcEnv
+    from tests.scripted import ScriptedEngine
+    from tools.toy_calc_agent import solve
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    task = Task("toycalc-123-45-6", "123*45+6", "5541")
+    budget = Budget(3, 32, 256)
+
+    def episode(env):
+        engine = ScriptedEngine(tok, list(script))
+        return asyncio.run(run_episode(engine, env, task, budget, SamplingConfig(max_tokens=32, seed=0)))
+
+    built_in = episode(ToyCalcEnv())
+    agent = episode(agent_env(solve, max_calls=3))
+    assert agent.reward == built_in.reward
+    n = len(built_in.token_ids)
+    # The agent's episode ends where the built-in's does; a built-in episode that runs out of turns
+    # renders one more (masked) tool message and header after its last turn, the agent does not.
+    assert agent.token_ids == built_in.token_ids[: len(agent.token_ids)]
+    assert agent.action_mask == built_in.action_mask[: len(agent.token_ids)]
+    assert sum(agent.action_mask) == sum(built_in.action_mask)
+    assert len(agent.token_ids) == n or built_in.finish_reason == "max_turns"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(engine):
+    got = []
+
+    async def agent(client, task):
+        for keep in (False, True):
+            r = await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": task.prompt}], stop=["</code>"],
+                extra_body={"include_stop_str_in_output": keep},
+            )  # fmt: skip
+            got.append((r.choices[0].finish_reason, r.choices[0].message.content))
+        return 0.0
+
+    # Seeds until one turn ends on the stop string (the tiny model writes code blocks).
+    for seed in range(1, 12):
+        got.clear()
+        play(engine, agent_env(agent), seed=seed)
+        if all(c.endswith("</code>") or "</code>" in c for _, c in got[1:]):
+            break
+    (_, dropped), (_, kept) = got
+    assert kept.endswith("</code>") and kept == dropped + "</code>"
