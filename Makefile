@@ -105,6 +105,7 @@ bench: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.collection_bench --out BENCHMARKS.md
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.alfworld_bench --out BENCHMARKS.md
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.check_bench --out BENCHMARKS.md
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.agent_bench --out BENCHMARKS.md
 
 # Where a demo run's time goes (updates per hour, learner waits, replica drains and swaps): one
 # more run of `make demo`'s configuration in demo-out/ (made first if absent), into BENCHMARKS.md.

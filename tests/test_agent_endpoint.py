@@ -13,6 +13,7 @@ import re
 
 import openai
 import pytest
+from hypothesis import strategies as st
 
 from runtime.agent import Budget, run_episode
 from runtime.agent_session import AgentLimits, AgentSession
@@ -422,3 +423,121 @@ def test_include_stop_str_in_output_keeps_the_stop_string(engine):
             break
     (_, dropped), (_, kept) = got
     assert kept.endswith("</code>") and kept == dropped + "</code>"
+
+
+def test_on_smollm2_an_agent_records_what_the_agent_loop_records(smollm2_truncated):
+    """SmolLM2's real tokenizer and chat template (its first two layers: the same ids and template,
+    a fifteenth of the compute): the agent and the built-in twin give one trajectory."""
+    eng = TransformersEngine(smollm2_truncated)
+    try:
+        for seed in (1, 2):
+            built_in = play(eng, Countdown(), seed, budget=Budget(4, 24, 1024))
+            agent = play(eng, agent_env(countdown_agent), seed, budget=Budget(4, 24, 1024))
+            assert agent.token_ids == built_in.token_ids
+            assert agent.action_mask == built_in.action_mask
+            # Same engine, prompt and seed: the same computation (float re-association at most).
+            assert agent.rollout_logprobs == pytest.approx(built_in.rollout_logprobs, abs=1e-5)
+            # SmolLM2's template opens with its own system prompt unless given one: ours is kept.
+            assert eng.tokenizer.decode(agent.token_ids[: agent.prompt_tokens]).startswith(
+                "<|im_start|>system\nUse the tool.<|im_end|>"
+            )
+    finally:
+        asyncio.run(eng.close())
+
+
+# -- the replica's app, and what any body gets ------------------------------------------------------------
+def test_a_replica_with_an_agent_serves_the_chat_routes_and_others_do_not(tiny_model):
+    from fastapi.testclient import TestClient
+
+    from runtime.chat_endpoint import MAX_CHAT_BODY_BYTES
+    from runtime.envs.toy_calc import ToyCalcEnv
+    from services.rollout.config import RolloutSettings
+    from services.rollout.serve import health_app
+    from services.rollout.worker import Worker
+
+    async def scenario(make_env) -> dict:
+        engine = TransformersEngine(tiny_model)
+        s = RolloutSettings(model=tiny_model, tracker="http://127.0.0.1:9", learner="http://127.0.0.1:9",
+                            run="agents", env="toy-calc")  # fmt: skip
+        worker = Worker(s, engine, make_env, {})
+        try:
+            with TestClient(health_app(worker)) as http:
+                body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+                return {
+                    "sessions": worker.agent_sessions,
+                    "anonymous": http.post("/v1/chat/completions", json=body),
+                    "big": http.post(
+                        "/v1/chat/completions",
+                        content=b"x" * (MAX_CHAT_BODY_BYTES + 1),
+                        headers={"authorization": "Bearer nobody"},
+                    ),  # fmt: skip
+                }
+        finally:
+            await worker.close()
+            await engine.close()
+
+    agent = asyncio.run(scenario(lambda: agent_env(countdown_agent)))
+    assert agent["sessions"] is not None
+    assert agent["anonymous"].status_code == 401
+    assert agent["anonymous"].json()["error"]["code"] == "invalid_api_key"
+    assert agent["big"].status_code == 413
+    built_in = asyncio.run(scenario(ToyCalcEnv))
+    assert built_in["sessions"] is None and built_in["anonymous"].status_code == 404
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": JSON, "messages": JSON | st.just([{"role": "user", "content": "hi"}]), "max_tokens": JSON,
+        "temperature": JSON, "stop": JSON, "tools": JSON, "tool_choice": JSON, "n": JSON, "stream": JSON,
+        "logprobs": JSON, "include_stop_str_in_output": JSON,
+    },
+)  # fmt: skip
+
+
+def test_any_body_gets_an_answer_or_an_openai_error_never_a_500(tiny_model):
+    """Hypothesis bodies (arbitrary JSON, and requests with arbitrary fields) to a session over a
+    scripted engine: 200 with a completion, or a 4xx whose body is OpenAI's error shape; the
+    session stays consistent (its calls are counted only when answered)."""
+    from fastapi.testclient import TestClient
+    from hypothesis import HealthCheck, example, given, settings
+    from transformers import AutoTokenizer
+
+    from tests.scripted import ScriptedEngine
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    engine = ScriptedEngine(tok, ["<code>1+1</code>"] * 10_000)
+    endpoint = Endpoint()
+    session = AgentSession(
+        engine, ChatRenderer(tok), Budget(8, 16, 1 << 20), SamplingConfig(16), AgentLimits(10_000)
+    )
+    endpoint.sessions.open(session)
+    answered = []
+    with TestClient(endpoint.app) as http:
+        auth = {"authorization": f"Bearer {session.token}"}
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(body=JSON | FIELDS)
+        @example(body={"messages": [{"role": "user", "content": "hi"}]})
+        @example(body={"messages": [{"role": "user", "content": "hi"}], "stream": True, "logprobs": True})
+        @example(body={"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})
+        def fuzz(body):
+            import json as _json
+
+            r = http.post("/v1/chat/completions", content=_json.dumps(body), headers=auth)
+            assert r.status_code in (200, 400), (body, r.status_code, r.text[:300])
+            if r.status_code == 200:
+                answered.append(1)
+                if r.headers["content-type"].startswith("application/json"):
+                    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+            else:
+                error = r.json()["error"]
+                assert isinstance(error["code"], str) and isinstance(error["message"], str)
+
+        fuzz()
+    assert session.calls == len(answered) > 0

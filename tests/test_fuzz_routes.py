@@ -599,6 +599,7 @@ def health_servers():
         version=0,
         inflight={},
         metrics=RolloutMetrics(),
+        agent_sessions=None,
     )
     follower = SimpleNamespace(health=lambda: {"status": "ok", "run": "r"}, metrics=EvaluatorMetrics())
     apps = {

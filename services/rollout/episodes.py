@@ -78,6 +78,9 @@ class Episodes:
         # Agent-driven episodes' sessions: their calls come in through the replica's
         # /v1/chat/completions (serve.py adds the routes), or in-process from spopp's own client.
         self.endpoint = Endpoint()
+        probe = make_env()
+        self.driven_by_agent = probe.driven_by_agent
+        probe.close()
         self.budget = Budget(settings.max_turns, settings.max_tokens_per_turn, settings.max_total_tokens)
         self.sampling = SamplingConfig(
             max_tokens=settings.max_tokens_per_turn,

@@ -34,9 +34,7 @@ def load_task_table(s: RolloutSettings) -> dict[str, Task]:
 def health_app(worker: Worker) -> FastAPI:
     """/healthz, /readyz, /metrics; and where the environment is an agent's, the episodes' chat
     routes (`runtime.chat_endpoint`: each episode's own token, not the cluster's)."""
-    probe = worker.episodes.make_env()
-    agents = probe.driven_by_agent
-    probe.close()
+    sessions = worker.agent_sessions
     app = service_app(
         "spopp rollout",
         health=lambda: {
@@ -47,10 +45,10 @@ def health_app(worker: Worker) -> FastAPI:
             "in_flight": len(worker.inflight),
         },
         metrics=worker.metrics.registry,
-        max_body_bytes=MAX_CHAT_BODY_BYTES if agents else None,
+        max_body_bytes=MAX_CHAT_BODY_BYTES if sessions is not None else None,
     )
-    if agents:
-        add_chat_routes(app, worker.episodes.endpoint.sessions)
+    if sessions is not None:
+        add_chat_routes(app, sessions)
     return app
 
 

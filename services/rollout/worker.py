@@ -86,6 +86,12 @@ class Worker:
 
     # -- what the health route, the tests and the bench read ------------------------------------
     @property
+    def agent_sessions(self):
+        """The open agent episodes whose calls the replica serves (`runtime.chat_endpoint`), where
+        its environment is an agent's; None otherwise (no chat routes)."""
+        return self.episodes.endpoint.sessions if self.episodes.driven_by_agent else None
+
+    @property
     def version(self) -> int | None:
         return self.policy.version
 
