@@ -132,7 +132,7 @@ demo-quick: setup
 		$(if $(LORA),--lora $(if $(filter 1,$(LORA)),8,$(LORA)) --out demo-quick-lora-out,--out demo-quick-out)
 
 # A run that learns through the agent endpoint: toy-calc written as an agent against the OpenAI
-# client (tools/toy_calc_agent.py) beside the built-in toy-calc, same seeds, data, prior and budget;
+# client (examples/plugins/toy_calc_agent.py) beside the built-in toy-calc, same seeds, data, prior and budget;
 # both held-out curves with s.e., then a reasoning-gym pilot on SmolLM2 (NO_SMOLLM=1 skips it).
 # Output: demo-agent-out/summary.json.
 demo-agent: setup
@@ -170,8 +170,8 @@ demo-alfworld-quick: setup
 # ruff, then the import contracts in pyproject.toml ([tool.importlinter]), then every relative link
 # and #anchor of the markdown (README.md, docs/, deploy/README.md, BENCHMARKS.md; no network).
 lint: setup
-	$(VENV)/bin/ruff check spopp runtime services tools tests bench
-	$(VENV)/bin/ruff format --check spopp runtime services tools tests bench
+	$(VENV)/bin/ruff check spopp runtime services tools tests bench examples
+	$(VENV)/bin/ruff format --check spopp runtime services tools tests bench examples
 	$(VENV)/bin/lint-imports
 	$(PY) -m tools.check_links
 

@@ -116,6 +116,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=Path, default=Path("/data"), help="the data volume")
     p.add_argument("--secrets", type=Path, default=Path("/secrets"), help="the secrets volume")
     p.add_argument("--env", default="math-tir", help="environment of the default tasks")
+    p.add_argument(
+        "--family", default="",
+        help="the default tasks' family where the environment is a plug-in (SPOPP_TASK_FAMILY: toy-calc "
+        "for an agent that plays toy-calc); empty: the environment's own",
+    )  # fmt: skip
     p.add_argument("--tasks", default="tasks.jsonl", help="training task file, under --data")
     p.add_argument("--held-out", default="held_out.jsonl", help="held-out task file, under --data")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated tasks")
@@ -126,16 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     print(f"data: token {ensure_token(a.secrets)}", flush=True)
     print(f"data: redis password {ensure_redis_password(a.secrets)}", flush=True)
-    if a.env not in SIZES:
+    family = a.family or a.env
+    if family not in SIZES:
         missing = [n for n in (a.tasks, a.held_out) if not (a.data / n).exists()]
         if missing:
-            print(f"data: env {a.env} has no default tasks; put {', '.join(missing)} into the data volume",
+            print(f"data: env {family} has no default tasks; put {', '.join(missing)} into the data volume",
                   file=sys.stderr)  # fmt: skip
             return 1
         return 0
-    n_train, n_heldout = SIZES[a.env]
-    print("data: " + ensure_tasks(a.data, a.env, a.tasks, "train", n_train, a.seed), flush=True)
-    print("data: " + ensure_tasks(a.data, a.env, a.held_out, "heldout", n_heldout, a.seed), flush=True)
+    n_train, n_heldout = SIZES[family]
+    print("data: " + ensure_tasks(a.data, family, a.tasks, "train", n_train, a.seed), flush=True)
+    print("data: " + ensure_tasks(a.data, family, a.held_out, "heldout", n_heldout, a.seed), flush=True)
     return 0
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -381,7 +383,9 @@ def test_the_toy_calc_agent_is_toy_calc_token_for_token(tiny_model, script):
 
     from runtime.envs.toy_calc import ToyCalcEnv
     from tests.scripted import ScriptedEngine
-    from tools.toy_calc_agent import solve
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "plugins"))
+    from toy_calc_agent import solve
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     task = Task("toycalc-123-45-6", "123*45+6", "5541")

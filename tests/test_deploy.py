@@ -382,7 +382,8 @@ def test_compose_environment_names_real_settings(flavour):
             continue
         settings = settings_of(name)
         for var in spec["environment"]:
-            assert var in settings.env_names() or var == "CUDA_VISIBLE_DEVICES", (
+            # The process's own variables: its GPUs, and where Python finds the plug-ins' folder.
+            assert var in settings.env_names() or var in ("CUDA_VISIBLE_DEVICES", "PYTHONPATH"), (
                 f"{name}: {var} is no setting of {settings.__name__}"
             )
         settings.resolve(env=service_env(spec, dotenv))

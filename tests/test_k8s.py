@@ -56,6 +56,9 @@ REDIS_PASSWORD = "r" * 64  # what the Secret's redis-password holds once edited
 COMPOSE_ONLY = {
     "COMPOSE_FILE", "SPOPP_MODELS", "SPOPP_DATA", API_TOKEN_ENV, "HF_TOKEN", "SPOPP_ENV_FILE",
     "SPOPP_BASE_IMAGE", "SPOPP_FLAVOUR", "SPOPP_IMAGE_TAG", "SPOPP_MODEL_BUILD",
+    # The plug-ins' host folder and the data step's default task family: pods mount their own
+    # volumes and are given their task files (docs/environments.md).
+    "SPOPP_PLUGINS", "SPOPP_TASK_FAMILY",
     # Host-network addresses and the node's GPU layout: pods have their own network and GPUs.
     "SPOPP_BIND", "SPOPP_REDIS_PORT", "SPOPP_TRACKER_PORT", "SPOPP_LEARNER_PORT", "SPOPP_ROLLOUT_PORT",
     "SPOPP_EVALUATOR_PORT", "SPOPP_GPUS_LEARNER", "SPOPP_NPROC_LEARNER", "SPOPP_ROLLOUT_DEVICES",

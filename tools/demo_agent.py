@@ -2,7 +2,7 @@
 
 1. data, cold start, prior   as `make demo` (tools/demo.py), shared by both arms
 2. built-in                  SPO++ on `env: toy-calc` (the agent loop steps the environment)
-3. agent                     SPO++ on `env: tools.toy_calc_agent:solve`: toy-calc written as an agent,
+3. agent                     SPO++ on `env: toy_calc_agent:solve` (examples/plugins): toy-calc written as an agent,
                              its tool loop in user code, every model call through the OpenAI client
                              and the replica's /v1/chat/completions; same seeds, data, prior, budget
 4. comparison                both held-out curves (mean ± s.e. over seeds at each evaluation) and, per
@@ -47,7 +47,9 @@ from tools.demo import (
     prepare,
 )
 
-AGENT = "tools.toy_calc_agent:solve"
+# The agent, in a folder of its own as a user's package would be (put on PYTHONPATH below).
+PLUGINS = Path(__file__).resolve().parents[1] / "examples" / "plugins"
+AGENT = "toy_calc_agent:solve"
 # The families tried in order on the pilot seed (easy to harder), with their options.
 CANDIDATES = [
     ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
@@ -204,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Every process the runs start (replicas, evaluator, prior) finds the agent's folder here.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
     prepare(out, size, a.data_seed, cold_start=a.cold_start)
     config = base_config(out, size, wandb=False)
     _say(f"built-in toy-calc: SPO++ x seeds {seeds}, {size['updates']} updates each")

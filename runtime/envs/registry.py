@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Annotated, Any
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BeforeValidator
 
 from .base import Environment
 
@@ -70,6 +70,9 @@ def check_spec(spec: str) -> str:
 # The settings' type of an environment spec (the services' and the launch file's `env`): its shape
 # is checked when settings load, what it names when the service starts (`resolve`).
 EnvSpec = Annotated[str, AfterValidator(check_spec)]
+# The settings' type of `env_options`: a mapping; unset (compose's empty `${SPOPP_ENV_OPTIONS:-}`
+# arrives as None) is no options.
+EnvOptions = Annotated[dict, BeforeValidator(lambda v: {} if v is None else v)]
 ENV_HELP = (
     "environment: a name an installed package registers (math-tir, toy-calc, alfworld, single-turn, "
     "agent, ...) or an import path package.module:attribute (an Environment class, an async agent "

@@ -14,7 +14,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from runtime.engines.options import check_engine_options
-from runtime.envs.registry import ENV_HELP, EnvSpec
+from runtime.envs.registry import ENV_HELP, EnvOptions, EnvSpec
 from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
 from spopp.run_binding import RunBinding
@@ -26,7 +26,7 @@ class EnvChoice(SettingsGroup):
     """The environment episodes are played in (a launched run's, from its top level)."""
 
     env: EnvSpec = Field("math-tir", description=ENV_HELP)
-    env_options: dict = Field(
+    env_options: EnvOptions = Field(
         default_factory=dict,
         description="the environment's arguments, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
     )

@@ -47,7 +47,7 @@ from pydantic import (
     model_validator,
 )
 
-from runtime.envs.registry import ENV_HELP, EnvSpec
+from runtime.envs.registry import ENV_HELP, EnvOptions, EnvSpec
 from services.evaluator.config import EvaluatorSettings, EvaluatorTuning
 from services.learner.config import LearnerSettings, LearnerTuning
 from services.rollout.config import RolloutSettings, RolloutTuning
@@ -163,7 +163,7 @@ class LaunchSettings(Settings):
     )
     heldout: Path | None = Field(None, description="held-out tasks of the evaluator; unset: no evaluator")
     env: EnvSpec = Field("math-tir", description=ENV_HELP)
-    env_options: dict = Field(
+    env_options: EnvOptions = Field(
         default_factory=dict,
         description="the environment's arguments for every replica, the evaluator and the prior, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
     )

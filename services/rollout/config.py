@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from runtime.engines.options import check_engine_options
-from runtime.envs.registry import ENV_HELP, EnvSpec
+from runtime.envs.registry import ENV_HELP, EnvOptions, EnvSpec
 from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
 from spopp.run_binding import RunBinding
@@ -103,7 +103,7 @@ class RolloutSettings(RolloutTuning, RunBinding, Settings):
     learner: str = Field("http://127.0.0.1:8100", description="learner base URL (POST /v1/trajectories)")
 
     env: EnvSpec = Field("math-tir", description=ENV_HELP)
-    env_options: dict = Field(
+    env_options: EnvOptions = Field(
         default_factory=dict,
         description="the environment's arguments, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
     )

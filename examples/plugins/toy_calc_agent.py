@@ -8,7 +8,10 @@ anything else ends the episode with reward 0. `include_stop_str_in_output` (vLLM
 keeps the stop string in the reply, so a block the model closed is told from one cut at `</`.
 With the same seeds the episodes are token for token those of the built-in toy-calc.
 
-    env: tools.toy_calc_agent:solve        # in a launch file, with env_options {max_calls: 3}
+This folder is a user's plug-in folder: nothing in spopp imports it. `make demo-agent` puts it on
+PYTHONPATH, and the compose CPU flavour mounts it into the rollout and evaluator containers:
+
+    env: toy_calc_agent:solve        # in a launch file, with env_options {max_calls: 3}
 """
 
 from __future__ import annotations
