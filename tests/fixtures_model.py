@@ -23,7 +23,9 @@ import tools.tiny_model
 def _cache_key() -> str:
     import transformers
 
-    src = Path(tools.tiny_model.__file__).read_bytes()
+    import runtime.tiny_model
+
+    src = Path(runtime.tiny_model.__file__).read_bytes()
     return hashlib.sha256(src + transformers.__version__.encode()).hexdigest()[:16]
 
 

@@ -283,8 +283,9 @@ def test_spopp_env_check_exits_zero_only_when_the_contract_holds(tiny_model, bro
                           capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
     assert good.returncode == 0, good.stdout + good.stderr
     assert "environment guess: the contract holds" in good.stdout
+    # No --model: the tiny test model, built for the check.
     bad = subprocess.run(
-        [sys.executable, "-m", "services.cli", "env", "check", "guesspkg.broken_env:Broken", *args,
+        [sys.executable, "-m", "services.cli", "env", "check", "guesspkg.broken_env:Broken", *args[2:],
          "--env-options", '{"fault": "reward"}'],
         capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -41,9 +42,10 @@ def _options(text: str | None) -> dict:
 @click.argument("spec")
 @click.option(
     "--model",
-    required=True,
+    default=None,
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="a model folder (Hugging Face layout) to play the episodes with",
+    help="a model folder (Hugging Face layout) to play the episodes with; unset: the tiny test model, "
+    "built here in about 20 s",
 )
 @click.option(
     "--tasks",
@@ -72,7 +74,13 @@ def check_command(spec, model, tasks_file, episodes, env_options, max_turns, max
         sys.path.insert(0, str(Path.cwd()))
     tasks = load_tasks(tasks_file) if tasks_file else probe_tasks(max(episodes, 1))
     budget = Budget(max_turns, max_tokens_per_turn, max_total_tokens)
-    click.echo(f"checking {spec} with {model}: {episodes} episodes over {len(tasks)} tasks", err=True)
-    report = run_check(spec, options, model, tasks, episodes, budget, seed)
+    with tempfile.TemporaryDirectory(prefix="spopp-env-check-") as scratch:
+        if model is None:
+            from ..tiny_model import build_tiny_model
+
+            click.echo("no --model: building the tiny test model (about 20 s)", err=True)
+            model = build_tiny_model(Path(scratch) / "tiny-model")
+        click.echo(f"checking {spec} with {model}: {episodes} episodes over {len(tasks)} tasks", err=True)
+        report = run_check(spec, options, model, tasks, episodes, budget, seed)
     click.echo(report.table())
     sys.exit(0 if report.ok else 1)
