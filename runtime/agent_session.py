@@ -313,7 +313,7 @@ class AgentSession:
                 "max_total_tokens", f"no room left under the episode's {self.budget.max_total_tokens} tokens"
             )
         per_call = min(self.budget.max_tokens_per_turn, room, options.max_tokens or room)
-        if segment not in self.segments:
+        if not self.segments or segment is not self.segments[-1]:  # a new segment
             self.segments.append(segment)
         segment.seq.add(new_ids)
         segment.last_generated = None
