@@ -96,3 +96,26 @@ def test_reasoning_gym_is_an_installed_environment():
     assert installed()["reasoning-gym"].value == "runtime.envs.reasoning_gym:ReasoningGymEnv"
     with pytest.raises(EnvSpecError, match="bad env_options"):
         env_factory("reasoning-gym", {"reward": "x:y"})
+
+
+def test_shots_put_worked_examples_of_the_family_before_the_task():
+    options = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
+    train, heldout = generate_tasks("chain_sum", 20, 5, seed=0, options=options)
+    env = env_factory("reasoning-gym", {"shots": 3})()
+    task = heldout[0]
+    opening = env.reset(task)
+    assert opening[0]["role"] == "system" and opening[-1] == {"role": "user", "content": task.prompt}
+    examples = opening[1:-1]
+    assert [m["role"] for m in examples] == ["user", "assistant"] * 3
+    asked = {t.prompt for t in train + heldout}
+    for question, reply in zip(examples[::2], examples[1::2], strict=True):
+        assert question["content"].startswith("State the final answer")  # the family's own wording
+        assert question["content"] != task.prompt
+        assert reply["content"].startswith("<answer>") and reply["content"].endswith("</answer>")
+    # The same examples for every episode of the family: part of the prompt, not of the draw.
+    assert env_factory("reasoning-gym", {"shots": 3})().reset(heldout[1])[1:-1] == examples or heldout[
+        1
+    ].prompt in {m["content"] for m in examples}
+    assert len(asked) > 0
+    with pytest.raises(EnvSpecError, match="shots must be an integer in 0..8"):
+        env_factory("reasoning-gym", {"shots": 9})

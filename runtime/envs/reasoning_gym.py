@@ -35,6 +35,10 @@ SYSTEM_PROMPT = (
     "for example <answer>42</answer>."
 )
 HELDOUT_SEED_OFFSET = 1_000_000_007
+# The worked examples of `shots` come from this seed of the task's own family and options: far from
+# any training seed s (items s..s+n) and from the held-out ones (s + HELDOUT_SEED_OFFSET + i).
+SHOTS_SEED = 3 * HELDOUT_SEED_OFFSET
+MAX_SHOTS = 8
 SCORER = "runtime.envs.reasoning_gym:score"
 
 
@@ -55,13 +59,13 @@ def _dataset(name: str, size: int, seed: int, options: dict[str, Any]):
         raise ValueError(f"reasoning-gym {name}: bad options {options}: {e}") from None
 
 
-def _task(name: str, split: str, seed: int, index: int, entry: dict) -> Task:
+def _task(name: str, split: str, seed: int, index: int, entry: dict, options: dict) -> Task:
     entry = json.loads(json.dumps(entry))  # as a task file keeps it (tuples become lists)
     return Task(
         task_id=f"rg-{name}-{split}-{seed}-{index}",
         prompt=entry["question"],
         answer=str(entry["answer"]),
-        meta={"rg_dataset": name, "rg_entry": entry},
+        meta={"rg_dataset": name, "rg_entry": entry, "rg_options": options},
     )
 
 
@@ -72,7 +76,10 @@ def generate_tasks(
     if not (0 < n_train < HELDOUT_SEED_OFFSET and 0 <= n_heldout < HELDOUT_SEED_OFFSET):
         raise ValueError(f"task counts must be in [1, {HELDOUT_SEED_OFFSET}), got {n_train} and {n_heldout}")
     options = dict(options or {})
-    train = [_task(name, "train", seed, i, e) for i, e in enumerate(_dataset(name, n_train, seed, options))]
+    train = [
+        _task(name, "train", seed, i, e, options)
+        for i, e in enumerate(_dataset(name, n_train, seed, options))
+    ]
     asked = {t.prompt for t in train}
     heldout: list[Task] = []
     if n_heldout:
@@ -83,7 +90,7 @@ def generate_tasks(
             entry = source[i]
             if entry["question"] not in asked:
                 asked.add(entry["question"])
-                heldout.append(_task(name, "heldout", far, i, entry))
+                heldout.append(_task(name, "heldout", far, i, entry, options))
             if len(heldout) == n_heldout:
                 break
         if len(heldout) < n_heldout:
@@ -129,8 +136,29 @@ def score(answer_text: str, task: Task) -> float:
     return float(reasoning_gym.get_score_answer_fn(name)(extract(answer_text), entry))
 
 
+_shots_cache: dict[str, list[tuple[str, str]]] = {}
+
+
+def worked_examples(name: str, options: dict, k: int, avoid: str) -> list[tuple[str, str]]:
+    """`k` (question, answer) pairs of the family at SHOTS_SEED, none asking `avoid` (the task's own
+    question); the same for every episode of a family and options."""
+    key = json.dumps([name, options], sort_keys=True)
+    pool = _shots_cache.get(key)
+    if pool is None:
+        dataset = _dataset(name, MAX_SHOTS + 1, SHOTS_SEED, options)
+        pool = [(dataset[i]["question"], str(dataset[i]["answer"])) for i in range(MAX_SHOTS + 1)]
+        _shots_cache[key] = pool
+    return [pair for pair in pool if pair[0] != avoid][:k]
+
+
 class ReasoningGymEnv(SingleTurnEnv):
-    """A reasoning-gym task, asked once and scored by its family's scorer."""
+    """A reasoning-gym task, asked once and scored by its family's scorer.
+
+    `shots` (0-8) puts that many worked examples of the task's own family before it, as earlier
+    turns of the chat (user: a question; assistant: `<answer>ANSWER</answer>`): a small instruct
+    model follows a demonstrated format far more often than a described one (SmolLM2-135M-Instruct
+    wrote no <answer> tag for 32 of 32 chain_sum tasks with the system prompt alone). The examples
+    come from a seed no training or held-out task is drawn from."""
 
     name = "reasoning-gym"
 
@@ -138,15 +166,34 @@ class ReasoningGymEnv(SingleTurnEnv):
         self,
         *,
         system_prompt: str | None = SYSTEM_PROMPT,
+        shots: int = 0,
         reward_timeout_s: float = 5.0,
         reward_memory_mb: int = 1024,
     ) -> None:
+        if isinstance(shots, bool) or not isinstance(shots, int) or not 0 <= shots <= MAX_SHOTS:
+            raise ValueError(f"shots must be an integer in 0..{MAX_SHOTS}, got {shots!r}")
         super().__init__(
             reward=SCORER,
             system_prompt=system_prompt,
             reward_timeout_s=reward_timeout_s,
             reward_memory_mb=reward_memory_mb,
         )
+        self.shots = shots
+
+    def reset(self, task: Task) -> list[dict]:
+        opening = super().reset(task)
+        if not self.shots:
+            return opening
+        name, options = task.meta.get("rg_dataset"), task.meta.get("rg_options", {})
+        if not isinstance(name, str) or not isinstance(options, dict):
+            raise ValueError(f"task {task.task_id}: shots need a reasoning-gym task (rg_dataset, rg_options)")
+        examples = []
+        for question, answer in worked_examples(name, options, self.shots, task.prompt):
+            examples += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": f"<answer>{answer}</answer>"},
+            ]
+        return opening[:-1] + examples + opening[-1:]
 
     @classmethod
     def prepare(cls, options: dict[str, Any]) -> None:
@@ -156,4 +203,6 @@ class ReasoningGymEnv(SingleTurnEnv):
             raise ValueError(
                 "the reasoning-gym package is missing: pip install 'spopp[reasoning-gym]'"
             ) from None
-        super().prepare({**options, "reward": SCORER})
+        cls(**options)  # the options' own checks first (shots)
+        single_turn = {k: v for k, v in options.items() if k != "shots"}
+        super().prepare({**single_turn, "reward": SCORER})
