@@ -14,7 +14,8 @@ import click
 group = click.Group("tasks", help="Task files of generated families: reasoning-gym's datasets, toy-calc.")
 
 
-def _json_object(text: str | None) -> dict:
+def json_object(text: str | None) -> dict:
+    """A command-line option given as a JSON object (options of an environment or a task family)."""
     if not text:
         return {}
     try:
@@ -48,7 +49,7 @@ def reasoning_gym_command(dataset, out, n_train, n_heldout, seed, options) -> No
 
     try:
         train, heldout = write_reasoning_gym_tasks(
-            out, dataset, n_train, n_heldout, seed, _json_object(options)
+            out, dataset, n_train, n_heldout, seed, json_object(options)
         )
     except ValueError as e:
         raise click.ClickException(str(e)) from None

@@ -57,6 +57,11 @@ CANDIDATES = [
     ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
     ("leg_counting", {"min_animals": 1, "max_animals": 2}),
     ("letter_counting", {}),
+    # Added after the five above all scored under 20 % on the pilot seed (docs/results.md): an
+    # exploratory probe on seed 7 (neither the pilot's nor the held-out's) scored these 20-36 %.
+    ("word_sorting", {"min_words": 2, "max_words": 3}),
+    ("count_bits", {"max_n": 16}),
+    ("spell_backward", {"min_word_len": 3, "max_word_len": 3}),
 ]
 # Four worked examples of the family before each task: with the system prompt alone SmolLM2 wrote no
 # <answer> tag on 32 of 32 pilot tasks (every candidate scored 0); with 4 examples a probe on seed 5

@@ -7,12 +7,13 @@ the contract (runtime/envs/check.py). The group imports nothing heavy until a co
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import click
+
+from ..tasks_cli import json_object
 
 group = click.Group("env", help="Environments: list the installed ones, check one (yours) before a run.")
 
@@ -24,18 +25,6 @@ def list_command() -> None:
 
     for name, ep in sorted(installed().items()):
         click.echo(f"{name:<16} {ep.value}")
-
-
-def _options(text: str | None) -> dict:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise click.BadParameter(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise click.BadParameter("a JSON object of the environment's options")
-    return value
 
 
 @group.command("check")
@@ -69,7 +58,7 @@ def check_command(spec, model, tasks_file, episodes, env_options, max_turns, max
     from ..tasks import load_tasks
     from .check import probe_tasks, run_check
 
-    options = _options(env_options)
+    options = json_object(env_options)
     if str(Path.cwd()) not in sys.path:  # a package in the current folder, as `python -m` finds it
         sys.path.insert(0, str(Path.cwd()))
     tasks = load_tasks(tasks_file) if tasks_file else probe_tasks(max(episodes, 1))
