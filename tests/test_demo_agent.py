@@ -15,7 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _report(curves: dict[int, list[float]]) -> dict:
     return {
-        "runs": [{"seed": s, "arm": "spopp", "versions": [0, 4, 8], "rewards": r} for s, r in curves.items()]
+        "runs": [
+            {"seed": s, "arm": "spopp", "versions": [4 * i for i in range(len(r))], "rewards": r}
+            for s, r in curves.items()
+        ]
     }
 
 
