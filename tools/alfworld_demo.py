@@ -25,7 +25,6 @@ so an interrupted demo resumes where it stopped.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -114,12 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p = demo.demo_parser(__doc__, "demo-alfworld-out", seeds="0,1; quick 0", quick="the same path, smaller",
                          data_seed="seed of the games and the cold start")  # fmt: skip
     a = p.parse_args(argv)
-    size, seeds = demo.demo_size(a, FULL, QUICK, TINY)
-    out = a.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
+    size, seeds, out, t0 = demo.begin(a, FULL, QUICK, TINY)
     stages: dict[str, float] = {}
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     data = out / "data"
 
     n_train, n_cold, n_held = (

@@ -128,6 +128,16 @@ def demo_size(a: argparse.Namespace, full: dict, quick: dict, tiny: dict) -> tup
     return size, ",".join((a.seeds or size["seeds"]).replace(",", " ").split())
 
 
+def begin(a: argparse.Namespace, full: dict, quick: dict, tiny: dict) -> tuple[dict, str, Path, float]:
+    """What every demo does first: its size and seeds from the flags, its output folder (made), the
+    start time, one torch thread for every process it starts."""
+    size, seeds = demo_size(a, full, quick, tiny)
+    out = a.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return size, seeds, out, time.monotonic()
+
+
 def make_prior(out: Path, *, env: str, rollouts: int, concurrency: int, seed: int, budget: dict,
                extra: tuple[str, ...] = ()) -> None:  # fmt: skip
     """`spopp prior` with the cold-start policy on the training tasks, Jeffreys mass 8, into out/prior.json."""
@@ -219,12 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     add_cold_start_flag(p)
     a = p.parse_args(argv)
-    size, seeds = demo_size(a, FULL, QUICK, TINY)
-    out = a.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-
+    size, seeds, out, t0 = begin(a, FULL, QUICK, TINY)
     prepare(out, size, a.data_seed, cold_start=a.cold_start)
     config = base_config(out, size, a.wandb)
     if a.lora:

@@ -42,8 +42,8 @@ from tools.demo import (
     _say,
     add_cold_start_flag,
     base_config,
+    begin,
     demo_parser,
-    demo_size,
     prepare,
 )
 
@@ -272,11 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     add_cold_start_flag(p)
     p.add_argument("--no-smollm", action="store_true", help="skip the SmolLM2 reasoning-gym pilot")
     a = p.parse_args(argv)
-    size, seeds = demo_size(a, FULL, QUICK, TINY)
-    out = a.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    size, seeds, out, t0 = begin(a, FULL, QUICK, TINY)
     # Every process the runs start (replicas, evaluator, prior) finds the agent's folder here.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
     prepare(out, size, a.data_seed, cold_start=a.cold_start)
