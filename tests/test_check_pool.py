@@ -165,6 +165,10 @@ def test_math_tir_records_why_a_check_gave_no_verdict():
     result = env.step(TOWER)
     assert result.done and result.reward == 0.0
     assert result.info["answer_check"] == "timeout"
+    # The next check runs in the replacement worker, whose first parse of LaTeX (lazy imports in
+    # math-verify) can take longer than 0.5 s on a loaded 2-core machine: a deadline that only a
+    # hung check reaches.
+    env.verify_timeout_s = 30.0
     env.reset(Task(task_id="t", prompt="What is 1/2?", answer="0.5"))
     right = env.step(r"\boxed{\frac{1}{2}}")
     assert right.reward == 1.0 and "answer_check" not in right.info
