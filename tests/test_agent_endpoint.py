@@ -310,7 +310,11 @@ def test_the_replicas_routes_over_http_with_streaming_and_bounds(engine):
                 model="policy", messages=messages, max_tokens=8, stream=True
             )
             text = "".join([c.choices[0].delta.content or "" async for c in stream])
+            models = await client.models.list()
+            assert [m.id for m in models.data] == ["policy"]
             stranger = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="cluster-token", max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await stranger.models.list()
             with pytest.raises(openai.AuthenticationError):
                 await stranger.chat.completions.create(model="policy", messages=messages)
             with pytest.raises(openai.APIStatusError) as big:

@@ -101,3 +101,25 @@ def test_paired_difference_with_other_metrics():
 def test_bad_input_raises(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_a_users_finishes_are_labelled_from_a_bounded_set():
+    """A plug-in environment names its own finishes; /metrics keeps a series per label for good,
+    so past MAX_FINISH_LABELS distinct ones the rest are counted as "other"."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from services.rollout.metrics import MAX_FINISH_LABELS, RolloutMetrics
+
+    m = RolloutMetrics()
+    for i in range(MAX_FINISH_LABELS + 10):
+        ep = SimpleNamespace(finish_reason=f"finish-{i}", generated_tokens=1, info={}, timings={})
+        m.observe_episode(ep)
+    m.observe_episode(SimpleNamespace(finish_reason="finish-0", generated_tokens=1, info={}, timings={}))
+    text = generate_latest(m.registry).decode()
+    labels = {line.split('finish_reason="')[1].split('"')[0] for line in text.splitlines()
+              if line.startswith("spopp_rollout_episodes_total{")}  # fmt: skip
+    assert len(labels) == MAX_FINISH_LABELS + 1 and "other" in labels
+    assert 'spopp_rollout_episodes_total{finish_reason="other"} 10.0' in text
+    assert 'spopp_rollout_episodes_total{finish_reason="finish-0"} 2.0' in text

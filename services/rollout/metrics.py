@@ -9,6 +9,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 disable_created_metrics()
 
 
+# Distinct values of a label a user's environment chooses (its finishes, its answer-check reasons)
+# that /metrics keeps a series for; the rest are counted as "other". Each series lives for good.
+MAX_FINISH_LABELS = 32
+
+
+class BoundedLabels:
+    """A label's values from a bounded set: the first `limit` distinct ones as they are, then "other"."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.seen: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value in self.seen:
+            return value
+        if len(self.seen) >= self.limit:
+            return "other"
+        self.seen.add(value)
+        return value
+
+
 class RolloutMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -22,6 +43,9 @@ class RolloutMetrics:
         self.total_episodes = 0
         self.total_tokens = 0
         self._first: float | None = None
+        # A user's environment names its own finishes and answer-check reasons: bounded label sets.
+        self._finish_label = BoundedLabels(MAX_FINISH_LABELS)
+        self._check_label = BoundedLabels(MAX_FINISH_LABELS)
 
     def _add_episode_metrics(self, r: CollectorRegistry) -> None:
         """What the episodes made: finishes, tokens, tool calls, engine time, mixed and drained ones."""
@@ -100,12 +124,12 @@ class RolloutMetrics:
         )
 
     def observe_episode(self, ep) -> None:
-        self.episodes.labels(ep.finish_reason).inc()
+        self.episodes.labels(self._finish_label(ep.finish_reason)).inc()
         self.tokens.inc(ep.generated_tokens)
         self.tool_calls.inc(ep.info.get("tool_calls", 0))
         self.sandbox_failures.inc(ep.info.get("sandbox_failures", 0))
         if ep.info.get("answer_check"):
-            self.answer_checks_failed.labels(str(ep.info["answer_check"])).inc()
+            self.answer_checks_failed.labels(self._check_label(str(ep.info["answer_check"]))).inc()
         self.engine_seconds.observe(ep.timings.get("generate_s", 0.0))
         now = time.monotonic()
         self.total_episodes += 1
