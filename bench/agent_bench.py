@@ -31,7 +31,7 @@ async def _measure(model: Path, rounds: int, warmup: int) -> dict:
     import openai
 
     from runtime.agent import Budget
-    from runtime.agent_session import AgentLimits, AgentSession
+    from runtime.agent_session import AgentSession
     from runtime.chat import ChatRenderer
     from runtime.chat_endpoint import Endpoint, add_chat_routes, episode_client
     from runtime.engines.base import SamplingConfig
@@ -59,7 +59,7 @@ async def _measure(model: Path, rounds: int, warmup: int) -> dict:
         lengths.add(len(gen.token_ids))
 
     async def through(http: bool) -> None:
-        session = AgentSession(engine, renderer, budget, sampling, AgentLimits())
+        session = AgentSession(engine, renderer, budget, sampling)
         endpoint.sessions.open(session)
         if http:
             client = openai.AsyncOpenAI(

@@ -36,7 +36,7 @@ from typing import Any
 from .agent import Budget, _Sequence
 from .chat import ChatRenderer
 from .engines.base import Engine, SamplingConfig
-from .tool_calls import ToolFormat, calls_as_text, parse, preamble, tool_format
+from .tool_calls import ToolFormat, arguments_value, calls_as_text, parse, preamble, tool_format
 
 MAX_MESSAGES = 4096
 MAX_STOP = 4
@@ -54,16 +54,6 @@ class ChatRequestError(Exception):
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-
-@dataclass(frozen=True)
-class AgentLimits:
-    max_calls: int = 16
-    max_wall_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.max_calls < 1 or not self.max_wall_s > 0:
-            raise ValueError(f"agent limits must be positive, got {self}")
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -128,7 +118,7 @@ class Message:
                 m["tool_calls"] = [
                     {
                         "type": "function",
-                        "function": {"name": n, "arguments": json.loads(a) if a.startswith("{") else a},
+                        "function": {"name": n, "arguments": arguments_value(a)},
                     }
                     for n, a in self.tool_calls
                 ]
@@ -168,7 +158,6 @@ class CallOptions:
     stop: tuple[str, ...]
     tools: list[dict] | None
     logprobs: bool
-    stream: bool
     model: str
     keep_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string stays in the content
 
@@ -219,7 +208,6 @@ def parse_options(body: dict, sampling: SamplingConfig) -> CallOptions:
         stop=tuple(stop),
         tools=tools or None,
         logprobs=bool(body.get("logprobs")),
-        stream=bool(body.get("stream")),
         model=model if isinstance(model, str) else "policy",
         keep_stop=body.get("include_stop_str_in_output") is True,
     )
@@ -258,13 +246,13 @@ class AgentSession:
         renderer: ChatRenderer,
         budget: Budget,
         sampling: SamplingConfig,
-        limits: AgentLimits,
+        max_calls: int = 16,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
         self.budget = budget
         self.sampling = sampling
-        self.limits = limits
+        self.max_calls = max_calls
         self.token = "ep-" + secrets.token_urlsafe(24)
         self.format = tool_format(getattr(engine.tokenizer, "chat_template", None))
         self.segments: list[_Segment] = []
@@ -300,8 +288,8 @@ class AgentSession:
                 self.call_s += time.perf_counter() - started
 
     async def _complete(self, messages: list[Message], options: CallOptions) -> dict:
-        if self.calls >= self.limits.max_calls:
-            raise self._refuse("max_calls", f"this episode has made its {self.limits.max_calls} calls")
+        if self.calls >= self.max_calls:
+            raise self._refuse("max_calls", f"this episode has made its {self.max_calls} calls")
         segment, new_ids = self._place(messages, options.tools)
         # Every segment's tokens count against the episode's budget (each is trained on).
         room = self.budget.max_total_tokens - self.tokens() - len(new_ids)
@@ -318,12 +306,10 @@ class AgentSession:
         segment.seq.add(new_ids)
         segment.last_generated = None
         self.calls += 1
+        # The episode's seed is kept for every call, as the agent loop keeps it for every turn: one
+        # seed and one conversation sample the same tokens through the endpoint as in the loop.
         sampling = replace(
-            self.sampling,
-            max_tokens=per_call,
-            # The episode's seed on every call, as a built-in episode's every turn: one seed and one
-            # conversation sample the same tokens through the endpoint as in the agent loop.
-            stop=tuple(dict.fromkeys(self.sampling.stop + options.stop)),
+            self.sampling, max_tokens=per_call, stop=tuple(dict.fromkeys(self.sampling.stop + options.stop))
         )
         s = time.perf_counter()
         gen = await self.engine.generate(segment.seq.ids, sampling)

@@ -125,9 +125,9 @@ def episode_client(app: FastAPI, session: AgentSession, timeout_s: float):
 class Endpoint:
     """A process's agent sessions and the app that serves their calls."""
 
-    def __init__(self, sessions: AgentSessions | None = None, app: FastAPI | None = None) -> None:
-        self.sessions = sessions or AgentSessions()
-        self.app = app or chat_app(self.sessions)
+    def __init__(self) -> None:
+        self.sessions = AgentSessions()
+        self.app = chat_app(self.sessions)
 
 
 _default: Endpoint | None = None

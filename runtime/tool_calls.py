@@ -60,16 +60,23 @@ def preamble(tools: list[dict]) -> str:
     return TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
 
 
+def arguments_value(arguments: Any) -> Any:
+    """A call's `arguments` as a template renders them: the JSON they spell when they are JSON text,
+    else as given (an agent may echo malformed arguments the model wrote)."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
 def calls_as_text(tool_calls: list[dict]) -> str:
     """Hermes blocks for an assistant message's `tool_calls` (for templates that would drop them)."""
     blocks = []
     for call in tool_calls:
         fn = call.get("function") or {}
-        arguments = fn.get("arguments", "{}")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            pass
+        arguments = arguments_value(fn.get("arguments", "{}"))
         blocks.append(
             "<tool_call>\n"
             + json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False)

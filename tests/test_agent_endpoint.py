@@ -12,15 +12,16 @@ import asyncio
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
 from hypothesis import strategies as st
 
 from runtime.agent import Budget, run_episode
-from runtime.agent_session import AgentLimits, AgentSession
+from runtime.agent_session import AgentSession, Message
 from runtime.chat import ChatRenderer
-from runtime.chat_endpoint import Endpoint, add_chat_routes
+from runtime.chat_endpoint import Endpoint, add_chat_routes, episode_client
 from runtime.engines.base import SamplingConfig
 from runtime.engines.hf import TransformersEngine
 from runtime.envs.agent import AgentEnv
@@ -277,9 +278,8 @@ def test_an_agent_that_raises_or_overruns_earns_zero_and_its_token_dies(engine):
     assert (ep.reward, ep.finish_reason) == (0.0, "agent_timeout")
 
     async def late_call():
-        client = openai.AsyncOpenAI(base_url="http://episode/v1", api_key=tokens[0], max_retries=0,
-                                    http_client=__import__("httpx").AsyncClient(
-                                        transport=__import__("httpx").ASGITransport(app=endpoint.app)))  # fmt: skip
+        # The client an agent was given, kept past its episode's end.
+        client = episode_client(endpoint.app, SimpleNamespace(token=tokens[0]), timeout_s=10)
         with pytest.raises(openai.AuthenticationError):
             await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
 
@@ -295,7 +295,7 @@ def test_the_replicas_routes_over_http_with_streaming_and_bounds(engine):
     app = service_app("replica", health=lambda: {"status": "ok"}, metrics=[], max_body_bytes=64 * 1024)
     add_chat_routes(app, endpoint.sessions)
     session = AgentSession(
-        engine, ChatRenderer(engine.tokenizer), BUDGET, SamplingConfig(max_tokens=48, seed=3), AgentLimits()
+        engine, ChatRenderer(engine.tokenizer), BUDGET, SamplingConfig(max_tokens=48, seed=3)
     )
     endpoint.sessions.open(session)
     with ThreadedServer(app) as server:
@@ -347,6 +347,27 @@ def test_tool_calls_are_parsed_in_the_models_format():
     assert content is None and calls[0]["function"]["arguments"] == '{"a": 2}'
     assert tool_format("{% if tools %}<tool_call>{% endif %}") == ToolFormat("hermes", native=True)
     assert tool_format("{{ messages }}") == ToolFormat("hermes", native=False)
+
+
+def test_arguments_an_agent_echoes_render_whatever_they_are():
+    """Arguments the model wrote malformed come back in an assistant message: a template that renders
+    tool calls gets them as the text they are, one that does not gets them in a Hermes block."""
+    from runtime.agent_session import parse_messages
+
+    (echo, _) = parse_messages([
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": '{"a": 1'}}]},
+        {"role": "tool", "content": "error"},
+    ])  # fmt: skip
+    native = echo.for_template(ToolFormat("hermes", native=True))
+    assert native["tool_calls"][0]["function"]["arguments"] == '{"a": 1'
+    assert echo.for_template(ToolFormat("hermes", native=False))["content"] == (
+        '<tool_call>\n{"name": "calc", "arguments": "{\\"a\\": 1"}\n</tool_call>'
+    )
+    well_formed = Message("assistant", "", (("calc", '{"a": 1}'),)).for_template(
+        ToolFormat("hermes", native=True)
+    )
+    assert well_formed["tool_calls"][0]["function"]["arguments"] == {"a": 1}
 
 
 def test_tools_reach_a_template_without_tool_support_and_calls_come_back(engine):
@@ -522,7 +543,7 @@ def test_any_body_gets_an_answer_or_an_openai_error_never_a_500(tiny_model):
     engine = ScriptedEngine(tok, ["<code>1+1</code>"] * 10_000)
     endpoint = Endpoint()
     session = AgentSession(
-        engine, ChatRenderer(tok), Budget(8, 16, 1 << 20), SamplingConfig(16), AgentLimits(10_000)
+        engine, ChatRenderer(tok), Budget(8, 16, 1 << 20), SamplingConfig(16), max_calls=10_000
     )
     endpoint.sessions.open(session)
     answered = []

@@ -132,7 +132,11 @@ def test_a_users_environment_by_import_path_and_by_entry_point(userpkg):
         ("guesspkg.rewards:one_argument", {}, "must take two arguments (answer_text, task)"),
         ("guesspkg.rewards:exact", {"reward_timeout_s": 0}, "reward_timeout_s must be in (0, 600]"),
         ("single-turn", {}, "bad env_options"),
-        ("single-turn", {"reward": "nopkg:f"}, "reward nopkg:f: cannot import it"),
+        (
+            "single-turn",
+            {"reward": "nopkg:f"},
+            "environment single-turn: reward nopkg:f: no module named 'nopkg'",
+        ),
         ("agent", {"agent": "guesspkg.rewards:exact"}, "must be an async function"),
     ],
 )
@@ -187,7 +191,7 @@ def test_a_reward_function_scores_the_answer_out_of_process(userpkg):
         ("raises", "error"),
         ("too_big", "out_of_range"),
         ("nan", "not_finite"),
-        ("text", "error"),  # the worker refuses a value that is not a number
+        ("text", "not_a_number"),  # "1": a string, not a number
         ("prints_a_reply", None),  # what it prints is not read as its reply: its 0.0 stands
     ],
 )

@@ -116,18 +116,6 @@ def compare(built_in: dict, agent: dict) -> dict:
     return {"seeds": seeds, "curves": curves, "paired_difference": {"mean": m, "se": se, "per_seed": diffs}}
 
 
-def print_comparison(c: dict) -> None:
-    _say(f"held-out reward (sampled, T = 1), mean ± s.e. over seeds {c['seeds']}:")
-    print(f"  {'version':>7}  {'built-in toy-calc':>18}  {'agent (OpenAI client)':>22}")
-    for p, q in zip(c["curves"]["built_in"]["points"], c["curves"]["agent"]["points"], strict=True):
-        print(f"  {p['version']:>7}  {p['mean']:>10.3f} ± {p['se']:.3f}  {q['mean']:>14.3f} ± {q['se']:.3f}")
-    for name in ("built_in", "agent"):
-        r = c["curves"][name]["rise"]
-        print(f"  {name}: last − first evaluation {r['mean']:+.3f} ± {r['se']:.3f} (s.e.)")
-    d = c["paired_difference"]
-    print(f"  agent − built-in, curve mean, paired by seed: {d['mean']:+.4f} ± {d['se']:.4f} (s.e.)")
-
-
 # -- the SmolLM2 pilot ---------------------------------------------------------------------------------
 async def _success(model: Path, tasks: list, seed: int) -> float:
     """Version-0 success of SmolLM2 on `tasks` (one sampled episode each, T = 1)."""
@@ -287,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["smollm2"] = smollm_pilot(out)
     summary["seconds"] = time.monotonic() - t0
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print_comparison(summary["comparison"])
+    print(render_markdown(summary), end="")  # the tables docs/results.md publishes
     _say(f"done in {summary['seconds']:.0f} s; {out / 'summary.json'}")
     return 0
 

@@ -45,9 +45,7 @@ def env_factory(spec: str, options: Mapping[str, Any] | None = None) -> Callable
         r.cls.prepare(r.options)
     except TypeError as e:  # an unknown or missing keyword
         raise EnvSpecError(f"environment {spec}: bad env_options {r.options}: {e}") from None
-    except EnvSpecError:
-        raise
-    except ValueError as e:
+    except ValueError as e:  # an option's own check, or a function its options name (EnvSpecError)
         message = str(e)
         raise EnvSpecError(
             message if message.startswith(f"environment {spec}") else f"environment {spec}: {message}"

@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import re
 import time
 from typing import Any
 
 from .base import Environment, StepResult, Task, reward_verdict
-from .single_turn import import_function
-
-_PATH_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+from .registry import import_object, is_import_path
 
 
 class AgentEnv(Environment):
@@ -42,7 +39,7 @@ class AgentEnv(Environment):
     driven_by_agent = True
 
     def __init__(self, *, agent: str, max_calls: int = 16, max_wall_s: float = 600.0) -> None:
-        if not isinstance(agent, str) or not _PATH_RE.fullmatch(agent):
+        if not is_import_path(agent):
             raise ValueError(f"agent must be an import path package.module:function, got {agent!r}")
         if isinstance(max_calls, bool) or not isinstance(max_calls, int) or not 1 <= max_calls <= 10_000:
             raise ValueError(f"max_calls must be an integer in [1, 10000], got {max_calls!r}")
@@ -68,10 +65,7 @@ class AgentEnv(Environment):
 
     @staticmethod
     def function_of(path: str) -> Any:
-        try:
-            fn = import_function(path)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"agent {path}: cannot import it: {e}") from None
+        fn = import_object(path, f"agent {path}")
         if not inspect.iscoroutinefunction(fn):
             raise ValueError(f"agent {path}: must be an async function agent(client, task) -> float")
         try:
@@ -101,14 +95,14 @@ async def run_agent_episode(
     `endpoint` is the process's chat endpoint (`runtime.chat_endpoint.Endpoint`: its sessions and
     app); a replica passes the one it also serves over HTTP."""
     from ..agent import Episode, within_context
-    from ..agent_session import AgentLimits, AgentSession
+    from ..agent_session import AgentSession
     from ..chat import ChatRenderer
     from ..chat_endpoint import default_endpoint, episode_client
 
     endpoint = endpoint or default_endpoint()
     renderer = renderer or ChatRenderer(engine.tokenizer)
     budget = within_context(budget, engine)
-    session = AgentSession(engine, renderer, budget, sampling, AgentLimits(env.max_calls, env.max_wall_s))
+    session = AgentSession(engine, renderer, budget, sampling, max_calls=env.max_calls)
     endpoint.sessions.open(session)
     client = episode_client(endpoint.app, session, timeout_s=env.max_wall_s)
     info: dict[str, Any] = {}

@@ -57,7 +57,7 @@ def check_spec(spec: str) -> str:
         names = installed()
         if spec not in names:
             raise EnvSpecError(
-                f"unknown environment {spec!r}; installed: {', '.join(sorted(names)) or 'none'}; or give "
+                f"unknown environment {spec!r}; installed: {', '.join(sorted(names)) or 'none: is spopp installed?'}; or give "
                 "an import path package.module:attribute"
             )
         return spec
@@ -89,28 +89,32 @@ def installed() -> dict[str, metadata.EntryPoint]:
     return out
 
 
-def _import_path(path: str, spec: str) -> Any:
+def is_import_path(text: str) -> bool:
+    """Whether `text` has the shape `package.module:attribute`."""
+    return isinstance(text, str) and _PATH_RE.fullmatch(text) is not None
+
+
+def import_object(path: str, what: str | None = None) -> Any:
+    """The object at import path `path` (`package.module:attribute`); EnvSpecError saying what is
+    missing (the module, something it imports, the attribute), about `what` (default: the
+    environment `path`; "reward ...", "agent ..." for a function an environment's options name)."""
+    what = what or f"environment {path}"
     module_name, _, attribute = path.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise EnvSpecError(
-                f"environment {spec}: no module named {e.name!r} (is the package installed, or its "
-                "folder on PYTHONPATH?)"
+                f"{what}: no module named {e.name!r} (is the package installed, or its folder on PYTHONPATH?)"
             ) from None
-        raise EnvSpecError(f"environment {spec}: importing {module_name} failed: {e}") from None
+        raise EnvSpecError(f"{what}: importing {module_name} failed: {e}") from None
     except Exception as e:  # noqa: BLE001 - the user's module raised at import: say so, with what
-        raise EnvSpecError(
-            f"environment {spec}: importing {module_name} failed: {type(e).__name__}: {e}"
-        ) from None
+        raise EnvSpecError(f"{what}: importing {module_name} failed: {type(e).__name__}: {e}") from None
     for part in attribute.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise EnvSpecError(
-                f"environment {spec}: module {module_name} has no attribute {attribute!r}"
-            ) from None
+            raise EnvSpecError(f"{what}: module {module_name} has no attribute {attribute!r}") from None
     return obj
 
 
@@ -119,25 +123,16 @@ class Resolved:
     """What a spec resolves to: the environment class and the options it is built with (for a
     function, the adapter class and its options with the function's path added)."""
 
-    spec: str
     cls: type[Environment]
     options: dict[str, Any]
-    kind: str  # "environment", "agent" or "reward"
 
 
 def load(spec: str) -> Any:
     """The object `spec` names (a class or a function), imported."""
-    check_spec(spec)
+    check_spec(spec)  # an import path's shape, or a name that is installed
     if ":" in spec:
-        return _import_path(spec, spec)
-    eps = installed()
-    ep = eps.get(spec)
-    if ep is None:
-        names = ", ".join(sorted(eps)) or "none: is spopp installed (pip install -e .)?"
-        raise EnvSpecError(
-            f"unknown environment {spec!r}; installed: {names}; or give an import path package.module:attribute"
-        )
-    return _import_path(ep.value.replace(" ", ""), spec)
+        return import_object(spec)
+    return import_object(installed()[spec].value.replace(" ", ""), f"environment {spec}")
 
 
 def resolve(spec: str, options: Mapping[str, Any] | None = None) -> Resolved:
@@ -150,15 +145,15 @@ def resolve(spec: str, options: Mapping[str, Any] | None = None) -> Resolved:
                 f"environment {spec}: {obj.__module__}.{obj.__qualname__} is a class but not a "
                 "runtime.envs.base.Environment (subclass it: reset, step, close)"
             )
-        return Resolved(spec, obj, options, "environment")
+        return Resolved(obj, options)
     if inspect.iscoroutinefunction(obj):
         from .agent import AgentEnv
 
-        return Resolved(spec, AgentEnv, {**options, "agent": _path_of(obj, spec)}, "agent")
+        return Resolved(AgentEnv, {**options, "agent": _path_of(obj, spec)})
     if inspect.isfunction(obj) or inspect.isbuiltin(obj):
         from .single_turn import SingleTurnEnv
 
-        return Resolved(spec, SingleTurnEnv, {**options, "reward": _path_of(obj, spec)}, "reward")
+        return Resolved(SingleTurnEnv, {**options, "reward": _path_of(obj, spec)})
     raise EnvSpecError(
         f"environment {spec}: names a {type(obj).__name__}, not an Environment class, an async agent "
         "function (client, task) -> float or a reward function (answer_text, task) -> float"

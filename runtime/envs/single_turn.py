@@ -16,17 +16,16 @@ reported by `spopp env check`): a bad reward never reaches the tracker, and neve
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import re
+import numbers
 import threading
 from dataclasses import asdict
 from typing import Any
 
 from ..check_pool import CheckPool
 from .base import Environment, StepResult, Task, reward_verdict
+from .registry import import_object, is_import_path
 
-_PATH_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 MiB = 1024**2
 
 _pools: dict[tuple[str, int], CheckPool] = {}
@@ -50,21 +49,11 @@ def reward_pool(reward: str, memory_mb: int) -> CheckPool:
         return pool
 
 
-def import_function(path: str) -> Any:
-    """The object at import path `module:attribute` (ImportError, AttributeError if none)."""
-    module, _, attribute = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attribute.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def score_in_worker(reward: str, answer_text: str, task: dict) -> float:
-    """Run in the worker: the user's function on the episode's answer and task."""
-    value = import_function(reward)(answer_text, Task(**task))
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"the reward function returned {type(value).__name__}, not a number")
-    return float(value)
+def score_in_worker(reward: str, answer_text: str, task: dict) -> Any:
+    """Run in the worker: the user's function on the episode's answer and task. A number goes back
+    as a float (numpy's too); anything else as it is, for the caller's `reward_verdict` to name."""
+    value = import_object(reward)(answer_text, Task(**task))
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
 
 
 class SingleTurnEnv(Environment):
@@ -80,7 +69,7 @@ class SingleTurnEnv(Environment):
         reward_timeout_s: float = 5.0,
         reward_memory_mb: int = 1024,
     ) -> None:
-        if not isinstance(reward, str) or not _PATH_RE.fullmatch(reward):
+        if not is_import_path(reward):
             raise ValueError(f"reward must be an import path package.module:function, got {reward!r}")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt must be a string, got {type(system_prompt).__name__}")
@@ -108,10 +97,7 @@ class SingleTurnEnv(Environment):
         pool's first worker starts now."""
         reward = options.get("reward")
         SingleTurnEnv(**options)  # the options' own checks first, with their messages
-        try:
-            fn = import_function(reward)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward {reward}: cannot import it: {e}") from None
+        fn = import_object(reward, f"reward {reward}")
         if not callable(fn) or inspect.iscoroutinefunction(fn) or inspect.isclass(fn):
             raise ValueError(f"reward {reward}: not a plain function score(answer_text, task) -> float")
         try:
