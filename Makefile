@@ -18,7 +18,7 @@ setup: $(STAMP) system
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c requirements.lock -e '.[tracker,math,rollout,evaluator,vllm,learner,report,wandb,alfworld,reasoning-gym,models,dev]'
+	$(PIP) install -q -c requirements.lock -e '.[tracker,math,rollout,evaluator,vllm,learner,report,wandb,alfworld,reasoning-gym,verifiers,models,dev]'
 	@# PyPI's torchvision/torchaudio/torchcodec that vLLM pulls in are CUDA-linked and break
 	@# `import vllm` and transformers beside the CPU torch: nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

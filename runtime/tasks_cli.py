@@ -11,7 +11,9 @@ from pathlib import Path
 
 import click
 
-group = click.Group("tasks", help="Task files of generated families: reasoning-gym's datasets, toy-calc.")
+group = click.Group(
+    "tasks", help="Task files of generated families: reasoning-gym's datasets, verifiers tasksets, toy-calc."
+)
 
 
 def json_object(text: str | None) -> dict:
@@ -51,6 +53,34 @@ def reasoning_gym_command(dataset, out, n_train, n_heldout, seed, options) -> No
         train, heldout = write_reasoning_gym_tasks(
             out, dataset, n_train, n_heldout, seed, json_object(options)
         )
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{train}\n{heldout}")
+
+
+@group.command("verifiers")
+@click.argument("taskset")
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="folder of the two files"
+)
+@click.option("--config", default=None, help="the taskset's config fields as JSON")
+@click.option(
+    "--heldout", "n_heldout", type=click.IntRange(0), default=0, show_default=True, help="tasks held out"
+)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="the split's shuffle seed")
+@click.option(
+    "--limit",
+    type=click.IntRange(1),
+    default=None,
+    help="read at most this many tasks (needed when infinite)",
+)
+def verifiers_command(taskset, out, config, n_heldout, seed, limit) -> None:
+    """Tasks of a verifiers TASKSET (an installed taskset id, or package.module:MyTaskset), for
+    `env: verifiers`: its tasks shuffled with SEED, the last N held out."""
+    from .envs.verifiers_env import write_verifiers_tasks
+
+    try:
+        train, heldout = write_verifiers_tasks(out, taskset, json_object(config), n_heldout, seed, limit)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{train}\n{heldout}")

@@ -41,6 +41,12 @@ class AgentEnv(Environment):
     def __init__(self, *, agent: str, max_calls: int = 16, max_wall_s: float = 600.0) -> None:
         if not is_import_path(agent):
             raise ValueError(f"agent must be an import path package.module:function, got {agent!r}")
+        self.agent = agent
+        self._set_bounds(max_calls, max_wall_s)
+        self._fn: Any = None
+
+    def _set_bounds(self, max_calls: int, max_wall_s: float) -> None:
+        """The bounds every agent-driven episode has (this class's and an adapter's, e.g. verifiers)."""
         if isinstance(max_calls, bool) or not isinstance(max_calls, int) or not 1 <= max_calls <= 10_000:
             raise ValueError(f"max_calls must be an integer in [1, 10000], got {max_calls!r}")
         if (
@@ -49,10 +55,8 @@ class AgentEnv(Environment):
             or not 0 < max_wall_s <= 86_400
         ):
             raise ValueError(f"max_wall_s must be in (0, 86400], got {max_wall_s!r}")
-        self.agent = agent
         self.max_calls = max_calls
         self.max_wall_s = float(max_wall_s)
-        self._fn: Any = None
 
     @classmethod
     def prepare(cls, options: dict[str, Any]) -> None:
