@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-agent demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render
+.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-agent demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render lock-check
 
 setup: $(STAMP) system
 
@@ -174,6 +174,12 @@ lint: setup
 	$(VENV)/bin/ruff format --check spopp runtime services tools tests bench examples
 	$(VENV)/bin/lint-imports
 	$(PY) -m tools.check_links
+
+# requirements.lock against pyproject.toml, then every image role of both flavours resolved under it
+# by uv from the index's metadata (CPU: Debian's Python 3.11.2; GPU: the CUDA base's 3.12.3 with
+# vLLM's CUDA build): a lock update that breaks either flavour fails here (about a minute).
+lock-check: setup
+	$(PY) -m tools.lock --check --flavours
 
 # The whole compose stack with Docker on this CPU machine (deploy/compose_cpu.py): Docker installed
 # and started when missing (root), the Debian base image made locally, the CPU images built, the

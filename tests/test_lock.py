@@ -15,9 +15,23 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-from test_deploy import COMPOSE, DOCKERFILE, stages
+from test_deploy import COMPOSE, DOCKERFILE
 
-from tools.lock import LOCK, PYPROJECT, read_lock, render, requirements, unmet
+from tools.lock import (
+    LOCK,
+    PYPROJECT,
+    ResolveError,
+    check_flavours,
+    image_roles,
+    read_lock,
+    render,
+    requirements,
+    resolve_flavour,
+    unmet,
+)
+from tools.lock import (
+    image_requirements as locked_image_requirements,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = read_lock()
@@ -29,19 +43,6 @@ def image_requirements(extras: str, flavour: str) -> list[Requirement]:
     out = subprocess.run([sys.executable, str(IMAGE_REQUIREMENTS), str(PYPROJECT), extras, "--flavour", flavour],
                          capture_output=True, text=True, check=True, timeout=60).stdout  # fmt: skip
     return [Requirement(line) for line in out.splitlines() if line.strip()]
-
-
-def image_extras() -> dict[str, str]:
-    """Target -> the extras its venv stage installs (pip-install.sh's first argument)."""
-    out = {}
-    for name, stage in stages().items():
-        m = re.search(r'pip-install\.sh\s+"?([^"\s]+)"?\s+"?\$FLAVOUR', stage["text"])
-        if m:
-            extras = m.group(1)
-            if extras.startswith("$"):  # an ARG: its default
-                extras = re.search(rf"ARG {extras.strip('${}')}=(\S+)", stage["text"]).group(1)
-            out[name.removeprefix("venv-")] = extras
-    return out
 
 
 def test_the_lock_satisfies_every_requirement_of_pyproject():
@@ -97,7 +98,7 @@ def test_make_setup_installed_exactly_the_lock():
 @pytest.mark.process
 @pytest.mark.parametrize("flavour", ["cpu", "gpu"])
 def test_every_image_installs_only_pinned_releases(flavour):
-    targets = image_extras()
+    targets = image_roles()
     assert set(targets) == {"tracker", "learner", "rollout"}
     for target, extras in targets.items():
         for req in image_requirements(extras, flavour):
@@ -129,3 +130,35 @@ def test_images_install_through_the_lock_and_nothing_is_latest():
         assert ":latest" not in path.read_text(), path
     for name, spec in COMPOSE["services"].items():
         assert spec["image"].endswith(":${SPOPP_IMAGE_TAG:-local}"), name  # our images, built here
+
+
+# -- both flavours of the images resolve under the lock (uv, from the index's metadata) -------------
+@pytest.mark.process
+def test_every_image_of_both_flavours_resolves_under_the_lock():
+    """The CPU images on Debian's Python 3.11.2, the GPU ones on the CUDA base's 3.12.3 with vLLM's
+    CUDA build and the CUDA torch: each resolves with the lock as constraints, and to nothing the
+    lock leaves unpinned (`make lock-check` runs the same)."""
+    assert check_flavours() == []
+
+
+@pytest.mark.process
+def test_a_pin_the_gpu_images_cannot_take_fails_the_check(tmp_path):
+    # The CPU resolution alone picked triton 3.9.0 (xgrammar asks any triton); the CUDA torch pins
+    # 3.7.1. A lock written from the CPU side only is refused, with the reason.
+    broken = tmp_path / "broken.lock"
+    broken.write_text(LOCK.read_text().replace(f"triton=={PINS['triton']}\n", "triton==3.9.0\n"))
+    assert PINS["triton"] != "3.9.0"
+    with pytest.raises(ResolveError, match="triton"):
+        resolve_flavour(locked_image_requirements(image_roles()["learner"], "gpu"), "gpu", broken)
+    (problem,) = check_flavours(broken, flavours=("gpu",), roles=("learner",))
+    assert problem.startswith("gpu learner image: does not resolve under broken.lock")
+    # A lock that leaves out what a GPU image installs (NCCL's CUDA library) is refused too.
+    loose = tmp_path / "loose.lock"
+    loose.write_text(
+        "".join(
+            line for line in LOCK.read_text().splitlines(True) if not line.startswith("nvidia-nccl-cu13==")
+        )
+    )
+    assert check_flavours(loose, flavours=("gpu",), roles=("learner",)) == [
+        "gpu learner image: loose.lock does not pin nvidia-nccl-cu13"
+    ]

@@ -39,6 +39,15 @@ def expand(project: dict, extras: list[str]) -> list[str]:
     return out
 
 
+def for_image(project: dict, extras: str, flavour: str) -> list[str]:
+    """The requirements an image of `flavour` installs for `extras` (comma-separated)."""
+    out = []
+    for req in expand(project, [e for e in extras.split(",") if e]):
+        name = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0]
+        out.append(SWAP_GPU[name] + req[len(name) :] if flavour == "gpu" and name in SWAP_GPU else req)
+    return out
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
         raise SystemExit(__doc__)
@@ -50,10 +59,7 @@ def main(argv: list[str]) -> int:
     if flavour not in ("cpu", "gpu"):
         raise SystemExit(f"--flavour is cpu or gpu, not {flavour!r}")
     project = tomllib.loads(Path(argv[0]).read_text())["project"]
-    for req in expand(project, [e for e in argv[1].split(",") if e]):
-        name = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0]
-        if flavour == "gpu" and name in SWAP_GPU:
-            req = SWAP_GPU[name] + req[len(name) :]
+    for req in for_image(project, argv[1], flavour):
         print(req)
     return 0
 
