@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-agent demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render lock-check
+.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-agent demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render lock-check images-gpu
 
 setup: $(STAMP) system
 
@@ -194,6 +194,13 @@ compose-cpu:
 
 compose-clean:
 	python3 deploy/compose_cpu.py --clean
+
+# The GPU images (FLAVOUR=gpu) built here without a registry, on a locally made Ubuntu 24.04 base
+# (the CUDA base's OS and Python; PyPI's wheels bring the CUDA libraries), then checked inside:
+# Python, torch's CUDA release and GPU architectures, vLLM's and DeepSpeed's imports, the CUDA
+# libraries found (deploy/images_gpu.py). Not in CI: about 6 GB of wheels.
+images-gpu:
+	python3 deploy/images_gpu.py --record docs/results/images-gpu.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-real-out demo-quick-lora-out demo-alfworld-out demo-alfworld-quick-out map-out chaos-out

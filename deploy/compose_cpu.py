@@ -87,6 +87,30 @@ def stack_settings(file_values: dict[str, str], environ: dict[str, str], max_upd
     return out
 
 
+def refused_budget(previous: dict[str, str], cfg: dict[str, str], volumes: bool) -> str | None:
+    """Why this command's budget cannot be the run's, judged from the stack file the last command
+    wrote (None: it can, or nothing is known). A run's budget is fixed at its creation and grows
+    only: the same project and run, its volumes still there, and a smaller max_updates than the last
+    command gave is refused, before anything is rewritten or recreated."""
+    same = all(previous.get(k) == cfg.get(k) for k in ("COMPOSE_PROJECT_NAME", "SPOPP_RUN"))
+    try:
+        held, asked = int(previous["SPOPP_LEARNER_MAX_UPDATES"]), int(cfg["SPOPP_LEARNER_MAX_UPDATES"])
+    except (KeyError, ValueError):
+        return None
+    if not (same and volumes and asked < held):
+        return None
+    return (
+        f"run {cfg['SPOPP_RUN']} was given a budget of {held} updates; MAX_UPDATES={asked} would not "
+        f"match it (give MAX_UPDATES={held} or more; make compose-clean starts a new run)"
+    )
+
+
+def has_volumes(project: str) -> bool:
+    """Whether the project's volumes exist (its run's state: Redis, snapshots, data)."""
+    out = sh(["docker", "volume", "ls", "-q", "--filter", f"name={project}_"], check=False, capture=True)
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
 def write_stack(values: dict[str, str]) -> None:
     lines = [f"{k}={v}" for k, v in values.items()]
     header = "# Written by deploy/compose_cpu.py (make compose-cpu): this stack's settings; every compose command reads them.\n"
@@ -171,16 +195,30 @@ def ensure_base() -> None:
 
 
 # --- 3. the images -----------------------------------------------------------------------------
+def stream_build(cmd: list[str], env: dict, label: str) -> None:
+    """Run an image build, printing each Dockerfile step (and, for compose, each image) as it
+    starts, with the time since the start: a build takes tens of minutes under load and must not
+    be silent. A failed build prints the tail of its output."""
+    t0 = time.monotonic()
+    tail: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            tail = [*tail[-300:], line.rstrip()]
+            if line.startswith(("Step ", "Building ")):
+                say(f"{label} ({time.monotonic() - t0:.0f} s): {line.strip()[:150]}")
+    if proc.returncode != 0:
+        print("\n".join(tail[-80:]), file=sys.stderr)
+        raise SystemExit(f"{label}: the build failed (exit code {proc.returncode})")
+
+
 def build(compose: list[str], env: dict) -> None:
     sh([sys.executable, str(ROOT / "deploy" / "image" / "host.py"), "--flavour", "cpu"])
     t0 = time.monotonic()
     say("building the images (deploy/Dockerfile, FLAVOUR=cpu); cached layers make a second build seconds")
     # Compose 1.29 builds through the Docker API (the legacy builder); the plugin may use BuildKit.
-    out = sh([*compose, "build"], env={**env, "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0"},
-             check=False, capture=True)  # fmt: skip
-    if out.returncode != 0:
-        print(out.stdout[-6000:], file=sys.stderr)
-        raise SystemExit(f"compose-cpu: building the images failed (exit code {out.returncode})")
+    stream_build(
+        [*compose, "build"], {**env, "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0"}, "build"
+    )
     say(f"images built in {time.monotonic() - t0:.0f} s: " + ", ".join(image_sizes()))
 
 
@@ -254,15 +292,21 @@ def grow_budget(cfg: dict, token: str | None, run: dict | None, max_updates: int
         run.update(status="running")
 
 
-def wait_tracker_ready(port: str, timeout: float = 180.0) -> None:
-    """Until the tracker's /readyz answers. `up -d` returns once the container has started, not
-    once the tracker serves: asking for the run before then reads "no such run" and the second
-    `make compose-cpu` would not know that the run was finished already."""
+def wait_tracker_ready(compose: list[str], env: dict, timeout: float = 180.0) -> None:
+    """Until the tracker container's own probe passes (services/tracker/probe.py: /readyz answered by
+    the tracker process of that container, by its instance id). `up -d` returns once the container
+    has started, not once the tracker serves; and on the host network another program holding the
+    port would answer a bare request, so the port answering is not enough."""
     deadline = time.monotonic() + timeout
-    while tracker_get(port, None, "/readyz") is None:
+    while True:
+        probe = sh([*compose, "exec", "-T", "tracker", "python3", "-m", "services.tracker.probe"], env=env,
+                   check=False, capture=True)  # fmt: skip
+        if probe.returncode == 0:
+            return
         if time.monotonic() > deadline:
-            raise SystemExit(f"compose-cpu: the tracker did not answer /readyz within {timeout:.0f} s")
-        time.sleep(0.5)
+            why = (probe.stderr or probe.stdout).strip()[-500:]
+            raise SystemExit(f"compose-cpu: the tracker was not ready within {timeout:.0f} s: {why}")
+        time.sleep(1)
 
 
 def api_token(compose: list[str], env: dict, cfg: dict) -> str | None:
@@ -435,9 +479,16 @@ def main(argv: list[str] | None = None) -> int:
     # As compose reads them: the shell's variables win over the file's (SPOPP_LORA_RANK=8 make
     # compose-cpu, another SPOPP_RUN or COMPOSE_PROJECT_NAME), so the checks below follow them too.
     cfg = stack_settings(read_env(ENV_FILE), dict(os.environ), a.max_updates)
-    write_stack(cfg)
     t0 = time.monotonic()
-    compose = [*ensure_docker(), "--env-file", str(STACK_FILE), "--project-directory", str(ROOT),
+    docker = ensure_docker()
+    previous = STACK_FILE.read_text() if STACK_FILE.exists() else None
+    if not a.clean and previous is not None:
+        # Before anything is written or started: a command the run would refuse changes nothing.
+        why = refused_budget(read_env(STACK_FILE), cfg, has_volumes(cfg["COMPOSE_PROJECT_NAME"]))
+        if why:
+            raise SystemExit(f"compose-cpu: {why}; nothing was changed")
+    write_stack(cfg)
+    compose = [*docker, "--env-file", str(STACK_FILE), "--project-directory", str(ROOT),
                "-f", str(ROOT / "docker-compose.yml"), "-p", cfg["COMPOSE_PROJECT_NAME"]]  # fmt: skip
     env = compose_environ()
     if a.clean:
@@ -448,11 +499,16 @@ def main(argv: list[str] | None = None) -> int:
     build(compose, env)
     say("starting redis, the tracker and the data step")
     up(compose, env, "redis", "tracker")
-    wait_tracker_ready(cfg["SPOPP_TRACKER_PORT"])
+    wait_tracker_ready(compose, env)
     check_redis_auth(compose, env, cfg)
     token = api_token(compose, env, cfg)
     before = tracker_get(cfg["SPOPP_TRACKER_PORT"], token, f"/v1/runs/{cfg['SPOPP_RUN']}")
-    grow_budget(cfg, token, before, a.max_updates)
+    try:
+        grow_budget(cfg, token, before, a.max_updates)
+    except SystemExit:
+        if previous is not None:  # the run refused this budget: the stack keeps its settings
+            STACK_FILE.write_text(previous)
+        raise
     if before and before.get("status") == "finished":
         say(f"run {cfg['SPOPP_RUN']} is finished already (version {before.get('final_version')}): "
             "every service says so and exits without training; `make compose-clean` starts over")  # fmt: skip

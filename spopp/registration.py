@@ -74,11 +74,11 @@ def _put_run(
             try:
                 client.set_budget(run, ours)
             except TrackerError as exc:
-                raise RegistrationError(f"changing run {run!r}'s budget: {exc}") from None
+                raise RegistrationError(f"changing the budget of run {run!r}: {exc}") from None
             echo(f"tracker: run {run}'s budget changed from {theirs or 'unset'} to {ours} updates")
             return client.put_run(run, run_config)
         raise RegistrationError(
-            f"run {run!r}'s budget is {theirs} updates, fixed at its creation; this asks for {ours}. Start with "
+            f"the budget of run {run!r} is {theirs} updates, fixed at its creation; this asks for {ours}. Start with "
             f"max_updates {theirs} (the stack's settings file keeps it), or change the budget explicitly "
             "(`spopp launch` does; POST /v1/runs/{run}/budget)"
         )

@@ -62,3 +62,33 @@ def test_a_larger_budget_is_grown_and_reopens_a_finished_run_a_smaller_one_is_re
         m.grow_budget(cfg, None, json.loads(run.model_dump_json()), 4)
     assert client.get_run(run_name).config.max_updates == 8
     m.grow_budget(cfg, None, None, 4)  # no run yet: the init step creates it with the stack's budget
+
+
+def test_a_smaller_budget_is_refused_before_anything_is_written(request, monkeypatch):
+    m = compose_cpu()
+    last = {"COMPOSE_PROJECT_NAME": "spopp-cpu", "SPOPP_RUN": "a", "SPOPP_LEARNER_MAX_UPDATES": "30"}
+    asked = {**last, "SPOPP_LEARNER_MAX_UPDATES": "6"}
+    why = m.refused_budget(last, asked, volumes=True)
+    assert "budget of 30 updates; MAX_UPDATES=6 would not match it (give MAX_UPDATES=30 or more" in why
+    assert "''" not in why
+    assert m.refused_budget(last, {**asked, "SPOPP_LEARNER_MAX_UPDATES": "30"}, True) is None
+    assert m.refused_budget(last, {**asked, "SPOPP_LEARNER_MAX_UPDATES": "40"}, True) is None
+    assert m.refused_budget(last, {**asked, "SPOPP_RUN": "b"}, True) is None  # another run
+    assert m.refused_budget(last, asked, volumes=False) is None  # make compose-clean ran: a new run
+    assert m.refused_budget({}, asked, True) is None  # nothing known
+    # The command itself: refused with the file and the containers untouched (Docker is not asked to
+    # build, start or recreate anything; the real stack's case runs in .ci/run).
+    stack = ROOT / "deploy" / "compose-cpu.stack.env.refused-test"
+    monkeypatch.setattr(m, "STACK_FILE", stack)
+    m.write_stack({**last, "SPOPP_ENV_FILE": "deploy/compose-cpu.stack.env"})
+    request.addfinalizer(lambda: stack.unlink(missing_ok=True))
+    before = stack.read_bytes()
+    calls = []
+    monkeypatch.setattr(m, "ensure_docker", lambda: ["docker-compose"])
+    monkeypatch.setattr(m, "has_volumes", lambda project: True)
+    monkeypatch.setattr(m, "sh", lambda cmd, **kw: calls.append(cmd))
+    monkeypatch.setenv("SPOPP_RUN", "a")
+    monkeypatch.setenv("COMPOSE_PROJECT_NAME", "spopp-cpu")
+    with pytest.raises(SystemExit, match="nothing was changed"):
+        m.main(["--max-updates", "6"])
+    assert stack.read_bytes() == before and calls == []

@@ -481,7 +481,9 @@ def test_start_order_is_gated_by_health_checks_and_one_shot_steps():
         assert deps(name) == {"init": done}, name
     for name in ("redis", "tracker", *LONG_RUNNING):
         assert "healthcheck" in services[name], name
-    assert "/readyz" in " ".join(services["tracker"]["healthcheck"]["test"])
+    # The tracker's probe: /readyz answered by this container's tracker (services/tracker/probe.py).
+    assert services["tracker"]["healthcheck"]["test"] == ["CMD", "python3", "-m", "services.tracker.probe"]
+    assert services["tracker"]["environment"]["SPOPP_TRACKER_INSTANCE_FILE"].startswith("/tmp/")
 
 
 def test_redis_asks_for_the_data_steps_password_which_is_on_no_command_line():

@@ -183,8 +183,9 @@ def test_export_lists_every_task(client, make_run):
 def test_health_ready_metrics(tracker, client, make_run):
     run = make_run(tasks=[{"task_id": "q", "alpha0": 1, "beta0": 1}])
     client.dispatch(run, "w", 0, 1)
-    assert httpx.get(tracker.url + "/healthz").json() == {"status": "ok"}
-    assert httpx.get(tracker.url + "/readyz").status_code == 200
+    health, ready = httpx.get(tracker.url + "/healthz").json(), httpx.get(tracker.url + "/readyz")
+    assert health["status"] == "ok" and health["service"] == "tracker" and len(health["instance"]) == 32
+    assert ready.status_code == 200 and ready.json()["instance"] == health["instance"]  # one process
     text = httpx.get(tracker.url + "/metrics").text
     assert f'spopp_tracker_leases_in_flight{{run="{run}"}} 1.0' in text
     assert f'spopp_tracker_tasks{{run="{run}"}} 1.0' in text

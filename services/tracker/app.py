@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
@@ -145,6 +147,14 @@ def _validation_message(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse({"detail": invalid_detail(*short_errors(raw))}, status_code=422)
 
 
+def write_instance_file(path: Path, instance: str) -> None:
+    """The instance id, written whole (a probe never reads half an id)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(instance + "\n")
+    tmp.replace(path)
+
+
 def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -> FastAPI:
     """The app on `settings.redis_url`; `redis_supervisor` (a SupervisedRedis) when the tracker
     runs its own Redis, so that /healthz can tell when it gave up restarting it."""
@@ -167,6 +177,8 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
             client, settings.idempotency_ttl_seconds, settings.max_workers_per_run, settings.max_runs
         )
         app.state.health = RedisHealth(client, settings.redis_down_seconds, redis_supervisor)
+        if settings.instance_file is not None:
+            write_instance_file(settings.instance_file, app.state.instance)
         watcher = asyncio.create_task(app.state.health.watch())
         try:
             yield
@@ -178,6 +190,9 @@ def create_app(settings: TrackerSettings | None = None, redis_supervisor=None) -
 
     app = FastAPI(title="spopp tracker", version=__version__, lifespan=lifespan)
     app.state.settings = settings
+    # Who answers: /healthz and /readyz carry it, so a probe can tell this process from a stranger
+    # that holds the port (on the host network, the port alone proves nothing).
+    app.state.instance = uuid.uuid4().hex
     app.state.metrics = Metrics()
     for module in V1_ROUTERS:
         app.include_router(module.router, prefix="/v1")

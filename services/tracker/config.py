@@ -38,6 +38,12 @@ class TrackerTuning(HttpServerSettings):
         8 * 1024 * 1024, ge=1024, le=1 << 30, description="larger request bodies are refused with 413"
     )
     redis_wait_seconds: float = Field(30.0, gt=0, le=3600, description="how long start-up waits for Redis")
+    instance_file: Path | None = Field(
+        None,
+        description="where this process writes its instance id once Redis answers; /healthz and /readyz "
+        "report the same id, so a health check that reads the file tells this tracker from another "
+        "program answering on the port (compose: /tmp/spopp-tracker-instance)",
+    )
     redis_timeout_seconds: float = Field(
         10.0,
         ge=0.1,

@@ -22,11 +22,16 @@ def add_health_routes(app: FastAPI) -> None:
 def healthz(app: FastAPI) -> dict:
     health = getattr(app.state, "health", None)
     if health is None:  # not started yet
-        return {"status": "ok"}
+        return {"status": "ok", **identity(app)}
     healthy, body = health.check()
     if not healthy:
-        raise Unavailable(body)
-    return body
+        raise Unavailable({**body, **identity(app)})
+    return {**body, **identity(app)}
+
+
+def identity(app: FastAPI) -> dict:
+    """Which process answers (services/tracker/probe.py compares it with the instance file)."""
+    return {"service": "tracker", "instance": app.state.instance}
 
 
 async def readyz(app: FastAPI) -> dict:
@@ -34,7 +39,7 @@ async def readyz(app: FastAPI) -> dict:
         await app.state.store.redis.ping()
     except Exception as exc:  # any failure to reach Redis means not ready
         raise Unavailable({"code": "redis_unavailable", "message": f"redis is not reachable: {exc}"}) from exc
-    return {"status": "ready"}
+    return {"status": "ready", **identity(app)}
 
 
 async def scrape(app: FastAPI) -> list:

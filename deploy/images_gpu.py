@@ -1,0 +1,200 @@
+"""`make images-gpu`: the GPU images (deploy/Dockerfile, FLAVOUR=gpu) built on a machine without a
+registry, then checked from the inside.
+
+    python3 deploy/images_gpu.py [--targets tracker,learner,rollout] [--record FILE]
+
+What it does, each step skipped when already done:
+1. Docker, as `make compose-cpu` starts it (deploy/compose_cpu.py).
+2. The base `spopp-ubuntu:noble`: `debootstrap --variant=minbase --components=main,universe noble`
+   from Ubuntu's archive, checked against Ubuntu's archive keyring (taken from the archive's
+   `ubuntu-keyring` package; Debian's debootstrap has no keyring of its own for Ubuntu), then
+   `docker import`. It is the OS of the default GPU base, `nvidia/cuda:12.8.1-cudnn-runtime-
+   ubuntu24.04` (Ubuntu 24.04, Python 3.12.3), without NVIDIA's CUDA user-space libraries: those
+   are what PyPI's torch and vLLM wheels bring themselves (the `nvidia-*` packages of the lock), so
+   the images' Python environments are the same on either base. Where a registry is reachable the
+   CUDA base stays the default (`docker compose build` with docker-compose.gpu.yml).
+3. The targets built with `docker build --network host` (the legacy builder) and `BASE=spopp-
+   ubuntu:noble FLAVOUR=gpu`, tagged `spopp/<target>:gpu-local`, each step printed as it starts.
+4. Checks inside each image: Python's version; torch's version, CUDA release and compiled GPU
+   architectures; vLLM's and DeepSpeed's imports (where the image has them); the shared libraries
+   torch's CUDA library needs, of which only the driver's (libcuda.so.1, mounted by NVIDIA's
+   container toolkit on a GPU node) may be missing.
+5. A table of sizes, build times and check results; `--record FILE` writes them as JSON.
+Standard library only: it runs on the host before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compose_cpu import apt_install, ensure_docker, sh, stream_build  # noqa: E402 - this folder's sibling script
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_IMAGE = "spopp-ubuntu:noble"
+UBUNTU_MIRROR = "http://archive.ubuntu.com/ubuntu"
+# Ubuntu's archive keyring, as Ubuntu 24.04 ships it (the package's pool path on the archive).
+KEYRING_DEB = "pool/main/u/ubuntu-keyring/ubuntu-keyring_2023.11.28.1_all.deb"
+TAG = "gpu-local"
+TARGETS = ("tracker", "learner", "rollout")
+# What the GPU images must have been compiled for: Ampere (8.0, 8.6), Ada (8.9), Hopper (9.0).
+NEEDED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+# The shared library the node's driver provides (NVIDIA's container toolkit mounts it).
+DRIVER_LIBS = ("libcuda.so.1",)
+
+CHECK = r"""
+import json, platform, sys, importlib.util, subprocess, glob, os
+out = {"python": platform.python_version()}
+if importlib.util.find_spec("torch"):
+    import torch
+    out["torch"] = torch.__version__
+    out["cuda"] = torch.version.cuda
+    out["cudnn"] = torch.backends.cudnn.version() if torch.version.cuda else None
+    flags = torch._C._cuda_getArchFlags() if torch.version.cuda else ""
+    out["archs"] = sorted(set(flags.split())) if flags else []
+    lib = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so"))
+    if lib:
+        ldd = subprocess.run(["ldd", lib[0]], capture_output=True, text=True).stdout
+        out["missing_libs"] = sorted({l.split()[0] for l in ldd.splitlines() if "not found" in l})
+        out["cuda_libs"] = sorted({l.split()[0] for l in ldd.splitlines()
+                                   if "=>" in l and "/nvidia/" in l.split("=>")[1]})
+for name in ("vllm", "deepspeed"):
+    if importlib.util.find_spec(name):
+        try:
+            module = __import__(name)
+            out[name] = getattr(module, "__version__", "?")
+        except Exception as e:
+            out[name] = f"import failed: {type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+def say(text: str) -> None:
+    print(f"[images-gpu {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def ensure_ubuntu_base() -> None:
+    if sh(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode == 0:
+        return
+    if not shutil.which("debootstrap"):
+        apt_install(["debootstrap"])
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="spopp-noble-") as tmp:
+        deb = Path(tmp) / "ubuntu-keyring.deb"
+        say(f"Ubuntu's archive keyring: {UBUNTU_MIRROR}/{KEYRING_DEB}")
+        with urllib.request.urlopen(f"{UBUNTU_MIRROR}/{KEYRING_DEB}", timeout=120) as r:
+            deb.write_bytes(r.read())
+        sh(["dpkg-deb", "-x", str(deb), str(Path(tmp) / "keyring")])
+        keyring = Path(tmp) / "keyring" / "usr" / "share" / "keyrings" / "ubuntu-archive-keyring.gpg"
+        rootfs = Path(tmp) / "root"
+        say(f"making {BASE_IMAGE}: debootstrap --variant=minbase noble (main, universe)")
+        # Debian's debootstrap knows noble's layout by jammy's script (the same for both releases).
+        script = "/usr/share/debootstrap/scripts/jammy"
+        done = sh(["debootstrap", "--variant=minbase", "--components=main,universe", f"--keyring={keyring}",
+                   "noble", str(rootfs), UBUNTU_MIRROR, script], check=False, capture=True)  # fmt: skip
+        if done.returncode != 0:
+            print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+            raise SystemExit("images-gpu: debootstrap noble failed")
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        subprocess.run(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout, check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+        if tar.wait() != 0:
+            raise SystemExit("images-gpu: packing the debootstrap root failed")
+    say(f"{BASE_IMAGE} made in {time.monotonic() - t0:.0f} s")
+
+
+def build(target: str) -> float:
+    """Build one target, each Dockerfile step printed as it starts; its wall time."""
+    t0 = time.monotonic()
+    cmd = ["docker", "build", "--network", "host", "-f", str(ROOT / "deploy" / "Dockerfile"),
+           "--target", target, "--build-arg", f"BASE={BASE_IMAGE}", "--build-arg", "FLAVOUR=gpu",
+           "-t", f"spopp/{target}:{TAG}", str(ROOT)]  # fmt: skip
+    stream_build(cmd, {**os.environ, "DOCKER_BUILDKIT": "0"}, f"images-gpu {target}")
+    return time.monotonic() - t0
+
+
+def size_mb(image: str) -> float:
+    out = sh(["docker", "image", "inspect", "--format", "{{.Size}}", image], capture=True).stdout
+    return int(out.strip()) / 2**20
+
+
+def inspect(image: str) -> dict:
+    done = sh(["docker", "run", "--rm", "--network", "none", "--entrypoint", "python3", image, "-c", CHECK],
+              check=False, capture=True)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"images-gpu: checking {image} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def problems(target: str, found: dict) -> list[str]:
+    """What a GPU image of `target` lacks."""
+    out = []
+    if not found["python"].startswith("3.12."):
+        out.append(f"Python {found['python']}, not the CUDA base's 3.12")
+    if target == "tracker":
+        return out + (["the tracker image has torch"] if "torch" in found else [])
+    if not found.get("cuda"):
+        out.append(f"torch {found.get('torch')} is not a CUDA build")
+    missing_archs = [a for a in NEEDED_ARCHS if a not in found.get("archs", [])]
+    if missing_archs:
+        out.append(f"torch has no code for {', '.join(missing_archs)}")
+    missing = [lib for lib in found.get("missing_libs", []) if lib not in DRIVER_LIBS]
+    if missing:
+        out.append(f"libraries torch's CUDA library needs are missing: {', '.join(missing)}")
+    for name in {"learner": ("deepspeed",), "rollout": ("vllm",)}[target]:
+        if not str(found.get(name, "absent"))[:1].isdigit():
+            out.append(f"{name}: {found.get(name, 'absent')}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated Dockerfile targets")
+    p.add_argument("--record", type=Path, default=None, help="write sizes, times and checks here as JSON")
+    a = p.parse_args(argv)
+    targets = [t for t in a.targets.split(",") if t]
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        p.error(f"--targets: unknown {', '.join(unknown)} (known: {', '.join(TARGETS)})")
+    ensure_docker()
+    t0 = time.monotonic()
+    ensure_ubuntu_base()
+    sh([sys.executable, str(ROOT / "deploy" / "image" / "host.py"), "--flavour", "gpu"])
+    record: dict = {"base": BASE_IMAGE, "images": {}}
+    for target in targets:
+        say(f"building {target} (FLAVOUR=gpu on {BASE_IMAGE})")
+        seconds = build(target)
+        image = f"spopp/{target}:{TAG}"
+        found = inspect(image)
+        record["images"][target] = {"build_s": round(seconds), "size_mib": round(size_mb(image)), **found}
+        say(
+            f"{image}: {record['images'][target]['size_mib']} MiB, built in {seconds:.0f} s; {json.dumps(found)}"
+        )
+    failed = {t: problems(t, r) for t, r in record["images"].items()}
+    print(f"\n{'image':<26}{'size MiB':>10}{'build s':>9}  python  torch / CUDA / archs")
+    for target, r in record["images"].items():
+        archs = ",".join(a.removeprefix("sm_") for a in r.get("archs", []))
+        torch = f"{r.get('torch', '-')} / {r.get('cuda') or '-'} / {archs or '-'}"
+        print(
+            f"{'spopp/' + target + ':' + TAG:<26}{r['size_mib']:>10}{r['build_s']:>9}  {r['python']:<7} {torch}"
+        )
+    if a.record:
+        a.record.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    bad = {t: why for t, why in failed.items() if why}
+    for target, why in bad.items():
+        print(f"images-gpu: {target}: {'; '.join(why)}", file=sys.stderr)
+    say(f"{'checks failed' if bad else 'every check passed'} ({time.monotonic() - t0:.0f} s in all)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
