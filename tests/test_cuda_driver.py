@@ -151,3 +151,17 @@ def test_the_check_can_be_turned_off(tmp_path):
     env = fake_node(tmp_path, f"cat <<'EOF'\n{banner('550.54.15', '12.4')}EOF", "13.0")
     done = entrypoint({**env, "SPOPP_DRIVER_CHECK": "0"})
     assert done.returncode == 0 and done.stdout.strip() == "the service ran"
+
+
+@pytest.mark.process
+def test_refusal_asks_the_nodes_nvidia_smi(tmp_path, monkeypatch):
+    """What `spopp launch` asks before it starts a GPU plan (services/launch/run.py)."""
+    from spopp.cuda_driver import refusal
+
+    env = fake_node(tmp_path, f"cat <<'EOF'\n{banner('550.54.15', '12.4')}EOF", "13.0")
+    version_file = Path(env["PYTHONPATH"].split(os.pathsep)[0]) / "torch" / "version.py"
+    monkeypatch.setenv("PATH", env["PATH"])
+    assert "CUDA 13.0" in refusal(version_file) and "550.54.15" in refusal(version_file)
+    (tmp_path / "bin" / "nvidia-smi").unlink()
+    assert refusal(version_file) is None  # no nvidia-smi: nothing to judge
+    assert refusal(tmp_path / "no-torch" / "version.py") is None

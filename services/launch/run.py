@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from services.shell.child import Child, ChildFailed
+from spopp import cuda_driver
 from spopp.client import TrackerClient
 from spopp.gpus import count_gpus
 from spopp.net import free_port, port_free
@@ -179,6 +180,8 @@ class Launcher:
         problems = gpu.check(s.gpus, len(p.rollouts), count_gpus() if s.gpus.used() else 0)
         if problems:
             raise LaunchError("gpus: " + "; ".join(problems))
+        if s.gpus.used() and (why := cuda_driver.refusal()) is not None:
+            raise LaunchError(f"gpus: {why}")  # before any process starts, as the images' entrypoint
         try:
             self.folder.resume(p)
         except RunFolderError as exc:
