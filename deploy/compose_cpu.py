@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -206,17 +207,30 @@ def ensure_base() -> None:
 
 
 # --- 3. the images -----------------------------------------------------------------------------
-def stream_build(cmd: list[str], env: dict, label: str) -> None:
+def stream_build(cmd: list[str], env: dict, label: str, beat_s: float = 60.0) -> None:
     """Run an image build, printing each Dockerfile step (and, for compose, each image) as it
-    starts, with the time since the start: a build takes tens of minutes under load and must not
-    be silent. A failed build prints the tail of its output."""
+    starts, with the time since the start, and a line every `beat_s` seconds while one step runs
+    (a pip install of the CUDA wheels is one step of many minutes): a build takes tens of minutes
+    under load and must not be silent. A failed build prints the tail of its output."""
     t0 = time.monotonic()
     tail: list[str] = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-        for line in proc.stdout:
-            tail = [*tail[-300:], line.rstrip()]
-            if line.startswith(("Step ", "Building ")):
-                say(f"{label} ({time.monotonic() - t0:.0f} s): {line.strip()[:150]}")
+    current = ["starting"]
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(beat_s):
+            say(f"{label} ({time.monotonic() - t0:.0f} s): still on {current[0][:120]}")
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    try:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+            for line in proc.stdout:
+                tail = [*tail[-300:], line.rstrip()]
+                if line.startswith(("Step ", "Building ")):
+                    current[0] = line.strip()
+                    say(f"{label} ({time.monotonic() - t0:.0f} s): {line.strip()[:150]}")
+    finally:
+        done.set()
     if proc.returncode != 0:
         print("\n".join(tail[-80:]), file=sys.stderr)
         raise SystemExit(f"{label}: the build failed (exit code {proc.returncode})")
