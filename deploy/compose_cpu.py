@@ -63,8 +63,11 @@ GPU_IMAGES = {"SPOPP_BASE_IMAGE": "spopp-ubuntu:noble", "SPOPP_FLAVOUR": "gpu", 
 FINISHING = ("learner", "rollout", "evaluator")
 
 
+PREFIX = ["compose-cpu"]  # whose lines these are (deploy/images_gpu.py says its own name)
+
+
 def say(text: str) -> None:
-    print(f"[compose-cpu {time.strftime('%H:%M:%S')}] {text}", flush=True)
+    print(f"[{PREFIX[0]} {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
 def sh(cmd: list[str], *, check: bool = True, capture: bool = False,

@@ -37,7 +37,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compose_cpu import apt_install, ensure_docker, sh, stream_build  # noqa: E402 - this folder's sibling script
+import compose_cpu  # noqa: E402 - this folder's sibling script
+from compose_cpu import apt_install, ensure_docker, sh, stream_build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "spopp-ubuntu:noble"
@@ -46,8 +47,10 @@ UBUNTU_MIRROR = "http://archive.ubuntu.com/ubuntu"
 KEYRING_DEB = "pool/main/u/ubuntu-keyring/ubuntu-keyring_2023.11.28.1_all.deb"
 TAG = "gpu-local"
 TARGETS = ("tracker", "learner", "rollout")
-# What the GPU images must have been compiled for: Ampere (8.0, 8.6), Ada (8.9), Hopper (9.0).
-NEEDED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+# The GPUs the images must run on, by compute capability: Ampere (A100 8.0, A10/A40 8.6), Ada (L4,
+# L40S 8.9), Hopper (H100/H200 9.0). A cubin for sm_XY runs on any GPU of major X and minor Y or
+# above (CUDA's binary compatibility), so Ada is served by sm_86 code where no sm_89 is compiled.
+NEEDED_GPUS = {"Ampere": (8, 0), "Ada": (8, 9), "Hopper": (9, 0)}
 # The shared library the node's driver provides (NVIDIA's container toolkit mounts it).
 DRIVER_LIBS = ("libcuda.so.1",)
 
@@ -81,6 +84,8 @@ print(json.dumps(out))
 def say(text: str) -> None:
     print(f"[images-gpu {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
+
+compose_cpu.PREFIX[0] = "images-gpu"  # the shared steps' lines say whose they are
 
 def ensure_ubuntu_base() -> None:
     if sh(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode == 0:
@@ -118,7 +123,7 @@ def build(target: str) -> float:
     cmd = ["docker", "build", "--network", "host", "-f", str(ROOT / "deploy" / "Dockerfile"),
            "--target", target, "--build-arg", f"BASE={BASE_IMAGE}", "--build-arg", "FLAVOUR=gpu",
            "-t", f"spopp/{target}:{TAG}", str(ROOT)]  # fmt: skip
-    stream_build(cmd, {**os.environ, "DOCKER_BUILDKIT": "0"}, f"images-gpu {target}")
+    stream_build(cmd, {**os.environ, "DOCKER_BUILDKIT": "0"}, target)
     return time.monotonic() - t0
 
 
@@ -135,6 +140,19 @@ def inspect(image: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def runs_on(archs: list[str], cc: tuple[int, int]) -> str | None:
+    """The compiled architecture (`sm_86`, ...) a GPU of compute capability `cc` runs: the newest
+    cubin of its major at or below its minor; None when there is none."""
+    fits = []
+    for arch in archs:
+        digits = arch.removeprefix("sm_").rstrip("af")
+        if arch.startswith("sm_") and digits.isdigit() and len(digits) >= 2:
+            major, minor = int(digits[:-1]), int(digits[-1])
+            if major == cc[0] and minor <= cc[1]:
+                fits.append((minor, arch))
+    return max(fits)[1] if fits else None
+
+
 def problems(target: str, found: dict) -> list[str]:
     """What a GPU image of `target` lacks."""
     out = []
@@ -144,9 +162,9 @@ def problems(target: str, found: dict) -> list[str]:
         return out + (["the tracker image has torch"] if "torch" in found else [])
     if not found.get("cuda"):
         out.append(f"torch {found.get('torch')} is not a CUDA build")
-    missing_archs = [a for a in NEEDED_ARCHS if a not in found.get("archs", [])]
+    missing_archs = [name for name, cc in NEEDED_GPUS.items() if runs_on(found.get("archs", []), cc) is None]
     if missing_archs:
-        out.append(f"torch has no code for {', '.join(missing_archs)}")
+        out.append(f"torch has no code for {', '.join(missing_archs)} ({found.get('archs')})")
     missing = [lib for lib in found.get("missing_libs", []) if lib not in DRIVER_LIBS]
     if missing:
         out.append(f"libraries torch's CUDA library needs are missing: {', '.join(missing)}")
@@ -180,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{image}: {record['images'][target]['size_mib']} MiB, built in {seconds:.0f} s; {json.dumps(found)}"
         )
     failed = {t: problems(t, r) for t, r in record["images"].items()}
+    for target, r in record["images"].items():
+        if r.get("archs"):
+            r["runs_on"] = {name: runs_on(r["archs"], cc) for name, cc in NEEDED_GPUS.items()}
     print(f"\n{'image':<26}{'size MiB':>10}{'build s':>9}  python  torch / CUDA / archs")
     for target, r in record["images"].items():
         archs = ",".join(a.removeprefix("sm_") for a in r.get("archs", []))

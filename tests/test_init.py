@@ -84,7 +84,8 @@ def test_init_fixes_the_budget_at_creation_and_refuses_another_naming_both(
         r = _init(tracker.url, *args, "--max-updates", asked)
         assert (
             r.returncode == 1
-            and f"budget is 30 updates, fixed at its creation; this asks for {asked}" in r.stderr
+            and f"is 30 updates, fixed at its creation; this asks for {asked}" in r.stderr
+            and "budget of run" in r.stderr
         )
     assert client.get_run(run_name).config.max_updates == 30 and client.export(run_name) == before
     r = _init(tracker.url, *args, "--run-config", "{max_updates: 6}")
