@@ -192,21 +192,28 @@ def _compose_plugin() -> bool:
 
 
 # --- 2. the base image -------------------------------------------------------------------------
-def ensure_base() -> None:
-    if sh(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode == 0:
+def ensure_base(image: str = BASE_IMAGE, release: list[str] | None = None) -> None:
+    """`image` made by debootstrap (minbase) and `docker import` unless it exists. `release`: the
+    arguments before and after the root folder, "{root}" standing for it (default: Debian bookworm)."""
+    if sh(["docker", "image", "inspect", image], check=False, capture=True).returncode == 0:
         return
     if not shutil.which("debootstrap"):
         apt_install(["debootstrap"])
+    release = release or ["bookworm", "{root}", DEBIAN_MIRROR]
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="spopp-rootfs-") as rootfs:
-        say(f"making {BASE_IMAGE}: debootstrap --variant=minbase bookworm")
-        sh(["debootstrap", "--variant=minbase", "bookworm", rootfs, DEBIAN_MIRROR], capture=True)
+        args = [rootfs if a == "{root}" else a for a in release]
+        say(f"making {image}: debootstrap --variant=minbase {' '.join(a for a in release if a != '{root}')}")
+        done = sh(["debootstrap", "--variant=minbase", *args], check=False, capture=True)
+        if done.returncode != 0:
+            print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{PREFIX[0]}: debootstrap failed (exit {done.returncode})")
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout, check=True,
+        subprocess.run(["docker", "import", "-", image], stdin=tar.stdout, check=True,
                        stdout=subprocess.DEVNULL)  # fmt: skip
         if tar.wait() != 0:
-            raise SystemExit("compose-cpu: packing the debootstrap root failed")
-    say(f"{BASE_IMAGE} made in {time.monotonic() - t0:.0f} s")
+            raise SystemExit(f"{PREFIX[0]}: packing the debootstrap root failed")
+    say(f"{image} made in {time.monotonic() - t0:.0f} s")
 
 
 # --- 3. the images -----------------------------------------------------------------------------

@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compose_cpu  # noqa: E402 - this folder's sibling script
-from compose_cpu import apt_install, ensure_docker, sh, stream_build  # noqa: E402
+from compose_cpu import ensure_base, ensure_docker, sh, stream_build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "spopp-ubuntu:noble"
@@ -90,31 +88,17 @@ compose_cpu.PREFIX[0] = "images-gpu"  # the shared steps' lines say whose they a
 def ensure_ubuntu_base() -> None:
     if sh(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode == 0:
         return
-    if not shutil.which("debootstrap"):
-        apt_install(["debootstrap"])
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="spopp-noble-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="spopp-keyring-") as tmp:
         deb = Path(tmp) / "ubuntu-keyring.deb"
         say(f"Ubuntu's archive keyring: {UBUNTU_MIRROR}/{KEYRING_DEB}")
         with urllib.request.urlopen(f"{UBUNTU_MIRROR}/{KEYRING_DEB}", timeout=120) as r:
             deb.write_bytes(r.read())
         sh(["dpkg-deb", "-x", str(deb), str(Path(tmp) / "keyring")])
         keyring = Path(tmp) / "keyring" / "usr" / "share" / "keyrings" / "ubuntu-archive-keyring.gpg"
-        rootfs = Path(tmp) / "root"
-        say(f"making {BASE_IMAGE}: debootstrap --variant=minbase noble (main, universe)")
         # Debian's debootstrap knows noble's layout by jammy's script (the same for both releases).
-        script = "/usr/share/debootstrap/scripts/jammy"
-        done = sh(["debootstrap", "--variant=minbase", "--components=main,universe", f"--keyring={keyring}",
-                   "noble", str(rootfs), UBUNTU_MIRROR, script], check=False, capture=True)  # fmt: skip
-        if done.returncode != 0:
-            print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
-            raise SystemExit("images-gpu: debootstrap noble failed")
-        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout, check=True,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
-        if tar.wait() != 0:
-            raise SystemExit("images-gpu: packing the debootstrap root failed")
-    say(f"{BASE_IMAGE} made in {time.monotonic() - t0:.0f} s")
+        release = ["--components=main,universe", f"--keyring={keyring}", "noble", "{root}", UBUNTU_MIRROR,
+                   "/usr/share/debootstrap/scripts/jammy"]  # fmt: skip
+        ensure_base(BASE_IMAGE, release)
 
 
 def build(target: str) -> float:
@@ -198,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{image}: {record['images'][target]['size_mib']} MiB, built in {seconds:.0f} s; {json.dumps(found)}"
         )
     failed = {t: problems(t, r) for t, r in record["images"].items()}
-    for target, r in record["images"].items():
+    for r in record["images"].values():
         if r.get("archs"):
             r["runs_on"] = {name: runs_on(r["archs"], cc) for name, cc in NEEDED_GPUS.items()}
     print(f"\n{'image':<26}{'size MiB':>10}{'build s':>9}  python  torch / CUDA / archs")

@@ -20,10 +20,11 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from spopp.gpus import GpuListError, NoNvidiaSmi, run_nvidia_smi
 
 # The oldest Linux driver of each CUDA major (NVIDIA's CUDA toolkit release notes, "minor version
 # compatibility"): what to tell a user whose driver is too old, and the fallback when nvidia-smi's
@@ -76,22 +77,15 @@ def parse_banner(text: str) -> Driver | None:
 def node_driver(timeout: float = 30.0) -> Driver | None:
     """The node's driver as nvidia-smi reports it; None where there is no nvidia-smi.
     RuntimeError when nvidia-smi is there but fails: a broken driver install, worth stopping for."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
     try:
-        done = subprocess.run([smi], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"nvidia-smi did not answer within {timeout:g} s") from None
-    except OSError as e:
-        raise RuntimeError(f"nvidia-smi could not run: {e}") from None
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"nvidia-smi failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[:300]}"
-        )
-    driver = parse_banner(done.stdout)
+        out = run_nvidia_smi([], timeout)
+    except NoNvidiaSmi:
+        return None
+    except GpuListError as e:
+        raise RuntimeError(str(e)) from None
+    driver = parse_banner(out)
     if driver is None:
-        raise RuntimeError(f"nvidia-smi printed no driver version: {done.stdout.strip()[:200]!r}")
+        raise RuntimeError(f"nvidia-smi printed no driver version: {out.strip()[:200]!r}")
     return driver
 
 

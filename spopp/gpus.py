@@ -21,13 +21,13 @@ class NoNvidiaSmi(GpuListError):
     """nvidia-smi is not on PATH: a machine without NVIDIA's driver tools, or a PATH without them."""
 
 
-def list_gpus(timeout: float = 60.0) -> list[int]:
-    """The GPU indices nvidia-smi lists (possibly none). GpuListError says why there is no list."""
+def run_nvidia_smi(args: list[str], timeout: float = 60.0) -> str:
+    """nvidia-smi's output for `args`; GpuListError (NoNvidiaSmi when it is not on PATH) says why none."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         raise NoNvidiaSmi("nvidia-smi is not on PATH")
     try:
-        done = subprocess.run([smi, *QUERY], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([smi, *args], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise GpuListError(f"nvidia-smi did not answer within {timeout:g} s") from None
     except OSError as exc:
@@ -36,9 +36,15 @@ def list_gpus(timeout: float = 60.0) -> list[int]:
         raise GpuListError(
             f"nvidia-smi failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[:500]}"
         )
-    lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    return done.stdout
+
+
+def list_gpus(timeout: float = 60.0) -> list[int]:
+    """The GPU indices nvidia-smi lists (possibly none). GpuListError says why there is no list."""
+    out = run_nvidia_smi(QUERY, timeout)
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
     if not all(line.isdigit() for line in lines):
-        raise GpuListError(f"unexpected nvidia-smi output {done.stdout.strip()[:200]!r}")
+        raise GpuListError(f"unexpected nvidia-smi output {out.strip()[:200]!r}")
     return [int(line) for line in lines]
 
 
