@@ -236,7 +236,8 @@ def stream_build(cmd: list[str], env: dict, label: str, beat_s: float = 60.0) ->
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
             for line in proc.stdout:
                 tail = [*tail[-300:], line.rstrip()]
-                if line.startswith(("Step ", "Building ")):
+                # Dockerfile steps, and compose's "Building <service>" (not apt's "Building dependency tree").
+                if line.startswith("Step ") or (line.startswith("Building ") and len(line.split()) == 2):
                     current[0] = line.strip()
                     say(f"{label} ({time.monotonic() - t0:.0f} s): {line.strip()[:150]}")
     finally:

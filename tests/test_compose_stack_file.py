@@ -96,11 +96,13 @@ def test_a_smaller_budget_is_refused_before_anything_is_written(request, monkeyp
 
 def test_a_build_says_each_step_and_that_a_long_one_goes_on(capsys):
     m = compose_cpu()
-    script = "echo 'Step 1/2 : RUN pip install'; sleep 1; echo noise; echo 'Step 2/2 : COPY . /app'"
+    script = ("echo 'Building rollout'; echo 'Step 1/2 : RUN pip install'; echo 'Building dependency tree...';"
+              " sleep 1; echo noise; echo 'Step 2/2 : COPY . /app'")  # fmt: skip
     m.stream_build(["sh", "-c", script], {"PATH": "/usr/bin:/bin"}, "build", beat_s=0.3)
     out = capsys.readouterr().out
     assert "build (0 s): Step 1/2 : RUN pip install" in out and "Step 2/2 : COPY . /app" in out
     assert "still on Step 1/2 : RUN pip install" in out and "noise" not in out
+    assert "build (0 s): Building rollout" in out and "dependency tree" not in out
     with pytest.raises(SystemExit, match="the build failed \\(exit code 3\\)"):
         m.stream_build(
             ["sh", "-c", "echo 'Step 1/1 : RUN false'; echo why; exit 3"], {"PATH": "/usr/bin:/bin"}, "build"
