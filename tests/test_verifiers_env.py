@@ -64,7 +64,26 @@ TASKSETS = textwrap.dedent('''
     class SumConfig(vf.TasksetConfig):
         n: int = 6
 
+    SETUPS = []
+
+    class Clock(vf.Toolset):
+        """Shared by every task of the taskset: set up once per process."""
+
+        TOOL_PREFIX = None
+
+        async def setup(self):
+            SETUPS.append(1)
+
+        @vf.tool
+        async def now(self) -> str:
+            """The time."""
+            return "noon"
+
     class SumTaskset(vf.Taskset[SumTask, SumConfig]):
+        @classmethod
+        def toolsets(cls, config):
+            return [Clock(vf.ToolsetConfig())]
+
         def load(self):
             for i in range(self.config.n):
                 data = SumData(prompt=f"What is {i}+{i + 2}?", system_prompt="Reply with the number.", a=i, b=i + 2)
@@ -307,3 +326,14 @@ def test_the_environment_is_registered_and_checked_by_name(tasksets, tmp_path, t
                                   "--episodes", "1", "--env-options", json.dumps({"taskset": "vf-sum-tasks"})])  # fmt: skip
     assert r.exit_code == 0, r.output
     assert "verifiers" in r.output
+
+
+def test_the_tasksets_shared_tools_are_set_up_once_per_process(tasksets, tokenizer):
+    import vf_sum_tasks
+
+    call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    before = len(vf_sum_tasks.SETUPS)
+    for _ in range(2):  # a replica makes an environment object per episode
+        episode, engine = play(tokenizer, VerifiersEnv(taskset="vf-sum-tasks", config={"n": 5}), [call, "4"])
+        assert episode.reward == 1.0 and "noon" in text_of(tokenizer, engine.prompts[1])
+    assert len(vf_sum_tasks.SETUPS) - before == 1

@@ -49,7 +49,9 @@ from .registry import import_object, is_import_path
 
 META_KEY = "verifiers"  # a spopp task's meta field holding the verifiers task's wire data
 NO_ANSWER = "[scored by the taskset's rewards]"  # a task file's answer when the task has no `answer` field
-MAX_TOOL_OUTPUT_CHARS = 16_000  # a tool's reply, cut here: the episode's token budget is smaller
+MAX_TOOL_OUTPUT_CHARS = 16_000
+# The tasksets' shared tool servers (Taskset.toolsets), set up once per process: by taskset and config.
+_SHARED_SERVERS: dict[str, list] = {}  # a tool's reply, cut here: the episode's token budget is smaller
 
 
 def _vf():
@@ -167,8 +169,6 @@ class VerifiersEnv(AgentEnv):
         self.max_turns, self.tool_timeout_s = max_turns, float(tool_timeout_s)
         self._taskset: Any = None
         self._env_cls: Any = None
-        self._shared: list | None = None  # the taskset's tool servers, one per process
-        self._shared_lock = asyncio.Lock()
 
     @classmethod
     def prepare(cls, options: dict[str, Any]) -> None:
@@ -231,15 +231,18 @@ class VerifiersEnv(AgentEnv):
         return task_cls(task_cls.data_type().model_validate(data), self.taskset.config.task)
 
     async def shared_servers(self) -> list:
-        """The taskset's tool servers (`Taskset.toolsets`), set up once for the process."""
-        async with self._shared_lock:
-            if self._shared is None:
-                servers = []
-                for toolset in type(self.taskset).toolsets(self.taskset.config):
-                    await toolset.setup()
-                    servers.append(toolset)
-                self._shared = servers
-        return self._shared
+        """The taskset's tool servers (`Taskset.toolsets`): set up once per process and taskset, as
+        verifiers shares them (a replica makes an environment object per episode, so they live in
+        a module-level table, not on `self`). Two first episodes at once may both set them up; the
+        first to finish is kept."""
+        key = json.dumps([self.taskset_spec, self.taskset_config], sort_keys=True, default=str)
+        if key not in _SHARED_SERVERS:
+            servers = []
+            for toolset in type(self.taskset).toolsets(self.taskset.config):
+                await toolset.setup()
+                servers.append(toolset)
+            _SHARED_SERVERS.setdefault(key, servers)
+        return _SHARED_SERVERS[key]
 
     async def play(self, client, task: Task) -> float:
         """One episode: the task played by the policy through `client`; the trace's reward."""
