@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compose_cpu  # noqa: E402 - this folder's sibling script
-from compose_cpu import ensure_base, ensure_docker, sh, stream_build  # noqa: E402
+from compose_cpu import ensure_base, ensure_docker, say, sh, stream_build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "spopp-ubuntu:noble"
@@ -79,11 +79,7 @@ print(json.dumps(out))
 """
 
 
-def say(text: str) -> None:
-    print(f"[images-gpu {time.strftime('%H:%M:%S')}] {text}", flush=True)
-
-
-compose_cpu.PREFIX[0] = "images-gpu"  # the shared steps' lines say whose they are
+compose_cpu.PREFIX[0] = "images-gpu"  # say's lines, here and in the shared steps, say whose they are
 
 def ensure_ubuntu_base() -> None:
     if sh(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode == 0:

@@ -115,11 +115,17 @@ def image_roles(dockerfile: Path = DOCKERFILE) -> dict[str, str]:
     return out
 
 
-def image_requirements(extras: str, flavour: str) -> list[str]:
-    """What an image of `flavour` installs for `extras` (deploy/image/requirements.py's answer)."""
-    spec = importlib.util.spec_from_file_location("image_requirements", IMAGE_REQUIREMENTS)
+def _deploy_script(path: Path):
+    """A standard-library script of deploy/ (run on hosts and in image builds) as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def image_requirements(extras: str, flavour: str) -> list[str]:
+    """What an image of `flavour` installs for `extras` (deploy/image/requirements.py's answer)."""
+    module = _deploy_script(IMAGE_REQUIREMENTS)
     return module.for_image(tomllib.loads(PYPROJECT.read_text())["project"], extras, flavour)
 
 
@@ -132,12 +138,9 @@ def uv() -> str:
 
 
 def pip_indexes() -> list[str]:
-    """pip's index settings (this machine's configuration) as uv options."""
-    done = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
-    config = {}
-    for line in done.stdout.splitlines():
-        key, _, value = line.partition("=")
-        config[key.split(".")[-1]] = value.strip().strip("'\"")
+    """pip's index settings (this machine's configuration, as deploy/image/host.py reads it for
+    image builds) as uv options."""
+    config = _deploy_script(ROOT / "deploy" / "image" / "host.py").pip_config()
     args = ["--index-strategy", "unsafe-best-match"]  # pip's behaviour: the best release of any index
     if config.get("index-url"):
         args += ["--index-url", config["index-url"]]

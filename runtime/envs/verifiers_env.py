@@ -354,7 +354,7 @@ class _Tools:
             return f"error: {type(e).__name__}: {e}"[:MAX_TOOL_OUTPUT_CHARS]
         texts = [getattr(c, "text", None) for c in getattr(result, "content", [])]
         text = "\n".join(t if t is not None else "[non-text content]" for t in texts)
-        if getattr(result, "is_error", False) or getattr(result, "isError", False):
+        if getattr(result, "is_error", False):  # mcp 2's CallToolResult
             text = f"error: {text}"
         return text[:MAX_TOOL_OUTPUT_CHARS]
 
