@@ -44,8 +44,13 @@ def launched(path: Path, log: Path):
     assert not left, [p.cmdline() for p in left]
 
 
-def _holding(run_dir: Path, worker: str) -> bool:
-    """Whether the replica's /metrics shows episodes in flight or leases prefetched."""
+def _frozen_holding(run_dir: Path, worker: str, process: psutil.Process) -> bool:
+    """Whether the replica's /metrics shows a lease prefetched (leased, not started); if so the
+    replica is stopped (SIGSTOP) at once, so that it still holds that lease when it is killed.
+
+    A ready lease leaves the replica only by starting an episode (still held) or at a policy
+    change; an episode in flight may be delivering its outcome as the metrics are read. Between
+    this read and the SIGSTOP there is a millisecond, far less than an episode plus its report."""
     import yaml
 
     port = yaml.safe_load((run_dir / "config" / f"{worker}.yaml").read_text())["port"]
@@ -53,9 +58,13 @@ def _holding(run_dir: Path, worker: str) -> bool:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     except httpx.HTTPError:
         return False  # not serving yet
-    held = [float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith(("spopp_rollout_in_flight ", "spopp_rollout_prefetched "))]  # fmt: skip
-    return sum(held) > 0
+    ready = [
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("spopp_rollout_prefetched ")
+    ]
+    if sum(ready) <= 0:
+        return False
+    process.send_signal(signal.SIGSTOP)
+    return True
 
 
 @pytest.mark.slow
@@ -71,10 +80,15 @@ def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(
     with launched(path, log) as proc:
         _wait_for(log, "every process is up", proc)
         wait_until(lambda: updates(run_dir) >= 1, 120, "the first update", proc=proc)
-        # rollout-1 holds leases when it dies (episodes in flight or prefetched), so that its
-        # restart has a previous life to give back: killed in its first seconds (before its first
-        # dispatch) it had none, and the check at the end could not tell.
-        wait_until(lambda: _holding(run_dir, "rollout-1"), 120, "rollout-1 holding leases", proc=proc)
+        # rollout-1 holds leases when it dies, so that its restart has a previous life to give
+        # back: it is stopped the moment its /metrics shows a lease ready (killed while idle, say
+        # between its last delivery of a version and the next dispatch, it would have none, and
+        # the check at the end could not tell).
+        replica = launched_child(proc.pid, "rollout-1")
+        assert replica is not None
+        wait_until(
+            lambda: _frozen_holding(run_dir, "rollout-1", replica), 120, "rollout-1 holding leases", proc=proc
+        )
         # One of each kind at the same moment (a node's hiccup): the replica, the tracker (and with
         # it its embedded Redis), the evaluator and the learner. Training stops until the learner
         # and the tracker are back, so the run is mid-way whatever the machine's speed.
