@@ -520,7 +520,7 @@ class _AllocatorPeak:
 def chunking(repeats: int = 3) -> dict[str, dict[str, float]]:
     """One micro-batch of 4 x 512 tokens through a 2-layer Qwen2 shape with Qwen's vocabulary (the
     output layer dominates), fp32, on the CPU: the learner's chunked log-probs against the whole-
-    vocabulary pass they replaced (logprobs._unchunked, the fallback kept for models that
+    vocabulary pass they replaced (logprobs.whole_vocabulary_logprobs, the fallback kept for models that
     post-process their logits). What autograd keeps, the allocator's peak of forward + backward,
     and the seconds of forward + backward and of a no-grad pass (median of `repeats`)."""
     import torch
@@ -537,7 +537,7 @@ def chunking(repeats: int = 3) -> dict[str, dict[str, float]]:
         p.grad = torch.zeros_like(p)
     allocator = _AllocatorPeak()
     ways = {
-        "whole vocabulary (before)": lambda: logprobs._unchunked(model, ids, mask),
+        "whole vocabulary (before)": lambda: logprobs.whole_vocabulary_logprobs(model, ids, mask),
         f"chunks of {logprobs.CHUNK_TOKENS} tokens (after)": lambda: logprobs.token_logprobs(
             model, ids, mask
         ),

@@ -174,9 +174,13 @@ def screen_rows(
     stale: Tensor | None = None,
     off_policy: str = "decoupled",
     behaviour_cap: float = 2.0,
+    owners: Tensor | None = None,
+    n_owners: int | None = None,
 ) -> Tensor:
     """[n] int64, one per row (the first dimension: a trajectory each): 0 where policy_loss could
-    train on the row, else the bits (SCREENED) of what is not finite at its counted tokens.
+    train on the row, else the bits (SCREENED) of what is not finite at its counted tokens. With
+    `owners` (the shape of logp, int64: which trajectory each token belongs to, -1 for none) the
+    answer is per trajectory instead, [n_owners]: a packed row holds several.
 
     The inputs are policy_loss's, with logp standing for both the new and the old log-probs: the
     loss term at an update's start (ratio 1), where old_logp is the learner's own pass. A token's
@@ -205,6 +209,16 @@ def screen_rows(
         term = _surrogate(new, new, adv, clip_low, clip_high, dual_clip).per_token
         _, weight = _token_weights(new, rollout, ok, stale_keep & ok, is_cap, off_policy, behaviour_cap)
         bad["loss term"] = ok & ~torch.isfinite(weight * term)
+        if owners is not None:
+            if owners.shape != keep.shape or n_owners is None:
+                raise ValueError("owners must have logp's shape, with n_owners given")
+            codes = torch.zeros(n_owners, dtype=torch.int64, device=keep.device)
+            for bit, name in enumerate(SCREENED):
+                if name in bad:
+                    hit = torch.zeros(n_owners, dtype=torch.int64, device=keep.device)
+                    hit[owners[bad[name] & (owners >= 0)]] = 1
+                    codes |= hit << bit
+            return codes
         n = keep.shape[0] if keep.ndim else 1
         rows = torch.zeros(n, dtype=torch.int64, device=keep.device)
         for bit, name in enumerate(SCREENED):

@@ -60,7 +60,7 @@ def values_and_grads(model, ids, mask, weights, chunk: int | None):
     sum(weights x log-probs) on real targets."""
     model.zero_grad(set_to_none=True)
     if chunk is None:
-        lp = logprobs._unchunked(model, ids, mask)
+        lp = logprobs.whole_vocabulary_logprobs(model, ids, mask)
     else:
         lp = token_logprobs(model, ids, mask, chunk_tokens=chunk)
     real = mask[:, 1:].bool()
@@ -90,7 +90,7 @@ def value_bound(model, ids, mask) -> torch.Tensor:
         else:
             magnitude, terms = head.weight.abs(), head.weight.shape[1]
         scale = (hidden.abs() @ magnitude.T).amax(-1)  # the largest sum|h_i w_i| of each position
-        logp = logprobs._unchunked(model, ids, mask)
+        logp = logprobs.whole_vocabulary_logprobs(model, ids, mask)
     return 2 * (2 * gamma(terms) * scale + gamma(magnitude.shape[0] + 2) + U * logp.abs())
 
 
@@ -183,7 +183,7 @@ def widest(model, ids, mask, chunk: int | None) -> tuple[int, int, int]:
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
     ):
         if chunk is None:
-            lp = logprobs._unchunked(model, ids, mask)
+            lp = logprobs.whole_vocabulary_logprobs(model, ids, mask)
         else:
             lp = token_logprobs(model, ids, mask, chunk_tokens=chunk)
     with VocabularyWide(model.config.hidden_size) as bwd:

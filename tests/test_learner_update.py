@@ -39,6 +39,8 @@ reference_update), to tolerances derived from bf16's 8-bit significand; see the 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from learner_worker import dist_env_restored, launch, make_batch, run_task
@@ -475,12 +477,19 @@ def stale_batch(trajs: list) -> list:
     return out
 
 
-@pytest.mark.parametrize("off_policy", ["decoupled", "tis"])
-def test_stale_tokens_are_corrected_as_the_reference_corrects_them(tiny_model, batch, initial, off_policy):
+@pytest.mark.parametrize(
+    "off_policy,packing", [("decoupled", True), ("tis", True), ("decoupled", False)],
+    ids=["decoupled-packed", "tis-packed", "decoupled-padded"],
+)  # fmt: skip
+def test_stale_tokens_are_corrected_as_the_reference_corrects_them(
+    tiny_model, batch, initial, off_policy, packing
+):
     trajs, adv = batch
     stale = stale_batch(trajs)
     # A cap of 1.2 cuts a good share of the noisy rollout weights, so the two corrections differ.
-    cfg = {**_cfg(1, 2, 2), "off_policy": off_policy, "behaviour_cap": 1.2, "max_staleness": 1}
+    cfg = {
+        **_cfg(1, 2, 2), "off_policy": off_policy, "behaviour_cap": 1.2, "max_staleness": 1, "packing": packing,
+    }  # fmt: skip
     ref = bounded_reference(tiny_model, stale, adv, cfg, version=1)
     result = run_task(tiny_model, stale, adv, {"cfg": cfg, "grads": True, "version": 1})
     check_against_reference(result, ref, initial)
@@ -585,6 +594,81 @@ def test_token_budget_single_process_matches_reference(tiny_model, batch, refere
     check_against_reference(result, _ref(references, split[0]), initial)
     if split[0] == 1:
         assert result["stats"]["approx_kl"] == 0.0 and result["stats"]["clip_fraction"] == 0.0
+
+
+def agree(packed: dict, padded: dict, ref: dict) -> None:
+    """The packed and the padded update, each checked against the truth, agree with each other:
+    each is within NOISE_FACTOR x the fp32 noise (plus the storage floor) of the float64 truth, so
+    by the triangle inequality they are within twice that of each other, gradient by gradient."""
+    exact, variants = ref["exact"], ref["variants"]
+    for m, want in enumerate(exact["grads"]):
+        for name, g in want.items():
+            noise = max(_dist(v["grads"][m][name], g) for v in variants)
+            floor = 2 * U * _norm(g)
+            gap = _dist(packed["grads"][m][name], padded["grads"][m][name])
+            assert gap <= 2 * (NOISE_FACTOR * noise + floor), ("packed vs padded", m, name, gap, noise)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3], ids=lambda z: f"zero{z}")
+def test_packed_and_padded_updates_agree(tiny_model, batch, references, initial, stage):
+    """Packing is a layout, not a different update: packed rows (the default) and padded rows (the
+    reference path) give the reference's gradients, norm, statistics and weights, and each other's.
+    By tokens at 250, where the two plans differ (packed, fewer and fuller micro-batches)."""
+    trajs, adv = batch
+    cfg = _token_cfg(stage, 2, 250)
+    packed = run_task(tiny_model, trajs, adv, {"cfg": cfg, "grads": True})
+    padded = run_task(tiny_model, trajs, adv, {"cfg": {**cfg, "packing": False}, "grads": True})
+    for result in (packed, padded):
+        check_against_reference(result, _ref(references, 2), initial)
+    agree(packed, padded, _ref(references, 2))
+    assert packed["stats"]["padding_fraction"] == 0.0 < padded["stats"]["padding_fraction"]
+    # The entropy before the update is the same statistic either way: -sum p log p moves by at
+    # most the largest change of a log-prob, so each side is within NOISE_FACTOR x the log-probs'
+    # noise of the truth, and the two within twice that of each other.
+    want = padded["stats"]["entropy"]
+    noise = _logp_noise(_ref(references, 2))
+    assert abs(packed["stats"]["entropy"] - want) <= 2 * NOISE_FACTOR * noise + 4 * U * want
+    assert 0 < want < math.log(397)  # nats: above zero, below a uniform next token's
+
+
+def mixed_lengths(trajs: list) -> list:
+    """The batch with very short and very long trajectories side by side: three cut right after
+    their first action token's successor, three each the concatenation of three chats (a long
+    multi-turn episode), two unchanged."""
+    out = []
+    for i, t in enumerate(trajs):
+        if i in (0, 2, 4):
+            k = t.action_mask.index(1) + 2
+        elif i in (1, 3, 5):
+            others = [trajs[(i + j) % len(trajs)] for j in (0, 1, 2)]
+            out.append(t.model_copy(update={
+                "token_ids": [x for o in others for x in o.token_ids],
+                "action_mask": [x for o in others for x in o.action_mask],
+                "rollout_logprobs": [x for o in others for x in o.rollout_logprobs],
+            }))  # fmt: skip
+            continue
+        else:
+            k = len(t.token_ids)
+        out.append(t.model_copy(update={
+            "token_ids": t.token_ids[:k], "action_mask": t.action_mask[:k], "rollout_logprobs": t.rollout_logprobs[:k],
+        }))  # fmt: skip
+    return out
+
+
+def test_a_mix_of_very_short_and_very_long_trajectories(tiny_model, batch, initial):
+    trajs, adv = batch
+    mixed = mixed_lengths(trajs)
+    lengths = [len(t.token_ids) for t in mixed]
+    assert min(lengths) < 40 and max(lengths) > 250 and max(lengths) / min(lengths) > 8
+    cfg = _token_cfg(2, 2, 400)
+    ref = bounded_reference(tiny_model, mixed, adv, _cfg(1, 2, 2))
+    packed = run_task(tiny_model, mixed, adv, {"cfg": cfg, "grads": True})
+    padded = run_task(tiny_model, mixed, adv, {"cfg": {**cfg, "packing": False}, "grads": True})
+    for result in (packed, padded):
+        check_against_reference(result, ref, initial)
+    agree(packed, padded, ref)
+    # Padded, the long rows pad the short ones heavily; packed, nothing is padding.
+    assert padded["stats"]["padding_fraction"] > 0.3 and packed["stats"]["padding_fraction"] == 0.0
 
 
 # Settings that change memory, not results: each must give the reference's update. Two

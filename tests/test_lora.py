@@ -72,6 +72,19 @@ def test_lora_under_zero_matches_a_plain_peft_loop(tiny_model, batch, reference,
     check_against_reference({**result, "state": state}, reference, initial)
 
 
+def test_lora_packed_and_padded_agree(tiny_model, batch, reference, initial):
+    """LoRA on packed rows (the default, the test above) and on padded rows: the same update."""
+    from test_learner_update import agree
+
+    trajs, adv = batch
+    cfg = {**_cfg(2, 2, 2), **SETTINGS}
+    packed = run_task(tiny_model, trajs, adv, {"cfg": cfg, "grads": True})
+    padded = run_task(tiny_model, trajs, adv, {"cfg": {**cfg, "packing": False}, "grads": True})
+    check_against_reference({**padded, "state": {n: padded["state"][n] for n in initial}}, reference, initial)
+    agree(packed, padded, reference)
+    assert packed["stats"]["padding_fraction"] == 0.0 < padded["stats"]["padding_fraction"]
+
+
 def test_a_merged_snapshot_is_a_plain_model(tiny_model, batch, tmp_path):
     """With lora_publish: merged, a LoRA snapshot is a plain Hugging Face folder whose log-probs
     are the trained PEFT model's, and its base weights outside the adapted modules are the base's."""

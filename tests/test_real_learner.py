@@ -16,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from learner_worker import make_batch, run_task
-from test_learner_update import _cfg, _dist_env, bounded_reference, check_against_reference, peft_model
+from test_learner_update import _cfg, _dist_env, agree, bounded_reference, check_against_reference, peft_model
 
 pytestmark = pytest.mark.process  # the model's first import runs pip (tests/fixtures_model.py)
 
@@ -82,6 +82,17 @@ def test_one_update_under_zero_matches_the_reference(smollm2_truncated, batch, r
     trajs, adv = batch
     result = run_task(smollm2_truncated, trajs, adv, {"cfg": _cfg(stage, 2, 2), "grads": True})
     check_against_reference(result, reference, initial)
+
+
+def test_packed_and_padded_agree_on_smollm2(smollm2_truncated, batch, reference, initial):
+    """Packed rows (the default: the test above) and padded rows give SmolLM2 the same update,
+    through its real grouped-query attention and tied 49,152-way output layer."""
+    trajs, adv = batch
+    cfg = {**_cfg(3, 2, 2), "packing": False}
+    packed = run_task(smollm2_truncated, trajs, adv, {"cfg": {**cfg, "packing": True}, "grads": True})
+    padded = run_task(smollm2_truncated, trajs, adv, {"cfg": cfg, "grads": True})
+    check_against_reference(padded, reference, initial)
+    agree(packed, padded, reference)
 
 
 def test_lora_matches_a_plain_peft_loop(smollm2_truncated, batch):

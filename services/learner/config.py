@@ -112,8 +112,20 @@ class LearnerTuning(HttpServerSettings):
     gradient_checkpointing: bool = Field(
         False, description="recompute each layer's activations in backward instead of keeping them"
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="attention kernel (flash_attention_2 needs the flash-attn package and a GPU)"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "sdpa",
+        description="attention kernel; sdpa attends per sequence in a packed row (varlen on CUDA); "
+        "flash_attention_2 needs the flash-attn package and a GPU",
+    )
+    packing: bool = Field(
+        True,
+        description="pack each micro-batch's trajectories end to end in one row (position ids restart "
+        "per sequence; no padding computed); false pads a row per trajectory (the reference path)",
+    )
+    liger: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="liger-kernel's fused RMSNorm, SwiGLU, rotary and linear cross-entropy on CUDA; auto: "
+        "where it imports and supports the model's family",
     )
     offload_optimizer: bool = Field(
         False, description="keep the optimizer states (and fp32 master weights) in CPU memory; ZeRO >= 1"

@@ -140,13 +140,17 @@ def build_engine(cfg: LearnerSettings, model_dir: str | Path | None = None) -> t
     import torch
     from transformers import AutoTokenizer
 
+    from . import kernels
+    from .attention import model_attention
+
     _, world = init_distributed()
     seed_everything(cfg.seed)
     path = Path(model_dir if model_dir is not None else cfg.model)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    model = load_model(path, dtype, cfg.attn_implementation)
+    model = load_model(path, dtype, model_attention(cfg.attn_implementation))
     # Caching key/values is for generation; in training it only costs memory.
     model.config.use_cache = False
+    kernels.enable(model, cfg.liger, "cuda" if torch.cuda.is_available() else "cpu", cfg.zero_stage)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: works with inputs that need no grad and under ZeRO-3's hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

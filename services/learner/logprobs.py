@@ -53,46 +53,86 @@ _UNCHUNKABLE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 def token_logprobs(
     model: Callable[..., object],
     input_ids: Tensor,
-    attention_mask: Tensor,
+    attention_mask: Tensor | None,
     *,
+    position_ids: Tensor | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
 ) -> Tensor:
-    """[n, T-1] float32: column t is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
+    """[n, T-1] float32: column t is log p(input_ids[:, t+1] | the tokens of its sequence up to t).
 
     `model` is a Hugging Face causal LM, a PEFT model of one, or a DeepSpeed engine holding either
-    (`.module`); gradients flow when called outside no_grad. Columns whose target is padding
-    (attention_mask 0) are 0: mask them.
+    (`.module`); gradients flow when called outside no_grad. Padded rows give `attention_mask`;
+    a packed row gives `position_ids` restarting at 0 per sequence and no mask (batch.collate).
+    Columns whose target is padding or a sequence's first token are 0: mask them.
     """
-    if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
+    return _run(model, input_ids, attention_mask, position_ids, chunk_tokens, entropy=False)[0]
+
+
+def token_logprobs_entropy(
+    model: Callable[..., object],
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    position_ids: Tensor | None = None,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> tuple[Tensor, Tensor]:
+    """token_logprobs and, beside it, [n, T-1] float32 the entropy of each position's next-token
+    distribution (nats), from the same chunks of logits. Without gradients only: it is a statistic
+    (the learner reports it from the pass before an update's first step)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("token_logprobs_entropy is a statistic: call it under torch.no_grad()")
+    logp, entropy = _run(model, input_ids, attention_mask, position_ids, chunk_tokens, entropy=True)
+    assert entropy is not None
+    return logp, entropy
+
+
+def _run(
+    model: Callable[..., object],
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+    chunk_tokens: int,
+    *,
+    entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    layout = attention_mask if attention_mask is not None else position_ids
+    if layout is None:
+        raise ValueError("give attention_mask (padded rows) or position_ids (a packed row)")
+    if input_ids.ndim != 2 or input_ids.shape != layout.shape:
         raise ValueError(
-            f"input_ids and attention_mask must both be [n, T], got {tuple(input_ids.shape)} "
-            f"and {tuple(attention_mask.shape)}"
+            f"input_ids and {'attention_mask' if attention_mask is not None else 'position_ids'} must "
+            f"both be [n, T], got {tuple(input_ids.shape)} and {tuple(layout.shape)}"
         )
     if input_ids.shape[1] < 2:
         raise ValueError("need at least 2 tokens per row to predict one")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    scored = _scored(input_ids, attention_mask, position_ids)
     head = _output_layer(model)
     if head is None or head in _UNCHUNKABLE:
-        return _unchunked(model, input_ids, attention_mask)
+        return _unchunked(model, inputs, scored, entropy)
     n, t = input_ids.shape
-    # Only positions whose target is real get vocabulary-sized work. Their indices are found here,
-    # before the forward: nonzero() waits for the device, and here nothing of this pass is queued.
-    pos = (attention_mask[:, 1:] != 0).nonzero()
+    # Only positions whose target is scored get vocabulary-sized work. Their indices are found
+    # here, before the forward: nonzero() waits for the device, and here nothing of this pass is queued.
+    pos = scored.nonzero()
     where = _Positions(
         src=pos[:, 0] * t + pos[:, 1],  # the hidden state that predicts it, in [n * T]
         dst=pos[:, 0] * (t - 1) + pos[:, 1],  # its column in the [n, T-1] answer
         targets=input_ids.reshape(-1).index_select(0, pos[:, 0] * t + pos[:, 1] + 1),
         shape=(n, t),
     )
-    with _head_computes_logprobs(head, where, chunk_tokens) as produced:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    fused = _fused_head(head, input_ids.device)
+    with _head_computes_logprobs(head, where, chunk_tokens, entropy, fused) as produced:
+        # use_cache=False also matters for packed rows: with a cache, transformers does not look
+        # for sequence starts in position_ids and the sequences would attend to each other.
+        out = model(**inputs, use_cache=False)
     logits = out.logits
     if produced and logits.shape == produced[0].shape and logits.data_ptr() == produced[0].data_ptr():
-        return logits
+        return logits, (produced[1] if entropy else None)
     # The forward changed what its output layer returned: this model's logits are not lm_head's.
     _UNCHUNKABLE.add(head)
-    return _unchunked(model, input_ids, attention_mask)
+    return _unchunked(model, inputs, scored, entropy)
 
 
 class _Positions(NamedTuple):
@@ -114,11 +154,16 @@ def _output_layer(model: object) -> torch.nn.Module | None:
 
 @contextmanager
 def _head_computes_logprobs(
-    head: torch.nn.Module, where: _Positions, chunk_tokens: int
+    head: torch.nn.Module,
+    where: _Positions,
+    chunk_tokens: int,
+    entropy: bool,
+    fused: Callable[[Tensor, Tensor], Tensor] | None,
 ) -> Iterator[list[Tensor]]:
     """While open, `head(hidden)` answers the [n, T-1] log-probs of the targets instead of logits
     (its hooks, ZeRO-3's among them, still run around the call); the list it yields receives what
-    it answered, so the caller can check that the model passed it through unchanged."""
+    it answered (and the entropy, where asked), so the caller can check that the model passed it
+    through unchanged."""
     own = head.__dict__.get("forward")  # an instance-level forward (accelerate's hooks set one)
     layer = head.forward  # the layer's own computation, without its module hooks
     produced: list[Tensor] = []
@@ -128,8 +173,15 @@ def _head_computes_logprobs(
             raise ValueError(
                 f"the output layer got hidden states {tuple(hidden.shape)}, not {where.shape} x H"
             )
-        out = _chunked(layer, hidden, where, chunk_tokens)
+        if fused is not None:
+            # The same kernel in the old-log-probs pass as in training: ratio 1 at the first step.
+            out = _scatter(_select(hidden, where), where, fused)
+            ent = _chunked(layer, hidden, where, chunk_tokens, True)[1] if entropy else None
+        else:
+            out, ent = _chunked(layer, hidden, where, chunk_tokens, entropy)
         produced.append(out)
+        if entropy:
+            produced.append(ent)
         return out
 
     head.forward = forward
@@ -142,36 +194,113 @@ def _head_computes_logprobs(
             head.forward = own
 
 
-def _chunked(layer: Callable[[Tensor], Tensor], hidden: Tensor, where: _Positions, chunk: int) -> Tensor:
-    """The log-probs from `hidden` [n, T, H], `chunk` tokens at a time: [n, T-1], 0 where the
-    target is padding."""
+def _select(hidden: Tensor, where: _Positions) -> Tensor:
+    """One copy of the hidden states that predict a scored token ([tokens, H], the model's dtype):
+    what the chunks read, and with gradients what their checkpoints hold for the recomputation."""
     n, t = where.shape
-    # One copy of the hidden states that predict a real token ([tokens, H], the model's dtype):
-    # what the chunks read, and with gradients what their checkpoints hold for the recomputation.
-    states = hidden.reshape(n * t, hidden.shape[-1]).index_select(0, where.src)
-    parts = []
+    return hidden.reshape(n * t, hidden.shape[-1]).index_select(0, where.src)
+
+
+def _scatter(
+    flat: Tensor, where: _Positions, compute: Callable[[Tensor, Tensor], Tensor] | None = None
+) -> Tensor:
+    """[n, T-1] with the scored columns filled from `flat` (or from compute(flat, targets))."""
+    n, t = where.shape
+    if compute is not None:
+        flat = compute(flat, where.targets)
+    return flat.new_zeros(n * (t - 1)).index_copy(0, where.dst, flat).view(n, t - 1)
+
+
+def _chunked(
+    layer: Callable[[Tensor], Tensor], hidden: Tensor, where: _Positions, chunk: int, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The log-probs (and the entropy, where asked) from `hidden` [n, T, H], `chunk` tokens at a
+    time: [n, T-1], 0 where the target is not scored."""
+    states = _select(hidden, where)
+    parts, ents = [], []
     for s in range(0, where.src.numel(), chunk):
         args = (layer, states[s : s + chunk], where.targets[s : s + chunk])
-        if torch.is_grad_enabled():
+        if entropy:
+            lp, ent = _logprobs_entropy(*args)
+            parts.append(lp)
+            ents.append(ent)
+        elif torch.is_grad_enabled():
             # The output layer draws no random numbers: nothing to stash for the recomputation.
             parts.append(checkpoint(_logprobs, *args, use_reentrant=False, preserve_rng_state=False))
         else:
             parts.append(_logprobs(*args))
-    flat = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-    return flat.new_zeros(n * (t - 1)).index_copy(0, where.dst, flat).view(n, t - 1)
+    empty = _upcast(hidden.new_zeros(0))
+    logp = _scatter(torch.cat(parts) if parts else empty, where)
+    return logp, (_scatter(torch.cat(ents) if ents else empty, where) if entropy else None)
+
+
+def _upcast(logits: Tensor) -> Tensor:
+    """Logits in float32 at least (a float64 model, the tests' truth, keeps its precision)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
 
 
 def _logprobs(layer: Callable[[Tensor], Tensor], states: Tensor, targets: Tensor) -> Tensor:
-    logits = layer(states).float()
+    logits = _upcast(layer(states))
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def _unchunked(model: Callable[..., object], input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def _logprobs_entropy(
+    layer: Callable[[Tensor], Tensor], states: Tensor, targets: Tensor
+) -> tuple[Tensor, Tensor]:
+    return _from_logits(_upcast(layer(states)), targets)
+
+
+def _from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(log p of the targets, entropy) of float32 logits [..., V]: H = logsumexp - sum p * logit."""
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    p = torch.softmax(logits, dim=-1)
+    return logp, lse - (p * logits).sum(-1)
+
+
+def _fused_head(head: torch.nn.Module, device: torch.device) -> Callable[[Tensor, Tensor], Tensor] | None:
+    """Liger's fused linear cross-entropy for `head` where it applies (services/learner/kernels.py):
+    the chosen tokens' log-probs straight from the hidden states, no logits kept."""
+    from .kernels import fused_logprobs
+
+    return fused_logprobs(head, device)
+
+
+def whole_vocabulary_logprobs(
+    model: Callable[..., object],
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    position_ids: Tensor | None = None,
+) -> Tensor:
+    """token_logprobs computed from the whole [n, T-1, V] logits at once: the path of models whose
+    forward post-processes its logits, and the reference the chunked and fused paths are held to."""
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    return _unchunked(model, inputs, _scored(input_ids, attention_mask, position_ids), entropy=False)[0]
+
+
+def _scored(input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None) -> Tensor:
+    """[n, T-1] bool: the targets that are scored, those real and not the first of their sequence."""
+    if attention_mask is not None:
+        scored = attention_mask[:, 1:] != 0
+    else:
+        scored = torch.ones_like(input_ids[:, 1:], dtype=torch.bool)
+    if position_ids is not None:
+        scored = scored & (position_ids[:, 1:] != 0)
+    return scored
+
+
+def _unchunked(
+    model: Callable[..., object], inputs: dict[str, Tensor | None], scored: Tensor, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """The whole [n, T-1, V] logits at once: for models whose forward post-processes its logits."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    out = model(**inputs, use_cache=False)
     # The last position predicts past the end; dropping it before the cast saves [n, V] floats.
-    logits = out.logits[:, :-1, :].float()
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    # Padded targets answer 0, as on the chunked path.
-    return logp.masked_fill(attention_mask[:, 1:] == 0, 0.0)
+    logits = _upcast(out.logits[:, :-1, :])
+    targets = inputs["input_ids"][:, 1:]
+    if entropy:
+        logp, ent = _from_logits(logits, targets)
+        return logp.masked_fill(~scored, 0.0), ent.masked_fill(~scored, 0.0)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    # Unscored targets answer 0, as on the chunked path.
+    return logp.masked_fill(~scored, 0.0), None

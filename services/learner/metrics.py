@@ -84,6 +84,16 @@ class LearnerMetrics:
         self.clip_fraction = Gauge(
             "spopp_learner_clip_fraction", "share of the last update's tokens where a clip bound", registry=r
         )
+        self.entropy = Gauge(
+            "spopp_learner_entropy",
+            "policy entropy at the last update's action tokens, before it (nats)",
+            registry=r,
+        )
+        self.padding_fraction = Gauge(
+            "spopp_learner_padding_fraction",
+            "share of the last update's forward tokens that were padding (0 when packed)",
+            registry=r,
+        )
         self.behaviour_weight = Gauge(
             "spopp_learner_behaviour_weight_mean",
             "mean off-policy weight of the last update's stale tokens (0: none was stale)",
@@ -117,6 +127,8 @@ class LearnerMetrics:
         self.trained_tokens.inc(stats["tokens"])
         self.tokens_per_s.set(stats["tokens_per_s"])
         self.clip_fraction.set(stats["clip_fraction"])
+        self.entropy.set(stats.get("entropy", 0.0))
+        self.padding_fraction.set(stats.get("padding_fraction", 0.0))
         self.behaviour_weight.set(stats.get("behaviour_weight_mean", 0.0))
         self.behaviour_cut.set(stats.get("behaviour_cut_fraction", 0.0))
         for lag in lags:

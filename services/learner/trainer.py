@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from spopp.advantages import normalize_advantages
 from spopp.client import TrackerClient, TrackerError
 
-from .batch import plan_micro_batches
+from .batch import collate, plan_micro_batches
 from .binding import bind
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import LearnerSettings
@@ -262,25 +263,33 @@ class Learner:
         if not sequences:
             return []
         lengths = [len(s) for s in sequences]
-        # The update's micro-batching, on one rank and one mini-batch.
+        # The update's micro-batching and layout, on one rank and one mini-batch.
         (chunks,) = plan_micro_batches(
             lengths,
             1,
             1,
             micro_batch_size=self.cfg.micro_batch_size,
             micro_batch_tokens=self.cfg.micro_batch_tokens,
+            packing=self.cfg.packing,
         )[0]
+        device = self.engine.device
         with torch.no_grad():
             for chunk in chunks:
-                width = max(lengths[j] for j in chunk)
-                ids = torch.zeros(len(chunk), width, dtype=torch.long)
-                mask = torch.zeros(len(chunk), width, dtype=torch.long)
+                b = collate(
+                    [_Sequence(sequences[j]) for j in chunk], [0.0] * len(chunk), packed=self.cfg.packing
+                )
+                lp = token_logprobs(
+                    model, b.input_ids.to(device), _on(b.attention_mask, device),
+                    position_ids=_on(b.position_ids, device),
+                ).cpu()  # fmt: skip
+                # Row r's or the packed row's columns of sequence j: its own token t+1 at column t.
+                at = 0
                 for i, j in enumerate(chunk):
-                    ids[i, : lengths[j]] = torch.tensor(sequences[j])
-                    mask[i, : lengths[j]] = 1
-                lp = token_logprobs(model, ids.to(self.engine.device), mask.to(self.engine.device)).cpu()
-                for i, j in enumerate(chunk):
-                    out[j] = lp[i, : lengths[j] - 1].tolist()
+                    if self.cfg.packing:
+                        out[j] = lp[0, at : at + lengths[j] - 1].tolist()
+                        at += lengths[j]
+                    else:
+                        out[j] = lp[i, : lengths[j] - 1].tolist()
         return out
 
     def _drop_nonfinite(self, batch: list, reasons: dict[int, str]) -> None:
@@ -432,3 +441,16 @@ class Learner:
             self.metrics.close()
         if self.tracker is not None:
             self.tracker.close()
+
+
+class _Sequence:
+    """A token sequence as collate reads a trajectory (nothing of it is an action)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.token_ids = tokens
+        self.action_mask = [0] * len(tokens)
+        self.rollout_logprobs = [0.0] * len(tokens)
+
+
+def _on(t: torch.Tensor | None, device: Any) -> torch.Tensor | None:
+    return None if t is None else t.to(device)

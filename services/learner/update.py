@@ -44,7 +44,7 @@ from spopp.loss import policy_loss, screen_rows, screened
 
 from .batch import Batch, TrajectoryLike, action_tokens, collate, mini_batches, plan_micro_batches
 from .config import LearnerSettings
-from .logprobs import token_logprobs
+from .logprobs import token_logprobs, token_logprobs_entropy
 from .zero3_state import forward_stack_depth, trim_forward_stack
 
 # Token-weighted statistics of policy_loss that are averaged over the whole update.
@@ -78,6 +78,7 @@ def _plan(trajs: Sequence[TrajectoryLike], cfg: LearnerSettings, rank: int, worl
         world,
         micro_batch_size=cfg.micro_batch_size,
         micro_batch_tokens=cfg.micro_batch_tokens,
+        packing=cfg.packing,
     )
     out = []
     for part, per_rank in zip(mini_batches(len(trajs), cfg.mini_batches), plan, strict=True):
@@ -123,7 +124,8 @@ def run_update(
     Returns stats identical on every rank: loss (mean over mini-batches of the mini-batch loss),
     clip_fraction, dual_clip_fraction, approx_kl, is_weight_mean, is_capped_fraction (token
     means over the update), is_weight_max, grad_norm (pre-clip, mean over mini-batches), lr,
-    tokens, tokens_per_s, update_seconds; and stale_tokens, behaviour_weight_mean,
+    tokens, tokens_per_s, update_seconds; entropy (the policy's before the update, nats per action
+    token) and padding_fraction (of the tokens the forwards computed); and stale_tokens, behaviour_weight_mean,
     behaviour_cut_fraction, behaviour_weight_max over the tokens that a policy version older than
     `version` (the one being trained; None: none is older) generated.
     """
@@ -141,8 +143,8 @@ def run_update(
     # backward (zero3_state.py): put it back as it was once the update's forwards are done.
     depth = forward_stack_depth()
     try:
-        batches = _collate_with_old_logp(engine, trajs, adv, plan, cfg, version)
         tally = _Tally()
+        batches = _collate_with_old_logp(engine, trajs, adv, plan, cfg, version, tally)
         grad_norms: list[float] = []
         # Undo DeepSpeed's mean over accumulation steps (engine.backward) and over ranks (reduction).
         scale = float(world * gas)
@@ -165,10 +167,12 @@ def _collate_with_old_logp(
     plan: Plan,
     cfg: LearnerSettings,
     version: int | None,
+    tally: _Tally,
 ) -> list[list[tuple[Batch, torch.Tensor]]]:
     """This rank's micro-batches, collated once, each with old_logp: the weights as they are
-    before any step, on the very padding the training pass will see. Raises NonFiniteTrajectories
-    (on every rank alike) where the screen finds a trajectory that cannot be trained on."""
+    before any step, on the very layout (packed or padded) the training pass will see. Raises
+    NonFiniteTrajectories (on every rank alike) where the screen finds a trajectory that cannot be
+    trained on. `tally` receives the entropy of the policy before the update at the action tokens."""
     batches = []
     # Per trajectory of the batch: screen_rows' code, set by the one rank whose micro-batch holds
     # it (every trajectory is in exactly one), so a sum over the ranks is each one's code.
@@ -177,9 +181,13 @@ def _collate_with_old_logp(
         for _, micro in plan:
             row = []
             for rows in micro:
-                b = collate([trajs[i] for i in rows], adv[rows], version=version).to(engine.device)
-                old = token_logprobs(engine, b.input_ids, b.attention_mask)
-                codes[rows] = _screen(old, b, cfg).cpu()
+                b = collate([trajs[i] for i in rows], adv[rows], version=version, packed=cfg.packing)
+                b = b.to(engine.device)
+                old, entropy = token_logprobs_entropy(
+                    engine, b.input_ids, b.attention_mask, position_ids=b.position_ids
+                )
+                codes[rows] = _screen(old, b, cfg, len(rows)).cpu()
+                tally.add_forward(b, entropy)
                 row.append((b, old))
             batches.append(row)
     _all_ranks_sum(codes, engine.device)
@@ -203,9 +211,10 @@ def _loss_options(b: Batch, cfg: LearnerSettings) -> dict[str, Any]:
     }
 
 
-def _screen(old: torch.Tensor, b: Batch, cfg: LearnerSettings) -> torch.Tensor:
-    """screen_rows on one micro-batch, with the settings the loss will use."""
-    return screen_rows(old, b.advantages, b.loss_mask, **_loss_options(b, cfg))
+def _screen(old: torch.Tensor, b: Batch, cfg: LearnerSettings, n: int) -> torch.Tensor:
+    """screen_rows on one micro-batch of `n` trajectories, with the settings the loss will use:
+    a code per trajectory, whichever layout holds them."""
+    return screen_rows(old, b.advantages, b.loss_mask, owners=b.owners, n_owners=n, **_loss_options(b, cfg))
 
 
 def _all_ranks_sum(t: torch.Tensor, device: Any) -> None:
@@ -225,6 +234,15 @@ class _Tally:
     def __init__(self) -> None:
         self.sums = torch.zeros(3 + len(_MEAN_STATS) + len(_STALE_STATS), dtype=torch.float64)
         self.w_max = torch.zeros(2, dtype=torch.float64)
+        # The old-log-probs pass: entropy summed over action tokens, the forward's tokens (padding
+        # included) and the real ones.
+        self.forward = torch.zeros(3, dtype=torch.float64)
+
+    def add_forward(self, b: Batch, entropy: torch.Tensor) -> None:
+        self.forward[0] += float(entropy.double()[b.loss_mask].sum())
+        self.forward[1] += b.forward_tokens
+        real = b.attention_mask.sum() if b.attention_mask is not None else b.input_ids.numel()
+        self.forward[2] += float(real)
 
     def add(self, loss: torch.Tensor, st: dict[str, float]) -> None:
         self.sums[0] += float(loss.detach())
@@ -240,7 +258,7 @@ class _Tally:
     def reduce(self, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
         import torch.distributed as dist
 
-        sums, w_max = self.sums.to(device), self.w_max.to(device)
+        sums, w_max = torch.cat([self.sums, self.forward]).to(device), self.w_max.to(device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         dist.all_reduce(w_max, op=dist.ReduceOp.MAX)
         return sums.cpu(), w_max.cpu()
@@ -265,7 +283,7 @@ def _mini_batch_step(
         # differ in how many micro-batches they have (the scale undoes DeepSpeed's division by its
         # configured count), and by count the mark agrees with DeepSpeed's own count.
         engine.set_gradient_accumulation_boundary(i == len(row) - 1)
-        logp = token_logprobs(engine, b.input_ids, b.attention_mask)
+        logp = token_logprobs(engine, b.input_ids, b.attention_mask, position_ids=b.position_ids)
         loss, st = policy_loss(
             logp, old, b.advantages, b.loss_mask, token_count=denom, **_loss_options(b, cfg)
         )
@@ -300,6 +318,11 @@ def _update_stats(
     for k, name in enumerate(_STALE_STATS):
         stats[name] = float(sums[3 + len(_MEAN_STATS) + k]) / stale if stale else 0.0
     stats["behaviour_weight_max"] = float(w_max[1])
+    entropy, forward, real = (float(x) for x in sums[-3:])
+    # The policy's entropy at the action tokens before the update (nats per token), and the share
+    # of the forward's tokens that were padding (0 when packed).
+    stats["entropy"] = entropy / tokens if tokens else 0.0
+    stats["padding_fraction"] = 1.0 - real / forward if forward else 0.0
     stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
     stats["lr"] = float(engine.get_lr()[0])
     stats["tokens"] = tokens

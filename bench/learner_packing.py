@@ -1,0 +1,256 @@
+"""Learner on the CPU: packed micro-batches against padded ones, tokens/s of one update.
+
+One process, DeepSpeed ZeRO 1, fp32, one torch thread; a model of SmolLM2-135M's shapes (hidden 576,
+9 heads over 3 key/value heads, MLP 1536, vocabulary 49,152 tied) with 6 of its 30 layers,
+random weights (the time of a step does not depend on them). The same engine runs both layouts in
+turn (padded, packed, padded, ...), so drift of the machine's speed falls on both; the figure is
+the median over repeats after a warm-up of each. Tokens/s counts real tokens (prompt included).
+
+Two length mixes, B = 16 trajectories each:
+- demo: the real-model demo's episodes (docs/results/demo-real: a 2-turn toy-calc dialogue of
+  about 246 tokens, 26 generated per turn), micro-batches of 8 trajectories as its config has
+  them. Its prompts differ by the task's numbers and the tool's reply, not by much: a narrow mix.
+- alfworld: the ALFWorld demo's spread (bench.learner_bench.alfworld_like_batch: 150-640 tokens),
+  by a token budget of 4 x 640.
+
+It also times the attention alone on one packed row (forward and backward of the log-probs on
+the ALFWorld mix's largest micro-batch): the per-sequence attention the learner uses
+(services/learner/attention.py) against transformers' sdpa with its dense block-diagonal mask.
+
+    python -m bench.learner_packing [--quick] [--out BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HEAD = "## Learner: packed micro-batches against padded ones (CPU)"
+LAYERS = 6
+BATCH = 16
+
+
+def build_model(out: Path, layers: int = LAYERS) -> Path:
+    """SmolLM2-135M's shapes with `layers` layers and random weights; the tiny model's tokenizer
+    (build_engine loads one; the batches draw ids from the whole vocabulary)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from runtime.tiny_model import build_tiny_model
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
+        tie_word_embeddings=True, rope_theta=100000.0, dtype="float32",
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(out)
+    tiny = build_tiny_model(out.parent / "tokenizer-source", train_steps=1)
+    for f in tiny.iterdir():
+        if "token" in f.name or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def demo_batch(vocab: int, n: int = BATCH, seed: int = 0):
+    """The real-model demo's length mix: a system and task prompt of 195-245 tokens (the numbers
+    and wording of the task vary), then 2 turns of about 26 generated tokens (15-32, as its
+    recorded episodes) with a tool reply of 6-14 tokens between them."""
+    from bench.learner_bench import synthetic_batch
+
+    rng = random.Random(seed)
+    trajs, adv = synthetic_batch(vocab, n, seed)
+    out = []
+    for t in trajs:
+        ids, mask = [], []
+        prompt = rng.randint(195, 245)
+        ids += [rng.randrange(5, vocab) for _ in range(prompt)]
+        mask += [0] * prompt
+        for turn in range(2):
+            k = rng.choice([15, 25, 26, 26, 26, 26, 27, 32])
+            ids += [rng.randrange(5, vocab) for _ in range(k)]
+            mask += [1] * k
+            if turn == 0:
+                reply = rng.randint(6, 14)
+                ids += [rng.randrange(5, vocab) for _ in range(reply)]
+                mask += [0] * reply
+        logp = [0.0] + [-2.0 - 3 * rng.random() if m else 0.0 for m in mask[1:]]
+        out.append(t.model_copy(update={"token_ids": ids, "action_mask": mask, "rollout_logprobs": logp}))
+    return out, adv
+
+
+def _settings(model: Path, micro: dict, packing: bool):
+    from services.learner.config import LearnerSettings
+
+    return LearnerSettings(
+        run="bench",
+        model=model,
+        zero_stage=1,
+        batch_size=BATCH,
+        mini_batches=2,
+        lr=1e-5,
+        packing=packing,
+        **micro,
+    )
+
+
+def layouts(model: Path, mixes: dict, repeats: int) -> dict:
+    """Per mix: median seconds of one update, padded and packed, and the padding share."""
+    from services.learner.batch import collate, plan_micro_batches
+    from services.learner.engine import build_engine, release_engine
+    from services.learner.update import run_update
+
+    engine, _ = build_engine(_settings(model, {"micro_batch_size": 8}, True))
+    out = {}
+    try:
+        for name, (trajs, adv, micro) in mixes.items():
+            cfgs = {layout: _settings(model, micro, layout == "packed") for layout in ("padded", "packed")}
+            times: dict[str, list[float]] = {"padded": [], "packed": []}
+            for cfg in cfgs.values():
+                run_update(engine, trajs, adv, cfg)  # warm-up
+            for _ in range(repeats):
+                for layout, cfg in cfgs.items():
+                    t0 = time.perf_counter()
+                    run_update(engine, trajs, adv, cfg)
+                    times[layout].append(time.perf_counter() - t0)
+            lengths = [len(t.token_ids) for t in trajs]
+            forward = {}
+            for layout, cfg in cfgs.items():
+                plan = plan_micro_batches(
+                    lengths, 2, 1, micro_batch_size=cfg.micro_batch_size,
+                    micro_batch_tokens=cfg.micro_batch_tokens, packing=cfg.packing,
+                )  # fmt: skip
+                micro_batches = [mb for per_rank in plan for mb in per_rank[0]]
+                forward[layout] = sum(
+                    collate([trajs[i] for i in mb], [0.0] * len(mb), packed=cfg.packing).forward_tokens
+                    for mb in micro_batches
+                )
+                forward[f"{layout}_micro"] = len(micro_batches)
+            out[name] = {
+                "real": sum(lengths), "lengths": (min(lengths), sorted(lengths)[len(lengths) // 2], max(lengths)),
+                "padded_s": statistics.median(times["padded"]), "packed_s": statistics.median(times["packed"]),
+                **{f"forward_{k}": v for k, v in forward.items()},
+            }  # fmt: skip
+            r = out[name]
+            print(
+                f"{name}: padded {r['real'] / r['padded_s']:,.0f} tok/s, packed {r['real'] / r['packed_s']:,.0f} tok/s, "
+                f"packed/padded {r['padded_s'] / r['packed_s']:.2f}",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+    finally:
+        release_engine(engine)
+    return out
+
+
+def attention_alone(model: Path, trajs: list, repeats: int) -> dict:
+    """Forward + backward of the log-probs on one packed row (the ALFWorld mix's first micro-batch
+    by the token budget), with the learner's per-sequence attention and with transformers' sdpa
+    and its dense block-diagonal mask."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.attention import model_attention
+    from services.learner.batch import collate, plan_micro_batches
+    from services.learner.logprobs import token_logprobs
+
+    lengths = [len(t.token_ids) for t in trajs]
+    first = plan_micro_batches(lengths, 2, 1, micro_batch_tokens=4 * 640, packing=True)[0][0][0]
+    b = collate([trajs[i] for i in first], [1.0] * len(first), packed=True)
+    out = {"row": b.forward_tokens, "sequences": len(first)}
+    for name, impl in (("per-sequence", model_attention("sdpa")), ("dense mask", "sdpa")):
+        net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation=impl)
+
+        def step(net=net):
+            net.zero_grad(set_to_none=True)
+            token_logprobs(net, b.input_ids, None, position_ids=b.position_ids).sum().backward()
+
+        step()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+        print(f"attention {name}: {out[name]:.2f} s a step", file=sys.stderr, flush=True)
+    return out
+
+
+def section(res: dict, att: dict, repeats: int, quick: bool) -> str:
+    lines = [
+        HEAD,
+        "",
+        f"Command: `{'python -m bench.learner_packing --quick' if quick else 'make bench'}` on {platform.machine()}, "
+        f"Python {platform.python_version()}, one torch thread, fp32, {time.strftime('%Y-%m-%d')}. One process, "
+        f"ZeRO 1; SmolLM2-135M's shapes with {LAYERS} of its 30 layers (random weights); B = {BATCH}, 2 mini-batches; "
+        f"median of {repeats} updates of each layout, taken in turn after a warm-up of each. Baseline: the padded "
+        "layout (`packing: false`) on the same engine in the same run. Tokens/s counts real tokens.",
+        "",
+        "| length mix | lengths (min, median, max) | micro-batching | padded tokens/s | packed tokens/s | "
+        "packed/padded | padding share of padded forward | predicted by the share |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    how = {"demo": "8 trajectories", "alfworld": "4 x 640 tokens"}
+    for name, r in res.items():
+        share = 1 - r["real"] / r["forward_padded"]
+        lo, mid, hi = r["lengths"]
+        lines.append(
+            f"| {name} | {lo}, {mid}, {hi} | {how[name]} ({r['forward_padded_micro']} padded, {r['forward_packed_micro']} packed) | "
+            f"{r['real'] / r['padded_s']:,.0f} | {r['real'] / r['packed_s']:,.0f} | {r['padded_s'] / r['packed_s']:.2f} | "
+            f"{share:.2f} | {1 / (1 - share):.2f} |"
+        )
+    lines += [
+        "",
+        '"Predicted by the share" is 1 / (1 - padding share): the speed-up if every token of the forward cost '
+        "the same and nothing else changed. The log-probs' output layer already skipped padding before packing "
+        "(services/learner/logprobs.py), so the share overstates what the layers alone save; attention grows "
+        "with the square of a sequence's length, so it understates it where rows were padded to a long one.",
+        "",
+        f"Attention on one packed row of {att['row']} tokens ({att['sequences']} sequences), forward and backward of "
+        f"the log-probs: per sequence (the learner's) {att['per-sequence']:.2f} s, transformers' sdpa with the dense "
+        f"block-diagonal mask {att['dense mask']:.2f} s (dense/per-sequence {att['dense mask'] / att['per-sequence']:.2f}).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one timed update of each layout")
+    ap.add_argument("--out", type=Path, help="write the section into this BENCHMARKS.md")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from bench.learner_bench import ALFWORLD_CAP, alfworld_like_batch
+
+    repeats = 1 if args.quick else 3
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp) / "model")
+        vocab = 49152
+        demo, demo_adv = demo_batch(vocab)
+        alf, alf_adv = alfworld_like_batch(vocab, BATCH)
+        mixes = {
+            "demo": (demo, demo_adv, {"micro_batch_size": 8}),
+            "alfworld": (alf, alf_adv, {"micro_batch_tokens": 4 * ALFWORLD_CAP}),
+        }
+        res = layouts(model, mixes, repeats)
+        att = attention_alone(model, alf, repeats)
+    text = section(res, att, repeats, args.quick)
+    print(text)
+    if args.out:
+        from bench.tracker_bench import write_section
+
+        write_section(args.out, text, HEAD)
+
+
+if __name__ == "__main__":
+    main()
