@@ -83,28 +83,35 @@ class Setup:
     budget: int  # micro_batch_tokens
     repeats: int  # timed updates per case, after one warm-up
     matmul: int  # side of the square matmul that measures the peak
-    cases: tuple[tuple[bool, int], ...]  # (checkpointing, ZeRO stage), in this order
+    # (checkpointing, ZeRO stage, packed rows, liger setting), in this order
+    cases: tuple[tuple[bool, int, bool, str], ...]
 
 
+# Packed rows with liger (the defaults) under ZeRO 2 and 3 and with checkpointing; beside them, at
+# ZeRO 2, packed without liger and padded without it (the learner as it was: the 2026-11-27 rows).
 GPU = Setup(
     device="cuda", dtype="bf16", batch=64, budget=16384, repeats=3, matmul=8192,
-    cases=((False, 2), (False, 3), (True, 2), (True, 3)),
+    cases=(
+        (False, 2, True, "on"), (False, 2, True, "off"), (False, 2, False, "off"), (False, 3, True, "on"),
+        (True, 2, True, "on"),
+    ),
 )  # fmt: skip
 # Two cases cover both stages and both checkpointing paths; fp32, since bf16 matmuls on a CPU without
 # bf16 units are emulated and slow, and the code path is the same (DeepSpeed's bf16 optimizer is
 # covered by tests/test_learner_update.py).
 CPU_SMOKE = Setup(
-    device="cpu", dtype="fp32", batch=8, budget=1024, repeats=1, matmul=256, cases=((False, 2), (True, 3))
+    device="cpu", dtype="fp32", batch=8, budget=1024, repeats=1, matmul=256,
+    cases=((False, 2, True, "off"), (True, 3, False, "off")),
 )  # fmt: skip
 
 
-def settings(setup: Setup, zero: int, ckpt: bool):
+def settings(setup: Setup, zero: int, ckpt: bool, packing: bool = True, liger: str = "off"):
     from services.learner.config import LearnerSettings
 
     return LearnerSettings(
         run="bench", model=Path("unused"), zero_stage=zero, dtype=setup.dtype, batch_size=setup.batch,
         mini_batches=1, micro_batch_tokens=setup.budget, gradient_checkpointing=ckpt, attn_implementation="sdpa",
-        lr=1e-6, grad_clip=1.0,
+        lr=1e-6, grad_clip=1.0, packing=packing, liger=liger,
     )  # fmt: skip
 
 
@@ -221,12 +228,13 @@ def timed(setup: Setup, update, base: float) -> tuple[float, float]:
 
 
 def learner_case(
-    config: dict, setup: Setup, zero: int, ckpt: bool, trajs, adv, profile: bool = False
-) -> dict:
+    config: dict, setup: Setup, zero: int, ckpt: bool, trajs, adv, profile: bool = False,
+    packing: bool = True, liger: str = "off",
+) -> dict:  # fmt: skip
     from services.learner.engine import release_engine
     from services.learner.update import run_update
 
-    cfg = settings(setup, zero, ckpt)
+    cfg = settings(setup, zero, ckpt, packing, liger)
     base = memory_start(setup)
     engine = learner_engine(config, setup, cfg)
     try:
@@ -358,10 +366,11 @@ def run(setup: Setup, models: dict[str, dict], budget_s: float, log, profile: bo
             f"trajectories, micro-batches of {info['padded']} padded tokens, {info['flops'] / info['tokens'] / 1e9:.3g} GFLOP per token")  # fmt: skip
         last_case_s = 0.0
         plain: dict[bool, dict] = {}
-        for ckpt, zero in setup.cases:
-            head = f"learner gpu: {label} zero {zero} ckpt {'on' if ckpt else 'off'}"
+        for ckpt, zero, packing, liger in setup.cases:
+            layout = "packed" if packing else "padded"
+            head = f"learner gpu: {label} zero {zero} ckpt {'on' if ckpt else 'off'} {layout} liger {liger}"
             predicted, fits = plan_total(config, setup, zero, ckpt, gpu_gib)
-            case = {"zero": zero, "ckpt": ckpt, "predicted": predicted}
+            case = {"zero": zero, "ckpt": ckpt, "predicted": predicted, "layout": layout, "liger": liger}
             info["cases"].append(case)
             if not fits:
                 case["skipped"] = (
@@ -381,7 +390,9 @@ def run(setup: Setup, models: dict[str, dict], budget_s: float, log, profile: bo
             # The profiler's extra update is paid once per model (its first case run), not per case:
             # a GPU lease is short, and the cases share the kernels that matter.
             first = profile and not any("seconds" in c for c in info["cases"])
-            case.update(learner_case(config, setup, zero, ckpt, trajs, adv, first), plain=plain[ckpt])
+            case.update(
+                learner_case(config, setup, zero, ckpt, trajs, adv, first, packing, liger), plain=plain[ckpt]
+            )
             _release(setup)
             # What the case left allocated: a leak shows here (the next case's peak is counted above it).
             case["left"] = float(torch.cuda.memory_allocated()) if setup.device == "cuda" else float("nan")
@@ -451,15 +462,18 @@ def section(result: dict, setup: Setup) -> str:
         f"random weights, {setup.batch} ALFWorld-like trajectories in one mini-batch, micro_batch_tokens "
         f"{setup.budget}, median of {setup.repeats} updates after a warm-up. Dense {setup.dtype} peak measured "
         f"by a {setup.matmul}^3 matmul: {result['peak'] / 1e12:.0f} TFLOP/s. MFU counts 8N + attention FLOPs "
-        "per real token (old log-probs, forward, backward; bench/learner_gpu.py). Plain torch: the same "
-        f"update without DeepSpeed (bf16 weights, fused AdamW) in the same run. {result['seconds']:.0f} s in all.",
+        "per real token (old log-probs, forward, backward; bench/learner_gpu.py). Layout: packed rows (the "
+        "learner's default; varlen attention) or padded ones; liger: its fused RMSNorm, SwiGLU, rotary and linear "
+        "cross-entropy. Plain torch: the same update on padded rows without DeepSpeed (bf16 weights, fused "
+        f"AdamW) in the same run. {result['seconds']:.0f} s in all.",
         "",
-        "| model | ZeRO | ckpt | tokens/s | MFU | plain torch MFU | learner/plain | peak GiB | plan GiB | plain peak GiB |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | ZeRO | ckpt | layout | liger | tokens/s | MFU | plain torch MFU | learner/plain | peak GiB | "
+        "plan GiB | plain peak GiB |",
+        "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for label, info in result["models"].items():
         for c in info["cases"]:
-            ck = "on" if c["ckpt"] else "off"
+            ck = f"{'on' if c['ckpt'] else 'off'} | {c['layout']} | {c['liger']}"
             if "skipped" in c:
                 lines.append(f"| {label} | {c['zero']} | {ck} | skipped: {c['skipped']} | | | | | "
                              f"{c['predicted'] / GIB:.1f} | |")  # fmt: skip

@@ -1,20 +1,24 @@
 """Learner on the CPU: packed micro-batches against padded ones, tokens/s of one update.
 
-One process, DeepSpeed ZeRO 1, fp32, one torch thread; a model of SmolLM2-135M's shapes (hidden 576,
-9 heads over 3 key/value heads, MLP 1536, vocabulary 49,152 tied) with 6 of its 30 layers,
-random weights (the time of a step does not depend on them). The same engine runs both layouts in
-turn (padded, packed, padded, ...), so drift of the machine's speed falls on both; the figure is
-the median over repeats after a warm-up of each. Tokens/s counts real tokens (prompt included).
+One process, DeepSpeed ZeRO 1, fp32, one torch thread. The same engine runs both layouts in turn
+(padded, packed, padded, ...), so drift of the machine's speed falls on both; the figure is the
+median over repeats after a warm-up of each. Tokens/s counts real tokens (prompt included).
 
-Two length mixes, B = 16 trajectories each:
-- demo: the real-model demo's episodes (docs/results/demo-real: a 2-turn toy-calc dialogue of
-  about 246 tokens, 26 generated per turn), micro-batches of 8 trajectories as its config has
-  them. Its prompts differ by the task's numbers and the tool's reply, not by much: a narrow mix.
+Three length mixes, each with its demo's learner settings:
+- demo (`make demo`): the toy-calc teacher's episodes as the cold start imitates them
+  (tools/cold_start.teacher_episode, tokenized as the agent loop records them: a guess of 20
+  tokens or a tool call of 43-45), on the toy model (tools/toy_model, 0.33 M parameters); B = 32,
+  2 mini-batches, micro-batches of 16 trajectories in receipt order.
+- demo-real (`make demo-real`): its recorded updates (docs/results/demo-real: 16 trajectories of
+  about 246 tokens, 2 turns of about 26 generated tokens), modelled by `demo_real_batch`, on a
+  model of SmolLM2-135M's shapes (hidden 576, 9 heads over 3 key/value heads, MLP 1536,
+  vocabulary 49,152 tied) with 6 of its 30 layers and random weights (the time of a step does not
+  depend on them); B = 16, 2 mini-batches, micro-batches of 8.
 - alfworld: the ALFWorld demo's spread (bench.learner_bench.alfworld_like_batch: 150-640 tokens),
-  by a token budget of 4 x 640.
+  on the same model, B = 16, 2 mini-batches, by a token budget of 4 x 640.
 
 It also times the attention alone on one packed row (forward and backward of the log-probs on
-the ALFWorld mix's largest micro-batch): the per-sequence attention the learner uses
+the ALFWorld mix's first micro-batch): the per-sequence attention the learner uses
 (services/learner/attention.py) against transformers' sdpa with its dense block-diagonal mask.
 
     python -m bench.learner_packing [--quick] [--out BENCHMARKS.md]
@@ -61,7 +65,27 @@ def build_model(out: Path, layers: int = LAYERS) -> Path:
     return out
 
 
-def demo_batch(vocab: int, n: int = BATCH, seed: int = 0):
+def demo_batch(n: int = 32, seed: int = 0):
+    """`make demo`'s length mix: the toy-calc teacher's episodes, as the agent loop records them."""
+    from bench.learner_bench import synthetic_batch
+    from runtime.chat import ChatRenderer
+    from runtime.envs.toy_calc import generate_toy_calc_tasks
+    from tools.cold_start import encode_episode, teacher_episode
+    from tools.toy_model import build_toy_tokenizer
+
+    rng = random.Random(seed)
+    renderer = ChatRenderer(build_toy_tokenizer())
+    trajs, adv = synthetic_batch(30, n, seed)
+    out = []
+    for t, task in zip(trajs, generate_toy_calc_tasks(n, seed=seed, split="train"), strict=True):
+        opening, turns, _ = teacher_episode(task, rng)
+        ids, mask = encode_episode(renderer, opening, turns)
+        logp = [0.0] + [-0.5 * rng.random() if m else 0.0 for m in mask[1:]]
+        out.append(t.model_copy(update={"token_ids": ids, "action_mask": mask, "rollout_logprobs": logp}))
+    return out, adv
+
+
+def demo_real_batch(vocab: int, n: int = 16, seed: int = 0):
     """The real-model demo's length mix: a system and task prompt of 195-245 tokens (the numbers
     and wording of the task vary), then 2 turns of about 26 generated tokens (15-32, as its
     recorded episodes) with a tool reply of 6-14 tokens between them."""
@@ -88,14 +112,14 @@ def demo_batch(vocab: int, n: int = BATCH, seed: int = 0):
     return out, adv
 
 
-def _settings(model: Path, micro: dict, packing: bool):
+def _settings(model: Path, batch: int, micro: dict, packing: bool):
     from services.learner.config import LearnerSettings
 
     return LearnerSettings(
         run="bench",
         model=model,
         zero_stage=1,
-        batch_size=BATCH,
+        batch_size=batch,
         mini_batches=2,
         lr=1e-5,
         packing=packing,
@@ -103,17 +127,19 @@ def _settings(model: Path, micro: dict, packing: bool):
     )
 
 
-def layouts(model: Path, mixes: dict, repeats: int) -> dict:
-    """Per mix: median seconds of one update, padded and packed, and the padding share."""
+def layouts(mixes: dict, repeats: int) -> dict:
+    """Per mix: median seconds of one update, padded and packed, and the tokens each forwards."""
     from services.learner.batch import collate, plan_micro_batches
     from services.learner.engine import build_engine, release_engine
     from services.learner.update import run_update
 
-    engine, _ = build_engine(_settings(model, {"micro_batch_size": 8}, True))
     out = {}
-    try:
-        for name, (trajs, adv, micro) in mixes.items():
-            cfgs = {layout: _settings(model, micro, layout == "packed") for layout in ("padded", "packed")}
+    for name, (model, trajs, adv, micro) in mixes.items():
+        cfgs = {
+            layout: _settings(model, len(trajs), micro, layout == "packed") for layout in ("padded", "packed")
+        }
+        engine, _ = build_engine(cfgs["packed"])
+        try:
             times: dict[str, list[float]] = {"padded": [], "packed": []}
             for cfg in cfgs.values():
                 run_update(engine, trajs, adv, cfg)  # warm-up
@@ -122,32 +148,33 @@ def layouts(model: Path, mixes: dict, repeats: int) -> dict:
                     t0 = time.perf_counter()
                     run_update(engine, trajs, adv, cfg)
                     times[layout].append(time.perf_counter() - t0)
-            lengths = [len(t.token_ids) for t in trajs]
-            forward = {}
-            for layout, cfg in cfgs.items():
-                plan = plan_micro_batches(
-                    lengths, 2, 1, micro_batch_size=cfg.micro_batch_size,
-                    micro_batch_tokens=cfg.micro_batch_tokens, packing=cfg.packing,
-                )  # fmt: skip
-                micro_batches = [mb for per_rank in plan for mb in per_rank[0]]
-                forward[layout] = sum(
-                    collate([trajs[i] for i in mb], [0.0] * len(mb), packed=cfg.packing).forward_tokens
-                    for mb in micro_batches
-                )
-                forward[f"{layout}_micro"] = len(micro_batches)
-            out[name] = {
-                "real": sum(lengths), "lengths": (min(lengths), sorted(lengths)[len(lengths) // 2], max(lengths)),
-                "padded_s": statistics.median(times["padded"]), "packed_s": statistics.median(times["packed"]),
-                **{f"forward_{k}": v for k, v in forward.items()},
-            }  # fmt: skip
-            r = out[name]
-            print(
-                f"{name}: padded {r['real'] / r['padded_s']:,.0f} tok/s, packed {r['real'] / r['packed_s']:,.0f} tok/s, "
-                f"packed/padded {r['padded_s'] / r['packed_s']:.2f}",
-                file=sys.stderr, flush=True,
+        finally:
+            release_engine(engine)
+        lengths = [len(t.token_ids) for t in trajs]
+        forward = {}
+        for layout, cfg in cfgs.items():
+            plan = plan_micro_batches(
+                lengths, 2, 1, micro_batch_size=cfg.micro_batch_size,
+                micro_batch_tokens=cfg.micro_batch_tokens, packing=cfg.packing,
             )  # fmt: skip
-    finally:
-        release_engine(engine)
+            micro_batches = [mb for per_rank in plan for mb in per_rank[0]]
+            forward[layout] = sum(
+                collate([trajs[i] for i in mb], [0.0] * len(mb), packed=cfg.packing).forward_tokens
+                for mb in micro_batches
+            )
+            forward[f"{layout}_micro"] = len(micro_batches)
+        out[name] = {
+            "batch": len(trajs), "real": sum(lengths),
+            "lengths": (min(lengths), sorted(lengths)[len(lengths) // 2], max(lengths)),
+            "padded_s": statistics.median(times["padded"]), "packed_s": statistics.median(times["packed"]),
+            **{f"forward_{k}": v for k, v in forward.items()},
+        }  # fmt: skip
+        r = out[name]
+        print(
+            f"{name}: padded {r['real'] / r['padded_s']:,.0f} tok/s, packed {r['real'] / r['packed_s']:,.0f} tok/s, "
+            f"packed/padded {r['padded_s'] / r['packed_s']:.2f}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     return out
 
 
@@ -190,20 +217,21 @@ def section(res: dict, att: dict, repeats: int, quick: bool) -> str:
         "",
         f"Command: `{'python -m bench.learner_packing --quick' if quick else 'make bench'}` on {platform.machine()}, "
         f"Python {platform.python_version()}, one torch thread, fp32, {time.strftime('%Y-%m-%d')}. One process, "
-        f"ZeRO 1; SmolLM2-135M's shapes with {LAYERS} of its 30 layers (random weights); B = {BATCH}, 2 mini-batches; "
-        f"median of {repeats} updates of each layout, taken in turn after a warm-up of each. Baseline: the padded "
-        "layout (`packing: false`) on the same engine in the same run. Tokens/s counts real tokens.",
+        f"ZeRO 1, 2 mini-batches; the toy model for the demo mix, SmolLM2-135M's shapes with {LAYERS} of its 30 "
+        f"layers (random weights) for the others (bench/learner_packing.py); median of {repeats} updates of each "
+        "layout, taken in turn after a warm-up of each. Baseline: the padded layout (`packing: false`) on the same "
+        "engine in the same run. Tokens/s counts real tokens.",
         "",
-        "| length mix | lengths (min, median, max) | micro-batching | padded tokens/s | packed tokens/s | "
+        "| length mix | B | lengths (min, median, max) | micro-batching | padded tokens/s | packed tokens/s | "
         "packed/padded | padding share of padded forward | predicted by the share |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    how = {"demo": "8 trajectories", "alfworld": "4 x 640 tokens"}
+    how = {"demo": "16 trajectories", "demo-real": "8 trajectories", "alfworld": "4 x 640 tokens"}
     for name, r in res.items():
         share = 1 - r["real"] / r["forward_padded"]
         lo, mid, hi = r["lengths"]
         lines.append(
-            f"| {name} | {lo}, {mid}, {hi} | {how[name]} ({r['forward_padded_micro']} padded, {r['forward_packed_micro']} packed) | "
+            f"| {name} | {r['batch']} | {lo}, {mid}, {hi} | {how[name]} ({r['forward_padded_micro']} padded, {r['forward_packed_micro']} packed) | "
             f"{r['real'] / r['padded_s']:,.0f} | {r['real'] / r['packed_s']:,.0f} | {r['padded_s'] / r['packed_s']:.2f} | "
             f"{share:.2f} | {1 / (1 - share):.2f} |"
         )
@@ -234,15 +262,20 @@ def main() -> None:
 
     repeats = 1 if args.quick else 3
     with tempfile.TemporaryDirectory() as tmp:
+        from tools.toy_model import build_toy_model
+
+        toy = build_toy_model(Path(tmp) / "toy")
         model = build_model(Path(tmp) / "model")
         vocab = 49152
-        demo, demo_adv = demo_batch(vocab)
+        demo, demo_adv = demo_batch()
+        real, real_adv = demo_real_batch(vocab)
         alf, alf_adv = alfworld_like_batch(vocab, BATCH)
         mixes = {
-            "demo": (demo, demo_adv, {"micro_batch_size": 8}),
-            "alfworld": (alf, alf_adv, {"micro_batch_tokens": 4 * ALFWORLD_CAP}),
+            "demo": (toy, demo, demo_adv, {"micro_batch_size": 16}),
+            "demo-real": (model, real, real_adv, {"micro_batch_size": 8}),
+            "alfworld": (model, alf, alf_adv, {"micro_batch_tokens": 4 * ALFWORLD_CAP}),
         }
-        res = layouts(model, mixes, repeats)
+        res = layouts(mixes, repeats)
         att = attention_alone(model, alf, repeats)
     text = section(res, att, repeats, args.quick)
     print(text)

