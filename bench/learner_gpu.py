@@ -83,17 +83,19 @@ class Setup:
     budget: int  # micro_batch_tokens
     repeats: int  # timed updates per case, after one warm-up
     matmul: int  # side of the square matmul that measures the peak
-    # (checkpointing, ZeRO stage, packed rows, liger setting), in this order
-    cases: tuple[tuple[bool, int, bool, str], ...]
+    # (checkpointing, ZeRO stage, packed rows, liger setting, ZeRO 3 keeps every parameter gathered)
+    cases: tuple[tuple[bool, int, bool, str, bool], ...]
 
 
 # Packed rows with liger (the defaults) under ZeRO 2 and 3 and with checkpointing; beside them, at
-# ZeRO 2, packed without liger and padded without it (the learner as it was: the 2026-11-27 rows).
+# ZeRO 2, packed without liger and padded without it (the learner as it was: the 2026-11-27 rows);
+# and ZeRO 3 with every parameter persistent (zero3_persistence_threshold above the largest): on
+# one GPU, whether its fixed per-update cost is the per-module gather and release.
 GPU = Setup(
     device="cuda", dtype="bf16", batch=64, budget=16384, repeats=3, matmul=8192,
     cases=(
-        (False, 2, True, "on"), (False, 2, True, "off"), (False, 2, False, "off"), (False, 3, True, "on"),
-        (True, 2, True, "on"),
+        (False, 2, True, "on", False), (False, 2, True, "off", False), (False, 2, False, "off", False),
+        (False, 3, True, "on", False), (False, 3, True, "on", True), (True, 2, True, "on", False),
     ),
 )  # fmt: skip
 # Two cases cover both stages and both checkpointing paths; fp32, since bf16 matmuls on a CPU without
@@ -101,17 +103,20 @@ GPU = Setup(
 # covered by tests/test_learner_update.py).
 CPU_SMOKE = Setup(
     device="cpu", dtype="fp32", batch=8, budget=1024, repeats=1, matmul=256,
-    cases=((False, 2, True, "off"), (True, 3, False, "off")),
+    cases=((False, 2, True, "off", False), (True, 3, False, "off", True)),
 )  # fmt: skip
 
 
-def settings(setup: Setup, zero: int, ckpt: bool, packing: bool = True, liger: str = "off"):
+def settings(
+    setup: Setup, zero: int, ckpt: bool, packing: bool = True, liger: str = "off", persist: bool = False
+):
     from services.learner.config import LearnerSettings
 
     return LearnerSettings(
         run="bench", model=Path("unused"), zero_stage=zero, dtype=setup.dtype, batch_size=setup.batch,
         mini_batches=1, micro_batch_tokens=setup.budget, gradient_checkpointing=ckpt, attn_implementation="sdpa",
         lr=1e-6, grad_clip=1.0, packing=packing, liger=liger,
+        zero3_persistence_threshold=10**12 if persist else None,
     )  # fmt: skip
 
 
@@ -229,12 +234,12 @@ def timed(setup: Setup, update, base: float) -> tuple[float, float]:
 
 def learner_case(
     config: dict, setup: Setup, zero: int, ckpt: bool, trajs, adv, profile: bool = False,
-    packing: bool = True, liger: str = "off",
+    packing: bool = True, liger: str = "off", persist: bool = False,
 ) -> dict:  # fmt: skip
     from services.learner.engine import release_engine
     from services.learner.update import run_update
 
-    cfg = settings(setup, zero, ckpt, packing, liger)
+    cfg = settings(setup, zero, ckpt, packing, liger, persist)
     base = memory_start(setup)
     engine = learner_engine(config, setup, cfg)
     try:
@@ -366,11 +371,14 @@ def run(setup: Setup, models: dict[str, dict], budget_s: float, log, profile: bo
             f"trajectories, micro-batches of {info['padded']} padded tokens, {info['flops'] / info['tokens'] / 1e9:.3g} GFLOP per token")  # fmt: skip
         last_case_s = 0.0
         plain: dict[bool, dict] = {}
-        for ckpt, zero, packing, liger in setup.cases:
+        for ckpt, zero, packing, liger, persist in setup.cases:
             layout = "packed" if packing else "padded"
-            head = f"learner gpu: {label} zero {zero} ckpt {'on' if ckpt else 'off'} {layout} liger {liger}"
+            head = f"learner gpu: {label} zero {zero}{' persistent' if persist else ''} ckpt {'on' if ckpt else 'off'} {layout} liger {liger}"
             predicted, fits = plan_total(config, setup, zero, ckpt, gpu_gib)
-            case = {"zero": zero, "ckpt": ckpt, "predicted": predicted, "layout": layout, "liger": liger}
+            case = {
+                "zero": f"{zero}{' persistent' if persist else ''}", "ckpt": ckpt, "predicted": predicted,
+                "layout": layout, "liger": liger,
+            }  # fmt: skip
             info["cases"].append(case)
             if not fits:
                 case["skipped"] = (
@@ -391,7 +399,8 @@ def run(setup: Setup, models: dict[str, dict], budget_s: float, log, profile: bo
             # a GPU lease is short, and the cases share the kernels that matter.
             first = profile and not any("seconds" in c for c in info["cases"])
             case.update(
-                learner_case(config, setup, zero, ckpt, trajs, adv, first, packing, liger), plain=plain[ckpt]
+                learner_case(config, setup, zero, ckpt, trajs, adv, first, packing, liger, persist),
+                plain=plain[ckpt],
             )
             _release(setup)
             # What the case left allocated: a leak shows here (the next case's peak is counted above it).

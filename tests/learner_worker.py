@@ -161,6 +161,11 @@ def run_task(
             ),
             "offload_params": bool(getattr(engine.optimizer, "offload_param", False)),
         },
+        # ZeRO 3's parameters kept gathered between uses (ds_persist), of all.
+        "persistent": (
+            sum(bool(getattr(p, "ds_persist", False)) for p in engine.module.parameters()),
+            sum(1 for _ in engine.module.parameters()),
+        ),
         # Elements the optimizer steps (under LoRA: the adapters alone).
         "optimizer_elements": _optimizer_elements(engine),
         "trainable": sorted(n for n, p in engine.module.named_parameters() if p.requires_grad),

@@ -304,7 +304,7 @@ def test_the_gpu_bench_smoke_runs_its_cases_on_the_cpu():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     number = r"[\d,.]+"
-    for case in ("zero 2 ckpt off packed liger off", "zero 3 ckpt on padded liger off"):
+    for case in ("zero 2 ckpt off packed liger off", "zero 3 persistent ckpt on padded liger off"):
         assert re.search(
             rf"^learner gpu: smoke {case}: tokens/s {number}, MFU {number}% \(plain torch {number}%\)$",
             out.stdout,

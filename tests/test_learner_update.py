@@ -680,6 +680,9 @@ MEMORY_SETTINGS = [
     ("checkpointing", {"gradient_checkpointing": True}, [1]),
     ("offload-optimizer", {"offload_optimizer": True}, [2]),
     ("offload-params", {"offload_optimizer": True, "offload_params": True}, [3]),
+    # No parameter kept gathered between uses: every one gathered and released per module (the
+    # tiny model's are all below DeepSpeed's default threshold of 100,000 elements, so all persist).
+    ("no-persistent-params", {"zero3_persistence_threshold": 0}, [3]),
     ("tokens-checkpointing-offload", {"micro_batch_tokens": 250, "gradient_checkpointing": True,
                                       "offload_optimizer": True}, [2]),
 ]  # fmt: skip
@@ -700,6 +703,9 @@ def test_memory_settings_do_not_change_the_update(tiny_model, batch, references,
         "offload_optimizer": extra.get("offload_optimizer", False),
         "offload_params": extra.get("offload_params", False),
     }
+    if stage == 3:  # ZeRO 3's persistence: all of the tiny model's by default, none at threshold 0
+        kept, every = result["persistent"]
+        assert kept == (0 if extra.get("zero3_persistence_threshold") == 0 else every), result["persistent"]
 
 
 @pytest.fixture(scope="module")

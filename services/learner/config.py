@@ -131,6 +131,13 @@ class LearnerTuning(HttpServerSettings):
         False, description="keep the optimizer states (and fp32 master weights) in CPU memory; ZeRO >= 1"
     )
     offload_params: bool = Field(False, description="keep the parameters in CPU memory between uses; ZeRO 3")
+    zero3_persistence_threshold: int | None = Field(
+        None,
+        ge=0,
+        le=10**12,
+        description="ZeRO 3: parameters of fewer elements stay gathered between uses (DeepSpeed's default "
+        "100,000 when unset); above the largest, nothing is gathered and released per forward",
+    )
 
     # -- LoRA ----------------------------------------------------------------------------------
     lora_rank: int = Field(

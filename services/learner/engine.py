@@ -84,6 +84,8 @@ def deepspeed_config(cfg: LearnerSettings, world_size: int) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _pin()}
     if cfg.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": _pin()}
+    if cfg.zero3_persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = cfg.zero3_persistence_threshold
     config = {
         # train_batch_size is left out: DeepSpeed derives it as micro * gas * world, which with a
         # short last micro-batch may exceed the real B; nothing here reads it.

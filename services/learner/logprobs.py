@@ -1,6 +1,8 @@
-"""Per-token log-probabilities of a sequence under a causal LM: log p(token_{t+1} | tokens_{<=t}).
+"""Per-token log-probabilities of a sequence under a causal LM: log p(token_{t+1} | tokens_{<=t}),
+for padded rows (an attention mask) or a packed row (position ids restarting at 0 per sequence:
+services/learner/batch.py), and beside them, where asked, each position's entropy.
 
-The softmax runs in float32 whatever the model's dtype: a bf16 log-softmax over a large vocabulary
+The softmax runs in float32 at least whatever the model's dtype: a bf16 log-softmax over a large vocabulary
 loses about three significant digits, and these values feed exp(logp - old_logp), where an error
 of 1e-2 already moves the ratio by a percent and can flip a clip decision. The log-prob is formed
 as logit - logsumexp(logits).
@@ -20,6 +22,10 @@ backward prologue and accumulation boundary: runtime/engine.py, register_output_
 engine.backward does not run that prologue itself), and ZeRO-3 gathers the output layer's
 weight (tied or not) once in its pre-forward hook and keeps it through every chunk, and again in
 its backward hooks around the recomputation. PEFT's forward and Hugging Face's are unchanged.
+
+On CUDA, where liger-kernel applies (services/learner/kernels.py), the output layer's log-probs
+come from its fused linear cross-entropy instead of the chunks: the same function, its own chunks,
+no logits kept, the gradient formed in its backward.
 
 A model whose forward transforms the logits after its output layer (Gemma's soft-capping,
 Cohere's and Granite's scaling) would turn the log-probs into something else; such a model is
