@@ -129,7 +129,7 @@ def _settings(model: Path, batch: int, micro: dict, packing: bool):
 
 def layouts(mixes: dict, repeats: int) -> dict:
     """Per mix: median seconds of one update, padded and packed, and the tokens each forwards."""
-    from services.learner.batch import collate, plan_micro_batches
+    from services.learner.batch import collate, pack_fill, plan_micro_batches
     from services.learner.engine import build_engine, release_engine
     from services.learner.update import run_update
 
@@ -163,6 +163,8 @@ def layouts(mixes: dict, repeats: int) -> dict:
                 for mb in micro_batches
             )
             forward[f"{layout}_micro"] = len(micro_batches)
+            if cfg.packing and cfg.micro_batch_tokens is not None:
+                forward["fill"] = pack_fill(lengths, micro_batches, cfg.micro_batch_tokens)
         out[name] = {
             "batch": len(trajs), "real": sum(lengths),
             "lengths": (min(lengths), sorted(lengths)[len(lengths) // 2], max(lengths)),
@@ -230,8 +232,14 @@ def section(res: dict, att: dict, repeats: int, quick: bool) -> str:
     for name, r in res.items():
         share = 1 - r["real"] / r["forward_padded"]
         lo, mid, hi = r["lengths"]
+        fill = (
+            f"; first-fit decreasing fills {r['forward_fill']:.0%} of the budget"
+            if "forward_fill" in r
+            else ""
+        )
         lines.append(
-            f"| {name} | {r['batch']} | {lo}, {mid}, {hi} | {how[name]} ({r['forward_padded_micro']} padded, {r['forward_packed_micro']} packed) | "
+            f"| {name} | {r['batch']} | {lo}, {mid}, {hi} | {how[name]} ({r['forward_padded_micro']} padded, "
+            f"{r['forward_packed_micro']} packed{fill}) | "
             f"{r['real'] / r['padded_s']:,.0f} | {r['real'] / r['packed_s']:,.0f} | {r['padded_s'] / r['packed_s']:.2f} | "
             f"{share:.2f} | {1 / (1 - share):.2f} |"
         )

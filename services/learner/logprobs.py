@@ -258,9 +258,12 @@ def _logprobs_entropy(
 
 def _from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """(log p of the targets, entropy) of float32 logits [..., V]."""
-    # One exponential of the chunk: log-softmax once, p from it, H = -sum p log p.
-    logsm = torch.log_softmax(logits, dim=-1)
-    return logsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logsm.exp() * logsm).sum(-1)
+    # The log-prob exactly as _logprobs forms it (logit - logsumexp), so that the old-log-probs pass
+    # and the training pass agree to the bit on the same weights (ratio 1 at the first step).
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    p = torch.exp(logits - lse.unsqueeze(-1))
+    return logp, lse - (p * logits).sum(-1)
 
 
 def _fused_head(head: torch.nn.Module, device: torch.device) -> Callable[[Tensor, Tensor], Tensor] | None:
