@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system ops test test-slow test-fast test-isa test-gpu bench profile lint clean demo demo-quick demo-agent demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render lock-check images-gpu compose-gpu-images
+.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-agent demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render lock-check images-gpu compose-gpu-images
 
 setup: $(STAMP) system
 
@@ -95,17 +95,6 @@ test-gpu:
 
 # The in-process tier: pure functions, the services' apps through TestClient, a real redis-server
 # where the store needs one; no test of the `process` tier (nor of the slow tier). Meant to take under 2 minutes (2 min 43 s measured: docs/development.md).
-# The learner's equality tests (packed against padded, chunked against whole-vocabulary log-probs,
-# every update against the plain-PyTorch reference) under each of ATen's CPU kernel families: the
-# fp32 noise they are held to is measured per run, so each family must pass on its own (AVX-512
-# only where this CPU has it). Not part of `make test`, which runs them once, on the machine's own.
-ISA ?= default avx2 $(if $(shell grep -m1 -o avx512f /proc/cpuinfo 2>/dev/null),avx512)
-test-isa: setup
-	@for isa in $(ISA); do echo "== ATEN_CPU_CAPABILITY=$$isa"; \
-		ATEN_CPU_CAPABILITY=$$isa PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal \
-			tests/test_learner_packing.py tests/test_learner_update.py tests/test_lora.py tests/test_real_learner.py \
-			tests/test_learner_gpu_bench.py || exit 1; done
-
 test-fast: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not process and not slow" --durations=15
 

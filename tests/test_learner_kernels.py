@@ -26,9 +26,13 @@ pytestmark = pytest.mark.process
 ROOT = Path(__file__).resolve().parents[1]
 # One fp32 case that sums micro-batches under ZeRO 2 over two optimizer steps, and the LoRA case
 # under ZeRO 3 that failed on an AVX-512 EPYC with the old bound.
+# Packed rows against padded ones (the update, and the log-probs, entropy and gradients of a row).
 CASES = [
     "tests/test_learner_update.py::test_single_process_matches_reference[M2-micro2-2]",
     "tests/test_lora.py::test_lora_under_zero_matches_a_plain_peft_loop[3]",
+    "tests/test_learner_update.py::test_packed_and_padded_updates_agree[zero2]",
+    "tests/test_learner_packing.py::test_a_packed_row_gives_each_sequence_its_own_logprobs_and_entropy",
+    "tests/test_learner_packing.py::test_packed_gradients_are_the_sequences_own",
 ]
 
 
@@ -92,4 +96,4 @@ def test_the_learner_equality_tests_pass_under_every_kernel_family(capability, t
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     print(r.stdout[-2000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "2 passed" in r.stdout
+    assert f"{len(CASES)} passed" in r.stdout

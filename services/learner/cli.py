@@ -83,7 +83,7 @@ group.add_command(
 @click.option("--zero", type=click.IntRange(0, 3), default=None, help="one ZeRO stage (default: every one)")
 @click.option(
     "--micro-batch-tokens", type=click.IntRange(1, 1 << 24), default=4096, show_default=True,
-    help="padded tokens per micro-batch (the learner's micro_batch_tokens)",
+    help="tokens per micro-batch (the learner's micro_batch_tokens: real tokens when packed, rows x longest when padded)",
 )  # fmt: skip
 @click.option(
     "--gpu-memory", type=click.FloatRange(1, 10_000), default=80.0, show_default=True, help="GiB per GPU"

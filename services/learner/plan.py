@@ -22,7 +22,7 @@ partition (16 bytes per parameter); fp32 training has the weights, gradients and
 offload_optimizer moves the last column to CPU memory; offload_params (ZeRO-3) moves the weights
 too, leaving the gathered layer on the GPU.
 
-Activations, for a micro-batch of T padded tokens (micro_batch_tokens), b = 2 bytes (bf16) or 4:
+Activations, for a micro-batch of T tokens (micro_batch_tokens), b = 2 bytes (bf16) or 4:
 what autograd keeps for backward in the Hugging Face decoder layers (Llama, Qwen2/3, Mistral:
 RMSNorm in fp32, rotary attention through sdpa, a SwiGLU MLP), per token and layer
 
@@ -39,6 +39,10 @@ time and holds about 16 bytes per token and vocabulary entry meanwhile (HEAD_TRA
 peak adds the larger of that and the layer being recomputed. The constants were measured on real
 models with autograd's saved-tensor hooks (`saved_bytes`), and tests/test_learner_plan.py checks
 the formula against that measurement on several shapes.
+
+T is what the forward computes: the real tokens of a packed micro-batch (the learner's default),
+rows x the longest row of a padded one. The figures are for transformers' own kernels; liger-kernel's
+fused RMSNorm and SwiGLU (services/learner/kernels.py, on CUDA) keep less, so there the plan errs high.
 
 A plan fits when its total stays under the GPU's memory less a reserve (10%: the CUDA context,
 NCCL's buffers, the allocator's fragmentation).
