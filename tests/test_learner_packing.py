@@ -276,3 +276,15 @@ def test_liger_is_off_on_a_cpu_and_on_says_why(models):
         model.config.model_type = kept
     # Nothing chose this model's output layer: the log-probs take the chunked PyTorch path.
     assert kernels.fused_logprobs(model.get_output_embeddings(), torch.device("cpu")) is None
+
+
+def test_the_starts_of_a_new_row_are_its_own():
+    """Every layer reads one row's starts from a cache; a new row's are found afresh, even where
+    the new tensor takes the old one's place in memory (the cache holds the old one weakly)."""
+    first = torch.tensor([[0, 1, 2, 0, 1]])
+    assert sequence_starts(first) == [0, 3, 5]
+    del first
+    second = torch.tensor([[0, 1, 0, 1, 2]])
+    assert sequence_starts(second) == [0, 2, 5]
+    second[0, 2:] = torch.tensor([2, 3, 4])  # changed in place: one sequence now
+    assert sequence_starts(second) is None

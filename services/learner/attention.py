@@ -18,6 +18,7 @@ its attention mask: the reference path, or evaluation), it is transformers' own 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -59,8 +60,9 @@ def model_attention(setting: str) -> str:
 
 
 # Every layer is given the same position_ids tensor: its starts are found once per forward (on a
-# GPU, reading them back waits for the device).
-_last: tuple[tuple[int, int, tuple[int, ...], int], list[int] | None] | None = None
+# GPU, reading them back waits for the device). The cache holds the tensor weakly: a later tensor
+# that happens to get the same address and shape is not it.
+_last: tuple[weakref.ref[Tensor], int, list[int] | None] | None = None
 
 
 def sequence_starts(position_ids: Tensor) -> list[int] | None:
@@ -69,11 +71,11 @@ def sequence_starts(position_ids: Tensor) -> list[int] | None:
     global _last
     if position_ids.ndim != 2 or position_ids.shape[0] != 1:
         return None
-    key = (id(position_ids), position_ids.data_ptr(), tuple(position_ids.shape), position_ids._version)
-    if _last is not None and _last[0] == key:
-        return _last[1]
-    _last = (key, _starts(position_ids))
-    return _last[1]
+    if _last is not None and _last[0]() is position_ids and _last[1] == position_ids._version:
+        return _last[2]
+    starts = _starts(position_ids)
+    _last = (weakref.ref(position_ids), position_ids._version, starts)
+    return starts
 
 
 def _starts(position_ids: Tensor) -> list[int] | None:
