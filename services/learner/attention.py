@@ -119,44 +119,17 @@ def packed_sdpa_forward(
     kwargs.pop("is_causal", None)
     if query.is_cuda and _VARLEN is not None:
         return _varlen(module, query, key, value, starts, scaling), None
-    # Elsewhere: the row's sequences cut apart and padded into a [sequences, longest] batch for ONE
-    # attention call, causal within each, padding keys masked, and the answers put back in a row.
-    # Only the attention sees that padding (the layers' matmuls stay on the real tokens), and one
-    # call costs far less than one per sequence where there are many short ones (BENCHMARKS.md).
+    # Elsewhere: causal attention per sequence (sdpa's flash kernel for the CPU, no mask), on views
+    # that split() cut: its backward concatenates the gradients, where a slice per sequence would
+    # fill a zero gradient of the whole row per sequence. Measured against one masked call on the
+    # sequences padded into a batch: faster for 16 short sequences as for 5 long ones
+    # (BENCHMARKS.md, "Learner: packed micro-batches").
     lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    mask = _batch_mask(lengths, query.device)
-    out = sdpa_attention_forward(
-        module, _to_batch(query, lengths), _to_batch(key, lengths), _to_batch(value, lengths), mask,
-        dropout=dropout, scaling=scaling, **kwargs,
-    )[0]  # fmt: skip
-    # [sequences, longest, heads, d] -> [1, L, heads, d]. Split, pad, unbind and cat have backwards
-    # that touch each element once; a gather's would scatter-add, and a slice per sequence of the
-    # row would fill a zero gradient of the whole row per sequence.
-    return torch.cat([o[:k] for o, k in zip(out.unbind(0), lengths, strict=True)]).unsqueeze(0), None
-
-
-def _to_batch(x: Tensor, lengths: list[int]) -> Tensor:
-    """[1, heads, L, d] -> [sequences, heads, longest, d], each sequence padded at its end."""
-    longest = max(lengths)
-    parts = x.split(lengths, dim=2)
-    return torch.cat([torch.nn.functional.pad(p, (0, 0, 0, longest - p.shape[2])) for p in parts])
-
-
-_masks: dict[tuple[tuple[int, ...], str], Tensor] = {}
-
-
-def _batch_mask(lengths: list[int], device: torch.device) -> Tensor:
-    """[sequences, 1, longest, longest] bool: causal within each sequence, its real keys only.
-    Every layer asks for the same one: the last few are kept."""
-    key = (tuple(lengths), str(device))
-    if key not in _masks:
-        longest = max(lengths)
-        real = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
-        causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-        if len(_masks) >= 8:
-            _masks.clear()
-        _masks[key] = (causal[None, None] & real[:, None, None, :]).to(device)
-    return _masks[key]
+    parts = [
+        sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
+        for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
+    ]  # fmt: skip
+    return torch.cat(parts, dim=1), None
 
 
 def _find_varlen() -> Any:
