@@ -110,21 +110,21 @@ def packed_sdpa_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     window = kwargs.get("sliding_window")
-    if window is not None and max(b - a for a, b in zip(starts, starts[1:], strict=False)) > window:
+    if window is not None and max(lengths) > window:
         raise ValueError(
             f"a packed sequence is longer than the model's sliding window ({window} tokens): this "
             "attention does not apply the window; set packing false or attn_implementation flex_attention"
         )
     kwargs.pop("is_causal", None)
     if query.is_cuda and _VARLEN is not None:
-        return _varlen(module, query, key, value, starts, scaling), None
+        return _varlen(module, query, key, value, starts, max(lengths), scaling), None
     # Elsewhere: causal attention per sequence (sdpa's flash kernel for the CPU, no mask), on views
     # that split() cut: its backward concatenates the gradients, where a slice per sequence would
     # fill a zero gradient of the whole row per sequence. Measured against one masked call on the
     # sequences padded into a batch: faster for 16 short sequences as for 5 long ones
     # (BENCHMARKS.md, "Learner: packed micro-batches").
-    lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     parts = [
         sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
         for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
@@ -141,10 +141,19 @@ def _find_varlen() -> Any:
 
 
 _VARLEN = _find_varlen()
+# Its signature changed across torch versions (causality by flag in 2.10 and 2.11, by window
+# later; grouped-query attention by flag or not at all): read once, not at every layer's call.
+_VARLEN_PARAMS = frozenset(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else frozenset()
 
 
 def _varlen(
-    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, starts: list[int], scale: Any
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    starts: list[int],
+    longest: int,
+    scale: Any,
 ) -> Tensor:
     """Causal attention per sequence in one flash-attention call (CUDA)."""
     groups = getattr(module, "num_key_value_groups", 1)
@@ -152,16 +161,13 @@ def _varlen(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     cu = torch.tensor(starts, dtype=torch.int32, device=query.device)
-    longest = max(b - a for a, b in zip(starts, starts[1:], strict=False))
-    params = inspect.signature(_VARLEN).parameters
     options: dict[str, Any] = {"scale": scale}
-    # Its signature changed across torch versions: causality by flag (2.10, 2.11) or by window.
-    if "is_causal" in params:
+    if "is_causal" in _VARLEN_PARAMS:
         options["is_causal"] = True
     else:
         options["window_size"] = (-1, 0)
     if groups > 1:
-        if "enable_gqa" in params:
+        if "enable_gqa" in _VARLEN_PARAMS:
             options["enable_gqa"] = True
         else:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

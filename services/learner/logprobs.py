@@ -245,9 +245,14 @@ def _upcast(logits: Tensor) -> Tensor:
     return logits if logits.dtype == torch.float64 else logits.float()
 
 
-def _logprobs(layer: Callable[[Tensor], Tensor], states: Tensor, targets: Tensor) -> Tensor:
-    logits = _upcast(layer(states))
+def _target_logp(logits: Tensor, targets: Tensor) -> Tensor:
+    """log p of the targets, as logit - logsumexp: ONE formula for every path, so that the old
+    log-probs and the training pass's agree to the bit on the same weights (ratio 1)."""
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _logprobs(layer: Callable[[Tensor], Tensor], states: Tensor, targets: Tensor) -> Tensor:
+    return _target_logp(_upcast(layer(states)), targets)
 
 
 def _logprobs_entropy(
@@ -258,12 +263,9 @@ def _logprobs_entropy(
 
 def _from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """(log p of the targets, entropy) of float32 logits [..., V]."""
-    # The log-prob exactly as _logprobs forms it (logit - logsumexp), so that the old-log-probs pass
-    # and the training pass agree to the bit on the same weights (ratio 1 at the first step).
     lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     p = torch.exp(logits - lse.unsqueeze(-1))
-    return logp, lse - (p * logits).sum(-1)
+    return _target_logp(logits, targets), lse - (p * logits).sum(-1)
 
 
 def _fused_head(head: torch.nn.Module, device: torch.device) -> Callable[[Tensor, Tensor], Tensor] | None:
@@ -309,6 +311,6 @@ def _unchunked(
     if entropy:
         logp, ent = _from_logits(logits, targets)
         return logp.masked_fill(~scored, 0.0), ent.masked_fill(~scored, 0.0)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logp = _target_logp(logits, targets)
     # Unscored targets answer 0, as on the chunked path.
     return logp.masked_fill(~scored, 0.0), None

@@ -282,14 +282,9 @@ class Learner:
                     model, b.input_ids.to(device), _on(b.attention_mask, device),
                     position_ids=_on(b.position_ids, device),
                 ).cpu()  # fmt: skip
-                # Row r's or the packed row's columns of sequence j: its own token t+1 at column t.
-                at = 0
+                # Sequence j's log-probs, whichever the layout: the scored columns it owns.
                 for i, j in enumerate(chunk):
-                    if self.cfg.packing:
-                        out[j] = lp[0, at : at + lengths[j] - 1].tolist()
-                        at += lengths[j]
-                    else:
-                        out[j] = lp[i, : lengths[j] - 1].tolist()
+                    out[j] = lp[b.loss_mask & (b.owners == i)].tolist()
         return out
 
     def _drop_nonfinite(self, batch: list, reasons: dict[int, str]) -> None:
@@ -444,11 +439,12 @@ class Learner:
 
 
 class _Sequence:
-    """A token sequence as collate reads a trajectory (nothing of it is an action)."""
+    """A token sequence as collate reads a trajectory, every token after the first scored (so the
+    batch's loss_mask marks each log-prob the drift needs, in either layout)."""
 
     def __init__(self, tokens: list[int]) -> None:
         self.token_ids = tokens
-        self.action_mask = [0] * len(tokens)
+        self.action_mask = [0] + [1] * (len(tokens) - 1)
         self.rollout_logprobs = [0.0] * len(tokens)
 
 
