@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -217,14 +218,33 @@ def ensure_base(image: str = BASE_IMAGE, release: list[str] | None = None) -> No
 
 
 # --- 3. the images -----------------------------------------------------------------------------
-def stream_build(cmd: list[str], env: dict, label: str, beat_s: float = 60.0) -> None:
+# The legacy builder's lines: a stage starts at "Step 3/60 : FROM os AS builder" and each step ends
+# with " ---> <image id>"; the stage's last id is the image a later COPY --from reads.
+STAGE_LINE = re.compile(r"^Step \d+/\d+ : FROM \S+ (?:AS|as) (\S+)")
+IMAGE_LINE = re.compile(r"^ ---> ([0-9a-f]{12,64})$")
+# The compose targets are tagged by compose; every other stage's last image is tagged here, so that
+# a stage image still used as cache is never taken for a stale one.
+TARGETS = ("tracker", "learner", "rollout", "redis")
+CACHE_REPO = "spopp/build-cache"
+# A build with no cached layer, on the CPU images of 2026-11-28: the builder (1.2 GB), the venv
+# stages' own layers (rollout 3.9, learner 1.2, tracker 0.1), the images that copy them (rollout
+# 4.0, learner 1.7, tracker 0.1, redis 0.1) and the os layer (0.4) hold 12.7 GB; a COPY --from
+# unpacks the venv's tar beside it (up to 3.9 GB more while it runs). 18 GiB leaves a margin.
+BUILD_NEEDS_GIB = 18
+NO_SPACE = "no space left on device"
+
+
+def stream_build(cmd: list[str], env: dict, label: str, beat_s: float = 60.0) -> dict[str, str]:
     """Run an image build, printing each Dockerfile step (and, for compose, each image) as it
     starts, with the time since the start, and a line every `beat_s` seconds while one step runs
     (a pip install of the CUDA wheels is one step of many minutes): a build takes tens of minutes
-    under load and must not be silent. A failed build prints the tail of its output."""
+    under load and must not be silent. A failed build prints the tail of its output (and, when the
+    disk filled, what holds it). Returns each named stage's last image id (keep_stage_images)."""
     t0 = time.monotonic()
     tail: list[str] = []
     current = ["starting"]
+    stages: dict[str, str] = {}
+    stage = [""]
     done = threading.Event()
 
     def heartbeat() -> None:
@@ -236,6 +256,10 @@ def stream_build(cmd: list[str], env: dict, label: str, beat_s: float = 60.0) ->
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
             for line in proc.stdout:
                 tail = [*tail[-300:], line.rstrip()]
+                if (m := STAGE_LINE.match(line)) is not None:
+                    stage[0] = m.group(1)
+                elif stage[0] and (m := IMAGE_LINE.match(line.rstrip())) is not None:
+                    stages[stage[0]] = m.group(1)
                 # Dockerfile steps, and compose's "Building <service>" (not apt's "Building dependency tree").
                 if line.startswith("Step ") or (line.startswith("Building ") and len(line.split()) == 2):
                     current[0] = line.strip()
@@ -244,18 +268,92 @@ def stream_build(cmd: list[str], env: dict, label: str, beat_s: float = 60.0) ->
         done.set()
     if proc.returncode != 0:
         print("\n".join(tail[-80:]), file=sys.stderr)
-        raise SystemExit(f"{label}: the build failed (exit code {proc.returncode})")
+        why = f"{label}: the build failed (exit code {proc.returncode})"
+        if any(NO_SPACE in t for t in tail):
+            why += "; " + disk_report()
+        raise SystemExit(why)
+    return stages
+
+
+def docker_root() -> str:
+    return sh(["docker", "info", "--format", "{{.DockerRootDir}}"], capture=True).stdout.strip() or "/var/lib/docker"
+
+
+def disk_report() -> str:
+    """Where the disk went, for a build that ran out of it: the free space and the largest images."""
+    free = shutil.disk_usage(docker_root()).free / 2**30
+    rows = sh(["docker", "images", "--format", "{{.Size}}\t{{.Repository}}:{{.Tag}} {{.ID}}"], check=False,
+              capture=True).stdout.split("\n")  # fmt: skip
+    return (f"{docker_root()} has {free:.1f} GiB free and a build with no cached layer needs about "
+            f"{BUILD_NEEDS_GIB} GiB; the images there: {'; '.join(r for r in rows[:12] if r.strip())}. "
+            "Remove those you no longer need (docker rmi; make images-gpu's gpu-local tags take about 17 GB)")  # fmt: skip
+
+
+def keep_stage_images(stages: dict[str, str], flavour: str) -> None:
+    """Tag each built stage that compose does not tag (the builder, the venvs, ...) as
+    spopp/build-cache:<flavour>-<stage>: the next build's cache, and not stale to prune_stale_images."""
+    for name, image in sorted(stages.items()):
+        if name not in TARGETS:
+            sh(["docker", "tag", image, f"{CACHE_REPO}:{flavour}-{name}"])
+
+
+def stale_images(dangling: list[dict], base_layers: set[str]) -> list[dict]:
+    """The untagged images that a spopp build left: those whose first layer is one of spopp's base
+    images' (spopp-debian, spopp-ubuntu: made here by debootstrap, so no other project's images
+    start with them). Another project's untagged images are never touched."""
+    return [d for d in dangling if not d.get("RepoTags") and (d.get("RootFS", {}).get("Layers") or [""])[0] in base_layers]
+
+
+def prune_stale_images(bases: list[str]) -> None:
+    """Remove the images earlier spopp builds left untagged: a stage rebuilt after a lock change
+    leaves its old image (the rollout venv: 5 GB) and a rebuilt target its old one. An image a
+    container still uses is kept (docker rmi without --force refuses it)."""
+    ids = sh(["docker", "images", "--filter", "dangling=true", "--quiet", "--no-trunc"], capture=True).stdout.split()
+    layers = set()
+    for base in bases:
+        got = sh(["docker", "image", "inspect", "--format", "{{index .RootFS.Layers 0}}", base], check=False,
+                 capture=True)  # fmt: skip
+        if got.returncode == 0:
+            layers.add(got.stdout.strip())
+    if not ids or not layers:
+        return
+    found = json.loads(sh(["docker", "image", "inspect", *ids], capture=True).stdout)
+    removed, size = 0, 0
+    for image in stale_images(found, layers):
+        if sh(["docker", "rmi", image["Id"]], check=False, capture=True).returncode == 0:
+            removed, size = removed + 1, size + image.get("Size", 0)
+    if removed:
+        say(f"removed {removed} untagged image(s) that earlier builds left ({size / 1e9:.1f} GB, layers shared with kept images included)")
+
+
+def check_disk(bases: list[str]) -> None:
+    """Before a build: with less free space than a build with no cached layer needs, first remove
+    what earlier builds left, then say how much is free (a build that finds its layers cached needs
+    little, so this warns rather than refuses)."""
+    root = docker_root()
+    if shutil.disk_usage(root).free >= BUILD_NEEDS_GIB * 2**30:
+        return
+    prune_stale_images(bases)
+    free = shutil.disk_usage(root).free / 2**30
+    if free < BUILD_NEEDS_GIB:
+        say(f"warning: {root} has {free:.1f} GiB free; a build with no cached layer needs about "
+            f"{BUILD_NEEDS_GIB} GiB (docker images spopp/* shows what is there)")  # fmt: skip
 
 
 def build(compose: list[str], env: dict, flavour: str) -> None:
     sh([sys.executable, str(ROOT / "deploy" / "image" / "host.py"), "--flavour", flavour])
+    bases = [BASE_IMAGE, GPU_IMAGES["SPOPP_BASE_IMAGE"]]
+    check_disk(bases)
     t0 = time.monotonic()
     say(f"building the images (deploy/Dockerfile, FLAVOUR={flavour}); cached layers make a second build seconds")
     # Compose 1.29 builds through the Docker API (the legacy builder); the plugin may use BuildKit.
-    stream_build(
+    stages = stream_build(
         [*compose, "build"], {**env, "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0"}, "build"
     )
     say(f"images built in {time.monotonic() - t0:.0f} s: " + ", ".join(image_sizes()))
+    # Every stage of this build is tagged now, so what is left untagged on spopp's bases is stale.
+    keep_stage_images(stages, flavour)
+    prune_stale_images(bases)
 
 
 def image_sizes() -> list[str]:

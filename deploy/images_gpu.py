@@ -36,7 +36,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compose_cpu  # noqa: E402 - this folder's sibling script
-from compose_cpu import ensure_base, ensure_docker, say, sh, stream_build  # noqa: E402
+from compose_cpu import (  # noqa: E402
+    check_disk,
+    ensure_base,
+    ensure_docker,
+    keep_stage_images,
+    prune_stale_images,
+    say,
+    sh,
+    stream_build,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "spopp-ubuntu:noble"
@@ -103,7 +112,7 @@ def build(target: str) -> float:
     cmd = ["docker", "build", "--network", "host", "-f", str(ROOT / "deploy" / "Dockerfile"),
            "--target", target, "--build-arg", f"BASE={BASE_IMAGE}", "--build-arg", "FLAVOUR=gpu",
            "-t", f"spopp/{target}:{TAG}", str(ROOT)]  # fmt: skip
-    stream_build(cmd, {**os.environ, "DOCKER_BUILDKIT": "0"}, target)
+    keep_stage_images(stream_build(cmd, {**os.environ, "DOCKER_BUILDKIT": "0"}, target), "gpu")
     return time.monotonic() - t0
 
 
@@ -167,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     ensure_ubuntu_base()
     sh([sys.executable, str(ROOT / "deploy" / "image" / "host.py"), "--flavour", "gpu"])
+    check_disk([BASE_IMAGE])
     record: dict = {"base": BASE_IMAGE, "images": {}}
     for target in targets:
         say(f"building {target} (FLAVOUR=gpu on {BASE_IMAGE})")
@@ -177,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         say(
             f"{image}: {record['images'][target]['size_mib']} MiB, built in {seconds:.0f} s; {json.dumps(found)}"
         )
+    prune_stale_images([BASE_IMAGE])  # every stage built above is tagged: what is untagged is stale
     failed = {t: problems(t, r) for t, r in record["images"].items()}
     for r in record["images"].values():
         if r.get("archs"):

@@ -108,3 +108,37 @@ def test_a_build_says_each_step_and_that_a_long_one_goes_on(capsys):
             ["sh", "-c", "echo 'Step 1/1 : RUN false'; echo why; exit 3"], {"PATH": "/usr/bin:/bin"}, "build"
         )
     assert "why" in capsys.readouterr().err  # the failed build's tail
+
+
+def test_a_build_returns_each_stages_last_image_and_says_where_the_disk_went(monkeypatch, capsys):
+    m = compose_cpu()
+    # Two compose services' builds, as the legacy builder prints them: the second finds the stages cached.
+    script = (
+        "echo 'Building tracker'; echo 'Step 1/4 : FROM spopp-debian:bookworm AS os'; echo ' ---> 43ddf8435cd4';"
+        " echo 'Step 2/4 : RUN apt-get install python3'; echo ' ---> Running in e087f65c2c5e'; echo ' ---> aaaaaaaaaaaa';"
+        " echo 'Step 3/4 : FROM os AS venv-tracker'; echo ' ---> aaaaaaaaaaaa';"
+        " echo 'Step 4/4 : RUN pip install'; echo ' ---> Using cache'; echo ' ---> bbbbbbbbbbbb';"
+        " echo 'Building learner'; echo 'Step 1/2 : FROM os AS venv-learner'; echo ' ---> aaaaaaaaaaaa';"
+        " echo 'Step 2/2 : RUN pip install'; echo ' ---> cccccccccccc'; echo 'Successfully built cccccccccccc'"
+    )  # fmt: skip
+    stages = m.stream_build(["sh", "-c", script], {"PATH": "/usr/bin:/bin"}, "build", beat_s=60)
+    assert stages == {"os": "aaaaaaaaaaaa", "venv-tracker": "bbbbbbbbbbbb", "venv-learner": "cccccccccccc"}
+    # A build that filled the disk says so, with what disk_report finds (free space, the images).
+    monkeypatch.setattr(m, "disk_report", lambda: "/var/lib/docker has 0.1 GiB free")
+    full = "echo 'Step 1/1 : COPY --from=venv-rollout /opt/venv /opt/venv'; echo 'write x.so: no space left on device'; exit 1"
+    with pytest.raises(SystemExit, match="build failed \\(exit code 1\\); /var/lib/docker has 0.1 GiB free"):
+        m.stream_build(["sh", "-c", full], {"PATH": "/usr/bin:/bin"}, "build")
+    capsys.readouterr()
+
+
+def test_only_untagged_images_on_spopps_bases_are_stale():
+    m = compose_cpu()
+    ours, other = "sha256:debian-rootfs", "sha256:someone-elses-rootfs"
+    images = [
+        {"Id": "old-venv", "RepoTags": [], "RootFS": {"Layers": [ours, "sha256:venv"]}},
+        {"Id": "tagged", "RepoTags": ["spopp/build-cache:cpu-venv-rollout"], "RootFS": {"Layers": [ours]}},
+        {"Id": "theirs", "RepoTags": [], "RootFS": {"Layers": [other, "sha256:x"]}},
+        {"Id": "scratch-stage", "RepoTags": None, "RootFS": {"Layers": []}},
+    ]
+    assert [d["Id"] for d in m.stale_images(images, {ours})] == ["old-venv"]
+    assert m.stale_images(images, set()) == []
