@@ -93,7 +93,9 @@ class RawLoop:
         while True:
             s = self.stream
             draws = (
-                race_draws(int(s["seed"]), self.run, int(s["start"]), batch) if s["seed"] else [1.0] * batch
+                race_draws(int(s["seed"]), s.get("key") or self.run, int(s["start"]), batch)
+                if s["seed"]
+                else [1.0] * batch
             )
             head = [self.p, s["start"], s["seed"], s["prior_mass"], "raw", 0, batch, ""]
             reply = json.loads(self.scripts["dispatch"](args=[*head, *map(num, draws)]))

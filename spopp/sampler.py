@@ -3,7 +3,7 @@
 Each idle task holds a key t = now + E / w with E ~ Exp(1); popping the smallest key picks idle
 task i with probability w_i / sum(w) (memorylessness), and a weight change rescales the remaining
 gap (t - now) * w_old / w_new without a fresh draw. The draws come from a counter-based generator
-(seed, run, counter) so that several tracker processes reproduce one run's stream; they are made
+(seed, stream key (spopp.streams), counter) so that several tracker processes reproduce one run's stream; they are made
 outside Redis's Lua, whose math.random is reseeded to the same value on every call in Redis 6.2.
 """
 
@@ -25,11 +25,11 @@ def uncertainty_weight(v: float, floor: float = SAMPLER_FLOOR) -> float:
     return math.sqrt(v * (1.0 - v)) + floor
 
 
-def race_draws(seed: int, run: str, start: int, count: int) -> list[float]:
-    """`count` Exp(1) draws for counters start, start+1, ... of (seed, run)."""
+def race_draws(seed: int, key: str, start: int, count: int) -> list[float]:
+    """`count` Exp(1) draws for counters start, start+1, ... of (seed, key): key is stream_key's."""
     out = []
     for counter in range(start, start + count):
-        digest = hashlib.blake2b(f"{seed}\x1f{run}\x1f{counter}".encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(f"{seed}\x1f{key}\x1f{counter}".encode(), digest_size=8).digest()
         # 53 random bits, offset by half a unit so that u lies strictly inside (0, 1).
         u = ((int.from_bytes(digest, "big") >> 11) + 0.5) / 2.0**53
         out.append(-math.log(u))

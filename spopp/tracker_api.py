@@ -84,6 +84,7 @@ LIMITS = {
     "MIN_RHO": MIN_RHO,
     "MAX_DRIFT": MAX_DRIFT,
     "MAX_SNAPSHOT_CHARS": MAX_SNAPSHOT_CHARS,
+    "MAX_STREAM_CHARS": MAX_ID_CHARS,  # a stream key is a study or a run name, both ids
     "MAX_COUNT": MAX_COUNT,
     "MAX_REASON_CHARS": MAX_REASON_CHARS,
 }
@@ -116,6 +117,12 @@ class RunConfig(_Body):
         description="lease length, renewable, in [0.001, 604800] (one week)",
     )
     seed: int = Field(0, ge=0, lt=2**63, description="seed of the sampler's draws, in [0, 2^63)")
+    study: Id | None = Field(
+        None,
+        description="with the seed, the key of every draw that is not the method's (the sampler's, the "
+        "replicas' sampling, the environments'): runs of one seed and study draw the same numbers, the "
+        "common random numbers of a paired comparison; null: the run's name (runs stay independent)",
+    )
     d_half: float = Field(
         0.06,
         ge=MIN_D_HALF,
@@ -158,6 +165,8 @@ class RunConfig(_Body):
             del out["max_staleness"]
         if out["max_updates"] is None:  # likewise for a run stored before budgets were fixed
             del out["max_updates"]
+        if out["study"] is None:  # and for one stored before studies keyed the draws
+            del out["study"]
         return out
 
 

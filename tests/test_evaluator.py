@@ -28,6 +28,7 @@ from procs import cli, running
 from runtime.envs.base import Task
 from runtime.tasks import generate_arithmetic_tasks, write_jsonl
 from services.evaluator.config import EvaluatorSettings
+from services.evaluator.scorer import sample_seed
 from services.learner.snapshot import prune_snapshots
 from spopp.net import free_port
 from spopp.settings import environ_without_settings
@@ -377,8 +378,9 @@ def test_follows_the_clock_and_scores_every_kth_version_once_in_order(
     tracker, client, make_run, tiny_model, held_out, tmp_path
 ):
     """No --model, no --snapshots: the base model is the run's base_snapshot and the snapshot
-    folder the parent of the policy's snapshot. every=2 up to version 6: 0, 2, 4, 6."""
-    run = make_run(base_snapshot=str(tiny_model))
+    folder the parent of the policy's snapshot. every=2 up to version 6: 0, 2, 4, 6. No --seed:
+    the sampled episodes' seeds come from the run's seed (29), as the other arm of its pair has."""
+    run = make_run(base_snapshot=str(tiny_model), seed=29)
     root, out = tmp_path / "snapshots", tmp_path / "eval"
     root.mkdir()
     for v in (1, 2, 3):
@@ -404,6 +406,8 @@ def test_follows_the_clock_and_scores_every_kth_version_once_in_order(
         for v in (0, 2, 4, 6)
     ]
     assert len({tuple(r) for r in responses}) == 4
+    sampled = [r["seed"] for r in _jsonl(out / "episodes" / "v000000.jsonl") if r["seed"] is not None]
+    assert sorted(sampled) == sorted(sample_seed(29, i, 0) for i in range(3))  # 3 tasks, 1 sample
     assert sorted(p.name for p in (out / "episodes").iterdir()) == [
         f"{version_dirname(v)}.jsonl" for v in (0, 2, 4, 6)
     ]

@@ -225,8 +225,8 @@ def test_each_episode_s_environment_is_seeded_from_the_run_seed_task_and_request
     tiny_model, tracker, client, make_run
 ):
     """The replica seeds each episode's environment with episode_seed(the run's seed at the tracker,
-    task id, request id): not the replica's own seed, so whichever replica plays a request, its
-    environment draws alike."""
+    its stream key (here the run name: no study), task id, request id): nothing of the replica's
+    own, so whichever replica plays a request, its environment draws alike."""
     from runtime.envs.base import episode_seed
 
     run = make_run(tasks=[{"task_id": t.task_id, "alpha0": 1.0, "beta0": 1.0} for t in TASKS], seed=41)
@@ -240,7 +240,7 @@ def test_each_episode_s_environment_is_seeded_from_the_run_seed_task_and_request
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model), seconds=0.01)
     with LearnerSink(run) as sink:
         worker = Worker(
-            _settings(tiny_model, tracker, run, sink, seed=7), engine, Recorded, {t.task_id: t for t in TASKS}
+            _settings(tiny_model, tracker, run, sink, worker_id="rollout-7"), engine, Recorded, {t.task_id: t for t in TASKS}
         )
 
         async def scenario():
@@ -250,4 +250,4 @@ def test_each_episode_s_environment_is_seeded_from_the_run_seed_task_and_request
         asyncio.run(scenario())
         played = sink.trajectories()
     assert worker.run_seed == 41 and len(played) == len(seeds) >= 4
-    assert sorted(seeds) == sorted(episode_seed(41, t.task_id, t.request_id) for t in played)
+    assert sorted(seeds) == sorted(episode_seed(41, run, t.task_id, t.request_id) for t in played)

@@ -97,8 +97,12 @@ class EvaluatorTuning(EpisodeTuning, ClaimSettings, HttpServerSettings):
     greedy: bool = Field(True, description="one temperature-0 episode per task")
     samples: int = Field(4, ge=0, le=1024, description="sampled episodes per task (avg@k, pass@k); 0: none")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="temperature of the sampled episodes")
-    seed: int = Field(
-        0, ge=0, lt=2**62, description="base of the sampled episodes' seeds (fixed per task and sample)"
+    seed: int | None = Field(
+        None,
+        ge=0,
+        lt=2**63,
+        description="base of the sampled episodes' seeds (fixed per task and sample); unset: the run's seed "
+        "at the tracker for the evaluator of a run, 0 for `spopp eval score`",
     )
 
     @model_validator(mode="after")

@@ -167,8 +167,14 @@ class Follower:
         s = self.s
         clean = False
         try:
-            if self.model is None:
+            if self.model is None or s.seed is None:
                 run = await self._read("config", lambda: self.tracker.get_run(s.run))
+            if s.seed is None:
+                # The run's seed, unless one is given: the arms of one pair (one seed) evaluate with
+                # the same draws, so their curves differ by their policies only, and different
+                # pairs with different draws, so that a mean over seeds averages evaluation noise.
+                self.s = s = s.model_copy(update={"seed": run.config.seed})
+            if self.model is None:
                 if not run.config.base_snapshot:
                     raise ValueError(
                         f"no base model: set `model`, or the base_snapshot of run {s.run} at the tracker"

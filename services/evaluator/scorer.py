@@ -192,7 +192,7 @@ class Scorer:
                     i, "greedy", None, SamplingConfig(max_tokens=s.max_tokens_per_turn, temperature=0.0)
                 )
             for j in range(s.samples):
-                seed = sample_seed(s.seed, i, j)
+                seed = sample_seed(s.seed or 0, i, j)
                 sampling = SamplingConfig(
                     max_tokens=s.max_tokens_per_turn, temperature=s.temperature, top_p=s.top_p, seed=seed
                 )
@@ -218,7 +218,7 @@ class Scorer:
                     # so every evaluation plays each job against the same draws.
                     episode = await run_episode(
                         self.engine, env, task, self.budget, job.sampling, self.renderer,
-                        env_seed=episode_seed(self.s.seed, task.task_id, job.mode),
+                        env_seed=episode_seed(self.s.seed or 0, task.task_id, job.mode),
                     )  # fmt: skip
                 finally:
                     env.close()

@@ -2,7 +2,9 @@
 
 An arm changes the recipe and nothing else (the paper's protocol: same checkpoint, tasks, prior,
 decoding, budget and optimizer); the arms are in arms.py. `--arms spopp,spopp-k1` pairs the paper's
-protocol against one version of staleness on the same seeds.
+protocol against one version of staleness on the same seeds. The arms of one seed share a study
+(the comparison's folder name unless the base config names one), so they draw the same prompts,
+samples and environment streams: the pair differs by its method only (spopp.streams).
 
 Runs go one after another (each uses the whole machine) into `<out>/runs/<arm>-s<seed>/`, and
 the report (report.json, report.md, curves.png) into `<out>`; an
@@ -12,6 +14,7 @@ unfinished one resumes.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -32,7 +35,10 @@ def arm_settings(base: LaunchSettings, arm: str, seed: int, out: Path) -> Launch
     spec = ARMS[recipe_arm]
     name = f"{arm}-s{seed}"
     values = base.model_dump(exclude={"run", "run_dir"})
-    values.update(recipe=spec["recipe"], seed=seed, run=name, run_dir=out / "runs" / name)
+    # Every arm of one seed draws the same prompts, samples and environment streams (spopp.streams):
+    # the study is the comparison's folder (a map's cell), so pairs pair and comparisons stay apart.
+    study = base.study or (re.sub(r"[^A-Za-z0-9_.:@+=-]", "_", out.resolve().name)[:128] or "study")
+    values.update(recipe=spec["recipe"], seed=seed, study=study, run=name, run_dir=out / "runs" / name)
     if staleness is not None:
         values["max_staleness"] = staleness
     values["learner"] = {**base.learner.model_dump(), **spec["learner"]}  # the section as given

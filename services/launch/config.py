@@ -156,6 +156,12 @@ class LaunchSettings(Settings):
     run_dir: Path | None = Field(None, description="folder of everything the run writes; unset: runs/<run>")
     recipe: Literal["spopp", "spo"] = Field("spopp", description="spopp (SPO++) or spo")
     seed: int = Field(0, ge=0, lt=2**31, description="seed of the sampler, the sampling and the learner")
+    study: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@+=-]+$",  # a tracker id's characters
+        description="with the seed, the key of the draws that are not the method's (prompts dispatched, "
+        "sampling, environment streams): runs of one seed and study draw alike (common random numbers "
+        "across the arms of a comparison; spopp ablate and spopp map set it); unset: the run name",
+    )  # fmt: skip
     model: Path = Field(..., description="policy version 0: a Hugging Face model folder")
     tasks: Path = Field(..., description="training tasks (JSONL/parquet: prompt, answer, task_id)")
     prior: Path | None = Field(
@@ -297,7 +303,7 @@ def _build(cls: type[Settings], section: str, values: dict) -> Settings:
 
 def _run_config(s: LaunchSettings) -> RunConfig:
     """The tracker run's config: the file's run_config and the top-level recipe, seed and model."""
-    for key in ("recipe", "seed", "base_snapshot", "max_staleness", "max_updates"):
+    for key in ("recipe", "seed", "study", "base_snapshot", "max_staleness", "max_updates"):
         if key in s.run_config:
             raise SettingsError(f"run_config.{key} is set by spopp launch (from the top-level settings)")
     base = str(Path(s.model).resolve())
@@ -307,6 +313,7 @@ def _run_config(s: LaunchSettings) -> RunConfig:
                 **s.run_config,
                 "recipe": s.recipe,
                 "seed": s.seed,
+                "study": s.study,
                 "base_snapshot": base,
                 "max_staleness": s.max_staleness,
                 "max_updates": s.updates,  # the run's budget, fixed at creation, changed by a launch
@@ -378,8 +385,7 @@ def rollout_settings(
         **binding.model_dump(), model=Path(s.model).resolve(), learner=learner_url,
         env=s.env, env_options=s.env_options,
         tasks=Path(s.tasks).resolve(), worker_id=f"rollout-{i}",
-        # Distinct sampling streams per replica, all fixed by the run's seed.
-        seed=s.seed * 1000 + i, port=port, host="127.0.0.1", log_format=s.log_format,
+        port=port, host="127.0.0.1", log_format=s.log_format,
     )  # fmt: skip
     return _build(RolloutSettings, "rollout", values)
 

@@ -21,7 +21,8 @@ from spopp.settings import Settings
 class RolloutTuning(ClaimSettings, HttpServerSettings):
     """What a replica's operator tunes: engine, concurrency, draining, sampling, budgets per episode,
     timings, its server and claim (also the `rollout:` section of a launch file). RolloutSettings
-    adds what binds it to a run: the run, tracker, learner, model, tasks, environment, name and seed."""
+    adds what binds it to a run: the run, tracker, learner, model, tasks, environment and name (the
+    sampling seeds come from the run's seed and study at the tracker: spopp.streams)."""
 
     engine: Literal["vllm", "transformers"] = Field("vllm", description="generation engine")
     engine_options: dict = Field(
@@ -112,7 +113,6 @@ class RolloutSettings(RolloutTuning, RunBinding, Settings):
         0, ge=0, le=10_000_000, description="use N generated arithmetic tasks instead of a file"
     )
     worker_id: str = Field("rollout-0", min_length=1, max_length=128, description="name of this replica")
-    seed: int = Field(0, ge=0, description="base of the per-episode sampling seeds")
     max_episodes: int | None = Field(
         None, ge=1, description="stop after N episodes (smoke runs, tests); unset: run until stopped"
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import zlib
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -25,6 +24,7 @@ from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Environment, Task, episode_seed
 from spopp.client import AsyncTrackerClient, TrackerError
 from spopp.retry import RetryPolicy
+from spopp.streams import sampling_seed
 from spopp.tracker_api import Lease
 from spopp.trajectory import Trajectory
 
@@ -92,9 +92,11 @@ class Episodes:
         # drain waits for generation and reports only, never for a learner that is away.
         self.deliveries: set[asyncio.Task] = set()
         self.fatal: Exception | None = None
-        # The run's seed at the tracker (read at start): the base of the environments' per-episode
-        # streams, the same whichever replica plays a request (the replicas' `seed`s differ).
+        # The run's seed and stream key at the tracker (read at start): the base of each episode's
+        # sampling seed and environment stream, the same whichever replica plays a request and, for
+        # the arms of one study, whichever arm (spopp.streams).
         self.run_seed = 0
+        self.stream = settings.run
         # This replica's counts for its heartbeats: trajectories the learner accepted, episodes
         # played to the end; `counted` is what the tracker had of this worker id at start.
         self.accepted = 0
@@ -159,13 +161,12 @@ class Episodes:
         renewer = asyncio.create_task(self.leases.renew(lease))
         env = self.make_env()
         try:
-            # Per-episode seed from (seed, request): reproducible across processes, unlike hash().
-            seed = zlib.crc32(f"{self.s.seed}:{lease.request_id}".encode())
-            # The environment's stream: from the run's seed, the task and the request id. Request
-            # ids are the tracker's per-run counter (r1, r2, ...: dispatch.lua), so a run that
-            # dispatches in the same order gives each episode the same stream, and no two episodes
-            # of a run share one.
-            env_seed = episode_seed(self.run_seed, lease.task_id, lease.request_id)
+            # The sampling seed and the environment's stream: from the run's seed and stream key,
+            # the request id (the tracker's per-run counter r1, r2, ...: dispatch.lua) and, for the
+            # environment, the task. A run that dispatches in the same order gives each episode the
+            # same numbers, the arms of one study included, and no two episodes of a run share one.
+            seed = sampling_seed(self.run_seed, self.stream, lease.request_id)
+            env_seed = episode_seed(self.run_seed, self.stream, lease.task_id, lease.request_id)
             return await run_episode(
                 self.engine, env, task, self.budget, replace(self.sampling, seed=seed), self.renderer,
                 env_seed=env_seed, endpoint=self.endpoint,

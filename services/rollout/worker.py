@@ -35,6 +35,7 @@ from runtime.agent import reserve_env_threads
 from runtime.engines.base import Engine
 from runtime.envs.base import Environment, Task
 from spopp.client import AsyncTrackerClient, RunFinished, StalePolicy
+from spopp.streams import stream_key
 from spopp.tracker_api import Lease
 
 from .config import RolloutSettings
@@ -184,6 +185,7 @@ class Worker:
         self.leases.lease_seconds = run.config.lease_seconds
         self.policy.max_staleness = run.config.max_staleness
         self.episodes.run_seed = run.config.seed
+        self.episodes.stream = stream_key(self.s.run, run.config.study)
         if run.status == "finished":
             raise run_finished(run)
         # A restarted replica counts on from what the tracker has of it, so its counts add up.

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from spopp.evidence import jeffreys_init
 from spopp.sampler import SAMPLER_FLOOR, race_draws
+from spopp.streams import stream_key
 from spopp.tracker_api import LIMITS, MAX_RUNS, MAX_WORKERS_PER_RUN, RunConfig, TaskPrior
 
 from .errors import ApiError
@@ -152,6 +153,7 @@ class Store:
             "floor": num(SAMPLER_FLOOR),
             "lease_ms": str(max(1, round(cfg.lease_seconds * 1000))),
             "seed": str(cfg.seed),
+            "stream": stream_key(run, cfg.study),
             "prior_mass": num(cfg.prior_mass),
             "d_half": num(cfg.d_half),
             "rho_min": num(cfg.rho_min),
@@ -254,10 +256,11 @@ class Store:
                 del self._locks[run]
 
     async def _with_draws_locked(self, script: str, run: str, n: int, args: Callable[[float], list]) -> Any:
-        stream = self._streams.get(run, {"start": "", "seed": "", "prior_mass": ""})
+        stream = self._streams.get(run, {"start": "", "seed": "", "prior_mass": "", "key": ""})
         for _ in range(32):
             if stream["seed"]:
-                draws = race_draws(int(stream["seed"]), run, int(stream["start"]), n)
+                # A run stored before streams had keys has none: its draws were keyed on its name.
+                draws = race_draws(int(stream["seed"]), stream.get("key") or run, int(stream["start"]), n)
                 mass = float(stream["prior_mass"])
             else:
                 draws, mass = [1.0] * n, 1.0  # no hint yet: the script answers the stream

@@ -109,14 +109,15 @@ local function expire(rid, req, clock, floor, ttl_ms)
 end
 
 -- The sampler's draw stream: the caller computed its Exp(1) draws for counters start, start+1, ...
--- of (seed, run) from a hint it holds. If the hint is stale (another process used the stream, or
+-- of (seed, stream key) from a hint it holds. If the hint is stale (another process used the stream, or
 -- the run is not what the caller thinks), answer the true position so the caller can redo its
 -- draws; the counter only ever advances by the draws a successful call used, so a refused call
 -- leaves the stream, like everything else, unchanged.
+-- The stream's key (the run's study, or its name) never changes, so it travels in the hint only.
 local function stale_stream(start, seed, mass)
-  local f = redis.call('HMGET', RUN, 'draws', 'seed', 'prior_mass')
+  local f = redis.call('HMGET', RUN, 'draws', 'seed', 'prior_mass', 'stream')
   if f[1] == start and f[2] == seed and f[3] == mass then return nil end
-  return cjson.encode({ stream = { start = f[1], seed = f[2], prior_mass = f[3] } })
+  return cjson.encode({ stream = { start = f[1], seed = f[2], prior_mass = f[3], key = f[4] or '' } })
 end
 
 -- Exp(1) draws ARGV[first .. first + n - 1]: -log(u) for u in (0, 1) made from 53 bits lies in

@@ -1,5 +1,5 @@
 -- ARGV: prefix, run, config_json, max_runs, then field/value pairs of the run's derived settings
--- (recipe, lam, floor, lease_ms, seed, prior_mass, d_half, rho_min, rho_max, snapshot).
+-- (recipe, lam, floor, lease_ms, seed, stream, prior_mass, d_half, rho_min, rho_max, snapshot).
 -- Every field is checked against the LIMITS before the run is written; a new run past max_runs
 -- (the tracker's bound on runs, so that no caller grows Redis or a scrape without bound) is 409.
 if (#ARGV - 4) % 2 ~= 0 then return invalid('field/value pairs', #ARGV) end
@@ -13,6 +13,9 @@ if not positive(f.floor, 1) then return invalid('floor', f.floor) end
 if not whole(f.lease_ms, MIN_LEASE_MS, MAX_LEASE_MS) then return invalid('lease_ms', f.lease_ms) end
 if type(f.seed) ~= 'string' or not string.match(f.seed, '^%d+$') or #f.seed > 19 then
   return invalid('seed', f.seed)
+end
+if type(f.stream) ~= 'string' or #f.stream == 0 or #f.stream > MAX_STREAM_CHARS then
+  return invalid('stream', f.stream)
 end
 if not within(f.prior_mass, MIN_PRIOR_MASS, MAX_PRIOR) then return invalid('prior_mass', f.prior_mass) end
 if not within(f.d_half, MIN_D_HALF, MAX_D_HALF) then return invalid('d_half', f.d_half) end
