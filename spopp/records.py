@@ -6,7 +6,8 @@ need only some fields and files written by earlier versions lack later ones, so 
 reader can do without is optional; keys a later writer adds are kept (extra="allow").
 
     run.json     {"run", "arm", "recipe", "normalization", "seed", "updates", "final_version",
-                  "identity": {...}, "env", "env_options": {...}, "status", "started", "launches", "updates_done", "finished"}
+                  "identity": {...}, "env", "env_options": {...}, "status", "started", "launches", "updates_done", "finished",
+                  "code": {"commit", "dirty", "lock_sha256", ...}, "machine": {...}}  (spopp/provenance.py)
     evals.jsonl  {"policy_version", "step", "snapshot", "time", "eval/...": ...} when scored,
                  {"policy_version", "skipped": "<reason>", "time"} when not; one line a version
 """
@@ -65,6 +66,14 @@ class RunRecord(BaseModel):
     )
     workers: dict[str, dict[str, Any]] | None = Field(
         None, description="the tracker's per-worker counts at the end (leases, outcomes, ...)"
+    )
+    code: dict[str, Any] | None = Field(
+        None,
+        description="the code that made the run (spopp/provenance.py: commit, dirty, lock_sha256, earlier "
+        "launches on other code); absent in runs launched before run.json recorded it",
+    )
+    machine: dict[str, Any] | None = Field(
+        None, description="the machine of its last launch (spopp/provenance.py: platform, CPU, cores, GPUs)"
     )
 
     def to_text(self, where: str) -> str:

@@ -542,6 +542,33 @@ def test_a_killed_launcher_takes_its_children_with_it(toy, tmp_path):
             proc.kill()
     alive = _all_gone(children)
     assert alive == [], [p.cmdline() for p in alive]
+    _records_its_code_and_machine(json.loads((tmp_path / "run" / "run.json").read_text()))
+
+
+def _records_its_code_and_machine(record: dict) -> None:
+    """run.json, written before the first child starts, names the code (this checkout's commit,
+    whether tracked code differs from it, the lock's sha256) and the machine (spopp/provenance.py)."""
+    import hashlib
+    import platform
+    from importlib.metadata import version
+
+    root = Path(__file__).resolve().parents[1]
+    code, machine = record["code"], record["machine"]
+    assert code["lock_sha256"] == hashlib.sha256((root / "requirements.lock").read_bytes()).hexdigest()
+    if (root / ".git").exists():
+        git = ["git", "-C", str(root)]
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        status = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs", ":(exclude)*.md"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert code["commit"] == head.stdout.strip() and code["source"] == "git"
+        assert code["dirty"] is bool(status.stdout.strip()), (code, status.stdout)
+    else:  # a copy of the sources without git: no commit, and why
+        assert code["commit"] is None and code["why"]
+    assert machine["cores"] == os.cpu_count() and machine["python"] == platform.python_version()
+    assert machine["arch"] == platform.machine() and machine["system"] == platform.system()
+    assert machine["torch"] == version("torch")
 
 
 def test_the_tracker_run_must_match_the_recipe(toy, tmp_path, redis_server):

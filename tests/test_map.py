@@ -248,7 +248,11 @@ def test_summary_of_four_arms_with_t_intervals_and_sign_tests_by_hand(tmp_path):
     md = markdown(result)
     assert "| -1 | 1.5 | 3 | 0–2 | 0.150 | 0.210 | +6.0 ± 0.0 | [+6.0, +6.0] | 3/3 | 0.25 |" in md
     half = t2 * math.sqrt(3.0)
-    assert f"| -1 | 1.5 | +0.0 ± 1.7 [{-half:+.1f}, {half:+.1f}] 1/3 | +3.0 ± 1.7 " in md
+    # One cell: Holm's family is that cell alone, so holm_p = t_p. Event-time's t is 0 (p 1); with 2
+    # degrees of freedom P(|T| > t) = 1 - t / sqrt(2 + t^2), and Dual-Clip's t = 3 / sqrt(3) = sqrt(3).
+    assert event["t_p"] == pytest.approx(1.0) and event["holm_p"] == event["t_p"]
+    assert clip["t_p"] == pytest.approx(1 - math.sqrt(3 / 5)) and clip["holm_p"] == clip["t_p"]
+    assert f"| -1 | 1.5 | +0.0 ± 1.7 [{-half:+.1f}, {half:+.1f}] 1/3; p 1.00, Holm 1.00 | +3.0 ± 1.7 " in md
     assert "± is one standard error (s.e.)" in md and "95 % t interval with n − 1 degrees of freedom" in md
     write(tmp_path / "out", result)
     assert json.loads((tmp_path / "out" / "map.json").read_text())["cells"][0]["cell"] == cell
@@ -625,3 +629,35 @@ def test_render_redraws_the_map_and_the_pages_section_from_map_json_alone(tmp_pa
     page.write_text("no markers\n")
     r = CliRunner().invoke(map_command, ["--render", str(folder), "--page", str(page)])
     assert r.exit_code == 1 and "needs one map section" in r.output and page.read_text() == "no markers\n"
+
+
+def test_the_arms_of_a_comparison_share_a_study_and_the_evaluator_follows_the_run_seed(tmp_path):
+    """Common random numbers (spopp.streams): every arm of a comparison runs in one study (its
+    folder's name: a map cell's, an ablation's), which the tracker run carries; two cells are two
+    studies; a study in the base config wins; the evaluator's seed is left to the run's."""
+    from services.launch.compare import arm_settings
+    from services.launch.config import LaunchSettings, plan, port_requests
+    from spopp.settings import SettingsError
+
+    base = LaunchSettings.model_validate(
+        {"model": "m", "tasks": "t.jsonl", "heldout": "h.jsonl", "env": "toy-calc", "updates": 2}
+    )
+    cell = tmp_path / "cells" / "coupling+1-latency1.5"
+    plans = []
+    for arm in ("spo", "spopp"):
+        s = arm_settings(base, arm, 4, cell)
+        plans.append(plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))}))
+    assert [p.run_config.study for p in plans] == ["coupling+1-latency1.5"] * 2
+    assert plans[0].binding.run != plans[1].binding.run and {p.run_config.seed for p in plans} == {4}
+    assert all(p.evaluator.seed is None for p in plans)  # the evaluator takes the run's seed
+    assert (
+        arm_settings(base, "spo", 4, tmp_path / "cells" / "coupling-1-latency0").study
+        != plans[0].run_config.study
+    )
+    named = LaunchSettings.model_validate({**base.model_dump(), "study": "mine"})
+    assert arm_settings(named, "spo", 4, cell).study == "mine"
+    # A plain launch has none (its draws are keyed on its run name); the file may not set it twice.
+    assert plan(base, {n: 20000 + i for i, n in enumerate(port_requests(base))}).run_config.study is None
+    with pytest.raises(SettingsError, match="run_config.study is set by spopp launch"):
+        bad = LaunchSettings.model_validate({**base.model_dump(), "run_config": {"study": "x"}})
+        plan(bad, {n: 20000 + i for i, n in enumerate(port_requests(bad))})

@@ -240,7 +240,10 @@ def test_each_episode_s_environment_is_seeded_from_the_run_seed_task_and_request
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model), seconds=0.01)
     with LearnerSink(run) as sink:
         worker = Worker(
-            _settings(tiny_model, tracker, run, sink, worker_id="rollout-7"), engine, Recorded, {t.task_id: t for t in TASKS}
+            _settings(tiny_model, tracker, run, sink, worker_id="rollout-7"),
+            engine,
+            Recorded,
+            {t.task_id: t for t in TASKS},
         )
 
         async def scenario():

@@ -247,6 +247,42 @@ _ARMS = click.Option(
 )
 
 
+_MIXED_CODE = click.Option(
+    ["--mixed-code"],
+    type=click.Choice(["refuse", "flag"]),
+    default="refuse",
+    show_default=True,
+    envvar="SPOPP_MIXED_CODE",
+    show_envvar=True,
+    help="runs that do not come from one code (run.json's code: another commit, requirements.lock or set of "
+    "uncommitted changes; this checkout's counts for the runs to come): refuse, naming them, before any run "
+    "starts and at the summary, or let them through flagged in the output",
+)
+
+
+def _check_code(folders: list[Path], out: Path, policy: str, what: str) -> None:
+    """Before any run starts: this checkout's code and that of the runs already in `folders` must be
+    one code (spopp.provenance), rather than the comparison being refused at its end."""
+    from spopp import provenance
+    from spopp.jsonfile import read_model
+    from spopp.records import RunRecord
+
+    runs = {"this checkout (the runs to come)": provenance.code(exclude=[out])}
+    for folder in folders:
+        try:
+            runs[str(folder)] = read_model(folder / "run.json", RunRecord).code
+        except (OSError, ValueError):  # no run there yet, or one its launch will name
+            continue
+    try:
+        summary = provenance.check(runs, policy, what)
+    except provenance.MixedCode as exc:
+        _fail(str(exc))
+    if summary["flagged"]:
+        click.echo(
+            f"mixed code, let through by --mixed-code flag and flagged in the output: {summary['problem']}"
+        )
+
+
 def _matched(
     config: Path, sets: tuple[str, ...], seeds: str, arms: str
 ) -> tuple[LaunchSettings, list[int], list[str]]:
@@ -277,13 +313,17 @@ def _matched(
     return base, seed_list, arm_list
 
 
-def _ablate(config: Path, sets: tuple[str, ...], seeds: str, arms: str, out: Path) -> None:
-    from .compare import compare
+def _ablate(config: Path, sets: tuple[str, ...], seeds: str, arms: str, out: Path, mixed_code: str) -> None:
+    from .compare import arm_settings, compare
     from .run import LaunchError
 
     base, seed_list, arm_list = _matched(config, sets, seeds, arms)
     try:
-        code = compare(base, arm_list, seed_list, out, echo=click.echo)
+        folders = [arm_settings(base, arm, seed, out).run_dir for seed in seed_list for arm in arm_list]
+        _check_code(folders, out, mixed_code, f"spopp ablate --out {out}")
+        code = compare(
+            base, arm_list, seed_list, out, echo=click.echo, report_args=("--mixed-code", mixed_code)
+        )
     except (LaunchError, ValueError) as exc:
         _fail(str(exc))
     raise SystemExit(code)
@@ -303,6 +343,7 @@ ablate_command = click.Command(
             required=True,
             help="folder of the runs (runs/<arm>-s<seed>/) and the report",
         ),  # fmt: skip
+        _MIXED_CODE,
     ],
     help="Matched runs of one config: each arm on each seed, all else equal, one after another; "
     "then `spopp report` over them (Table 1 for SPO vs SPO++, Table 2's C10 when "
@@ -383,6 +424,7 @@ def _map(
     budget_minutes: float | None,
     render: Path | None,
     page: Path | None,
+    mixed_code: str,
 ) -> None:
     from .map import run_map
     from .run import LaunchError
@@ -405,11 +447,15 @@ def _map(
     main = None if pilot_seeds else _seed_list(seeds or "0,1,2", "seeds")
     base, _seeds, arm_list = _matched(config, sets, "0", arms)
     couplings, latencies = _numbers(coupling, "coupling"), _numbers(latency, "latency")
+    pilot = _seed_list(pilot_seeds, "pilot-seeds")
+    folders = sorted(out.glob("cells/*/runs/*")) + sorted(out.glob("pilot/cells/*/runs/*"))
+    _check_code(folders, out, mixed_code, f"spopp map --out {out}")
     try:
         code = run_map(
             base, couplings, latencies, arm_list, out, seeds=main,
-            pilot_seeds=_seed_list(pilot_seeds, "pilot-seeds"), target_se=target_se, n_min=n_min,
+            pilot_seeds=pilot, target_se=target_se, n_min=n_min,
             first_seed=first_seed, budget_s=None if budget_minutes is None else 60 * budget_minutes, echo=click.echo,
+            mixed_code=mixed_code,
         )  # fmt: skip
     except (LaunchError, ValueError) as exc:
         _fail(str(exc))
@@ -494,6 +540,7 @@ map_command = click.Command(
             default=None,
             help="with --render: also replace this page's map section (its map:begin / map:end lines)",
         ),  # fmt: skip
+        _MIXED_CODE,
     ],
     help="When does SPO++ beat SPO? Paired runs of every arm on every seed in each cell of a grid over "
     "toy-calc's two knobs (length-advantage coupling, outcome latency), the seeds per cell fixed before the "

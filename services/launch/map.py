@@ -14,8 +14,9 @@ main runs into `<out>/cells/...`, one after another; a stopped map resumes (fini
 skipped, an unfinished one resumes, the protocol is read back). Within a cell, the i-th seed runs
 the arms in the given order rotated by i (`arm_order`), so that a drift of the machine's load over
 a map falls on every arm alike rather than always on the last one. Then map.json (map_summary.py:
-every run's area, each paired difference with its t interval and sign test, the protocol, the
-machine and the times), map.md and map.png (map_render.py).
+every run's area, each paired difference with its t interval, t test, sign test and Holm's
+adjustment over the cells, a pooled test per comparison, the protocol, the machine and the
+times), map.md and map.png (map_render.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from . import map_protocol
 from .compare import arm_settings, run_in_turn
 from .config import LaunchSettings
 from .map_render import write
-from .map_summary import TOTAL, diff_key, run_times, summarize_cell
+from .map_summary import TOTAL, across_cells, diff_key, run_times, summarize_cell
 
 SE_TARGET = 1.5  # area points: the standard error the design aims each cell's SPO++ − SPO at
 N_MIN = 3  # seeds a cell gets at least: 2 degrees of freedom for its t interval
@@ -85,11 +86,18 @@ def plan_runs(
 
 
 def summarize(
-    out: Path, couplings: list[float], latencies: list[float], arms: list[str], seeds: dict[str, list[int]]
+    out: Path,
+    couplings: list[float],
+    latencies: list[float],
+    arms: list[str],
+    seeds: dict[str, list[int]],
+    mixed_code: str = "refuse",
 ) -> dict:
-    """map.json's grid part from the run folders under `out`: every cell over its seeds."""
+    """map.json's grid part from the run folders under `out`: every cell over its seeds, each
+    difference with its t test's p and Holm's adjustment over the cells, and per comparison the
+    cells' pooled test (map_summary.across_cells)."""
     out_cells = [
-        {"cell": name, "coupling": c, "latency_sigma": lat, **summarize_cell(out, name, arms, seeds[name], arm_order)}
+        {"cell": name, "coupling": c, "latency_sigma": lat, **summarize_cell(out, name, arms, seeds[name], arm_order, mixed_code)}
         for name, c, lat in cells(couplings, latencies)
     ]  # fmt: skip
     total = diff_key(*TOTAL)
@@ -97,6 +105,7 @@ def summarize(
     return {
         "couplings": couplings, "latencies": latencies, "arms": arms, "metric": "area points", "se_target": SE_TARGET,
         "largest_se": max((se for se in ses if se is not None), default=None), "cells": out_cells,
+        "pooled": across_cells(out_cells),
     }  # fmt: skip
 
 
@@ -126,7 +135,7 @@ def _check_resume(
 
 
 def _pilot(
-    base: LaunchSettings, grid: dict, pilot_seeds: list[int], out: Path, echo, runner
+    base: LaunchSettings, grid: dict, pilot_seeds: list[int], out: Path, echo, runner, mixed_code: str
 ) -> tuple[dict | None, int]:
     """Run (or resume) the pilot into out/pilot: SPO and SPO++ only, since the design's aim is on
     their difference (the steps between them are not sized); answers (its summary, exit code)."""
@@ -142,7 +151,7 @@ def _pilot(
     )
     if code != 0:
         return None, code
-    return summarize(out / PILOT, couplings, latencies, pilot_arms, seeds), 0
+    return summarize(out / PILOT, couplings, latencies, pilot_arms, seeds, mixed_code), 0
 
 
 def _decide(pilot: dict, grid: dict, pilot_seeds: list[int], out: Path, budget_s: float | None,
@@ -190,12 +199,15 @@ def run_map(
     echo: Callable[[str], None] = print,
     runner: Callable = run_in_turn,
     clock: Callable[[], float] = time.monotonic,
+    mixed_code: str = "refuse",
 ) -> int:
     """Run (or resume) the map: the pilot (with `pilot_seeds`) or the given `seeds`, the protocol
     written before the main runs, the main runs, then map.json, map.md and map.png; answers the exit
     code. `runner` runs a list of (cell, settings) in turn and answers (launchers, exit code):
     compare.run_in_turn. `budget_s` (seconds from this call's start, the pilot's runs included)
-    bounds the main runs the pilot rule plans."""
+    bounds the main runs the pilot rule plans. A cell (pilot or main) whose runs do not come from one
+    clean commit is refused (spopp.provenance.MixedCode, a ValueError), or flagged with `mixed_code`
+    "flag"."""
     if (seeds is None) == (pilot_seeds is None):
         raise ValueError(
             "give the main seeds (the fixed rule) or the pilot's seeds (the pilot rule), not both"
@@ -208,7 +220,7 @@ def run_map(
         _check_resume(protocol, grid, seeds, pilot_seeds, out / map_protocol.PROTOCOL)
     else:
         if pilot_seeds is not None:
-            pilot, code = _pilot(base, grid, pilot_seeds, out, echo, runner)
+            pilot, code = _pilot(base, grid, pilot_seeds, out, echo, runner, mixed_code)
             if pilot is None:
                 return code
             protocol = _decide(
@@ -223,12 +235,14 @@ def run_map(
     _launchers, code = runner(planned, echo, "map")
     if code != 0:
         return code
-    result = summarize(out, couplings, latencies, arms, protocol["seeds"])
+    result = summarize(out, couplings, latencies, arms, protocol["seeds"], mixed_code)
     result |= {"protocol": protocol, "machine": machine(), "times": {"main": run_times(out)}}
     if protocol["pilot_seeds"]:
         pilot_seeds_by_cell = {n: protocol["pilot_seeds"] for n in protocol["seeds"]}
         pilot_arms = [a for a in arms if a in TOTAL]
-        result["pilot"] = summarize(out / PILOT, couplings, latencies, pilot_arms, pilot_seeds_by_cell)
+        result["pilot"] = summarize(
+            out / PILOT, couplings, latencies, pilot_arms, pilot_seeds_by_cell, mixed_code
+        )
         result["times"]["pilot"] = run_times(out / PILOT)
     write(out, result)
     for path in ("map.json", "map.md", "map.png"):

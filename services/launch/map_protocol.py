@@ -15,7 +15,10 @@ Two rules:
 
 Either way the decision is written to `<out>/protocol.json` before the first main run starts and a
 resumed map reads it back instead of deciding again, so a cell's n never depends on its own main
-results: no optional stopping. The main seeds are `first_seed`, `first_seed + 1`, ... in each cell.
+results: no optional stopping. The protocol also names the tests the summary will make (`tests`:
+per cell, the correction for the number of cells, and the pooled test over them), so that they are
+fixed before the main results too; a protocol written before it named them has no `tests`, and the
+page calls those tests exploratory. The main seeds are `first_seed`, `first_seed + 1`, ... in each cell.
 """
 
 from __future__ import annotations
@@ -27,6 +30,17 @@ from pathlib import Path
 from typing import Any
 
 PROTOCOL = "protocol.json"
+
+# The tests the map's summary makes (map_summary.across_cells), named in every protocol so that a
+# reader can tell the tests planned before the main runs from tests chosen after them.
+PLANNED_TESTS = {
+    "per_cell": "each paired difference: its 95 % t interval, the two-sided paired t test (t_p) and the "
+    "two-sided exact sign test (sign_p)",
+    "multiplicity": "Holm's step-down adjustment of t_p over the map's cells, one family per comparison "
+    "(SPO++ − SPO, and each step of the chain) (holm_p)",
+    "pooled": "per comparison, Fisher's combination of the cells' t_p, -2 sum ln p against chi-square with "
+    "2k degrees of freedom: the null of no difference in any cell (pooled)",
+}
 
 
 def wanted(sd: float | None, target: float, n_min: int) -> int:
@@ -79,7 +93,7 @@ def decide(
         "rule": "pilot", "target_se": target, "n_min": n_min, "pilot_seeds": pilot_seeds,
         "pilot_sd": pilot, "wanted": want, "seeds": seeds, "capped": sorted(c for c in n if n[c] < want[c]),
         "run_seconds": run_seconds, "budget_minutes": None if budget_s is None else budget_s / 60,
-        "capacity_seeds": None if math.isinf(capacity) else capacity, "decided": _now(),
+        "capacity_seeds": None if math.isinf(capacity) else capacity, "tests": dict(PLANNED_TESTS), "decided": _now(),
     }  # fmt: skip
 
 
@@ -88,7 +102,7 @@ def fixed(cells: list[str], seeds: list[int], target: float) -> dict[str, Any]:
     return {
         "rule": "fixed", "target_se": target, "n_min": len(seeds), "pilot_seeds": [], "pilot_sd": {},
         "wanted": {}, "seeds": {cell: list(seeds) for cell in cells}, "capped": [], "run_seconds": None,
-        "budget_minutes": None, "capacity_seeds": None, "decided": _now(),
+        "budget_minutes": None, "capacity_seeds": None, "tests": dict(PLANNED_TESTS), "decided": _now(),
     }  # fmt: skip
 
 

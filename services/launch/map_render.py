@@ -12,6 +12,8 @@ import json
 import math
 from pathlib import Path
 
+from spopp import provenance
+
 from .map_summary import TOTAL, diff_key
 
 # The results page's map section lies between these two lines, both kept by a rendering.
@@ -43,6 +45,24 @@ def interval(d: dict | None) -> str:
 
 def _won(d: dict) -> str:
     return f"{d['won']}/{d['n']}"
+
+
+def p_value(x: float | None) -> str:
+    """A p-value: two decimals, three under 0.1 (so that 0.0502 does not print as 0.05), "<0.001"
+    under 0.0005."""
+    if x is None:
+        return "n/a"
+    return "<0.001" if x < 0.0005 else format(x, ".3f" if x < 0.1 else ".2f")
+
+
+def _family(result: dict) -> int:
+    """How many cells a comparison's Holm adjustment runs over (the cells with a t test's p; the
+    most of any comparison)."""
+    keys = {k for c in result["cells"] for k in c["diffs"]}
+    return max(
+        (sum(1 for c in result["cells"] if c["diffs"].get(k, {}).get("t_p") is not None) for k in keys),
+        default=0,
+    )
 
 
 def options_line(result: dict) -> str | None:
@@ -81,14 +101,23 @@ def _protocol_lines(result: dict) -> list[str]:
         f"standard error (s.e.) of the mean paired difference; the interval is the {level:g} % t interval with "
         "n − 1 degrees of freedom; won = pairs in the first arm's favour of n; p = two-sided exact sign test."
     )
+    if _family(result):
+        lines.append(
+            f"t p = two-sided paired t test (under {(100 - level) / 100:.2g} exactly when the interval excludes zero); "
+            f"Holm p = t p adjusted by Holm's step-down method over the map's {_family(result)} cells, one family per "
+            "comparison (SPO++ − SPO is one, each step of the chain another): a Holm p under 0.05 keeps the chance "
+            "of any false finding among the cells of that comparison at 5 %. The families are not corrected against "
+            "each other: SPO++ − SPO is the question the design sized, and the steps are its decomposition."
+        )
     return lines
 
 
 def _main_table(result: dict) -> list[str]:
     total = diff_key(*TOTAL)
     out = [
-        "| coupling | latency σ | n | seeds | SPO area | SPO++ area | Δ SPO++ − SPO ± s.e. | 95 % t interval | won | sign p |",
-        "|---:|---:|---:|---|---:|---:|---:|---|---:|---:|",
+        "| coupling | latency σ | n | seeds | SPO area | SPO++ area | Δ SPO++ − SPO ± s.e. | 95 % t interval | won | sign p "
+        "| t p | Holm p |",
+        "|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]  # fmt: skip
     wanted = (result.get("protocol") or {}).get("wanted", {})
     for c in result["cells"]:
@@ -99,7 +128,8 @@ def _main_table(result: dict) -> list[str]:
         out.append(
             f"| {c['coupling']:+g} | {c['latency_sigma']:g} | {n} | {c['seeds'][0]}–{c['seeds'][-1]} "
             f"| {_num(a.get('spo', {}).get('area'))} | {_num(a.get('spopp', {}).get('area'))} "
-            f"| {pm(d)} | {interval(d)} | {_won(d) if d else 'n/a'} | {_num(d['sign_p'] if d else None, '.2f')} |"
+            f"| {pm(d)} | {interval(d)} | {_won(d) if d else 'n/a'} | {_num(d['sign_p'] if d else None, '.2f')} "
+            f"| {p_value((d or {}).get('t_p'))} | {p_value((d or {}).get('holm_p'))} |"
         )
     return out
 
@@ -110,7 +140,7 @@ def _steps_table(result: dict) -> list[str]:
         return []
     labels = [result["cells"][0]["diffs"][k]["label"] for k in keys]
     out = [
-        "Each change alone (a step of the chain: Δ ± s.e. [95 % t interval] won/n):", "",
+        "Each change alone (a step of the chain: Δ ± s.e. [95 % t interval] won/n; t p, Holm p over the cells):", "",
         "| coupling | latency σ | " + " | ".join(labels) + " |",
         "|---:|---:|" + "---:|" * len(keys),
     ]  # fmt: skip
@@ -118,21 +148,57 @@ def _steps_table(result: dict) -> list[str]:
         steps = [c["diffs"][k] for k in keys]
         out.append(
             f"| {c['coupling']:+g} | {c['latency_sigma']:g} | "
-            + " | ".join(f"{pm(d)} {interval(d)} {_won(d)}" for d in steps)
+            + " | ".join(
+                f"{pm(d)} {interval(d)} {_won(d)}; p {p_value(d.get('t_p'))}, Holm {p_value(d.get('holm_p'))}"
+                for d in steps
+            )
             + " |"
         )
     return out
 
 
+def _pooled_lines(result: dict) -> list[str]:
+    """Each comparison's pooled test over the cells, and whether the protocol planned it."""
+    pooled = result.get("pooled")
+    if not pooled:
+        return []
+    k = max(v["k"] for v in pooled.values())
+    said = "; ".join(f"{v['label']}: p = {p_value(v['p'])}" for v in pooled.values())
+    planned = (
+        "The protocol named these tests before the main runs."
+        if (result.get("protocol") or {}).get("tests")
+        else "This map's protocol, written before its main runs, named neither the Holm adjustment nor the pooled "
+        "test: both were chosen after its results were read, so they are exploratory."
+    )
+    return [
+        f"Pooled over the {k} cells (Fisher's combination of the cells' t p, −2 Σ ln p against χ² with {2 * k} "
+        "degrees of freedom; the null is no difference in any cell, and a small p says that some cell differs, "
+        f"not which one nor in which direction): {said}. {planned} Fisher's combination takes the cells' p's as "
+        "independent; the cells' runs share the cold start, the prior, the held-out tasks and the seed numbers, so it "
+        "may overstate the evidence.",
+        "",
+    ]
+
+
 def _knobs_table(result: dict) -> list[str]:
+    from services.report.summaries import c10_label
+
     arms = result["arms"]
+    label = c10_label(c["points"] for c in result["cells"] if "points" in c)
+    short = (
+        ""
+        if label == "C10"
+        else f" {label} = ½ (trapezoid area + mean of the final five points) of the curves as they are: the paper's "
+        "C10 formula on fewer than its ten points, not comparable with a ten-point C10."
+    )
     out = [
         "What the knobs did (means over every run of the cell): coupling = Pearson correlation of a batch's response "
         "lengths with its advantages; late = share of outcomes reported after a newer policy; overtaken = share "
         "reported after the outcome of a request dispatched later; distance = dispatches the newest reported request "
         "was past an outcome; batch = mean reward of the first-completed training batches, start = held-out reward at "
-        "version 0.", "",
-        "| coupling | latency σ | measured coupling | late | overtaken | distance | batch / start | C10 " + " / ".join(arms) + " |",
+        "version 0." + short, "",
+        "| coupling | latency σ | measured coupling | late | overtaken | distance | batch / start | "
+        + label + " " + " / ".join(arms) + " |",
         "|---:|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
     for c in result["cells"]:
@@ -148,13 +214,13 @@ def _knobs_table(result: dict) -> list[str]:
 
 def tables(result: dict) -> str:
     """The map's tables and their reading aids: map.md's body and the results page's section."""
-    out = [*_protocol_lines(result), ""]
+    out = [*_protocol_lines(result), "", *_code_lines(result)]
     if line := options_line(result):
         out += [f"Environment options of every cell besides its coupling and latency σ: {line}.", ""]
     out += [*_order_lines(result), *_main_table(result), ""]
     if steps := _steps_table(result):
         out += [*steps, ""]
-    out += _knobs_table(result)
+    out += [*_pooled_lines(result), *_knobs_table(result)]
     worst = result.get("largest_se")
     if worst is not None:
         out += [
@@ -166,6 +232,21 @@ def tables(result: dict) -> str:
 
 def markdown(result: dict) -> str:
     return "# When does SPO++ beat SPO? coupling × latency\n\n" + tables(result)
+
+
+def _code_lines(result: dict) -> list[str]:
+    """The commit(s) of the map's runs, the pilot's included, and each cell whose runs came from
+    different code, let through by `--mixed-code flag`; a map.json written before its cells
+    recorded their runs' code says that it was not recorded."""
+    cells = [("", c) for c in result["cells"]]
+    cells += [("pilot ", c) for c in (result.get("pilot") or {}).get("cells", [])]
+    lines = [provenance.describe(provenance.merge(c.get("code") for _p, c in cells))]
+    flagged = [
+        f"{p}{c['cell']}: {c['code']['problem']}" for p, c in cells if (c.get("code") or {}).get("flagged")
+    ]
+    if flagged:
+        lines.append("**Mixed code, let through by `--mixed-code flag`:** " + "; ".join(flagged) + ".")
+    return [*lines, ""]
 
 
 def _order_lines(result: dict) -> list[str]:

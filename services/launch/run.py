@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from services.shell.child import Child, ChildFailed
-from spopp import cuda_driver
+from spopp import cuda_driver, provenance
 from spopp.client import TrackerClient
 from spopp.gpus import count_gpus
 from spopp.net import free_port, port_free
@@ -215,6 +215,7 @@ class Launcher:
         self.metrics = LaunchMetrics(self.restarts)
         server = self.metrics.serve(self.s.metrics_port)
         self.folder.write(p, metrics_url=server.url + "/metrics")
+        self._say_code()
         old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         status, code = "failed", 1
         try:
@@ -246,6 +247,19 @@ class Launcher:
             self.folder.set_status(p, status)
         self._summary(p, status)
         return code
+
+    def _say_code(self) -> None:
+        """What run.json says of the code when it cannot tie the run to one clean commit: at the
+        start, rather than first in a report."""
+        code = self.record.code or {}
+        if code.get("dirty"):
+            files = ", ".join(code.get("dirty_files", []))
+            self.echo(
+                f"note: {provenance.label(code)} ({files[:300]}): run.json records it and the hash of the "
+                "changes; spopp map, ablate and report compare this run only with runs of the same changes"
+            )
+        elif code.get("why"):
+            self.echo(f"note: run.json records no commit: {code['why']}")
 
     def _start(self, p: Plan) -> None:
         tracker = self.sup.spawn(p, "tracker", "tracker", "serve")

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from spopp import provenance
 from spopp.client import TrackerClient
 from spopp.jsonfile import read_model, write_text
 from spopp.records import RunRecord
@@ -83,7 +84,9 @@ class RunFolder:
         return int(line.get("step", 0)) if line else 0
 
     def write(self, p: Plan, metrics_url: str) -> None:
-        """launch.yaml (secrets left out), each child's config, and run.json: running."""
+        """launch.yaml (secrets left out), each child's config, and run.json: running, with the code
+        and the machine of this launch (spopp/provenance.py; a resume on other code keeps the earlier
+        launch's in `code.earlier_launches`)."""
         from runtime.envs import resolved_env_options
 
         p.run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +107,9 @@ class RunFolder:
             "started": old.started if old and old.started is not None else now,
             "launches": (old.launches if old else 0) + 1, "metrics_url": metrics_url,
             "replicas": len(p.rollouts),
+            "code": provenance.relaunched(old.code if old else None, provenance.code(exclude=[p.run_dir]),
+                                          resumed=old is not None),
+            "machine": provenance.machine(),
         })  # fmt: skip
         _write_record(p.run_dir / "run.json", self.record)
 

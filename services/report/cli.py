@@ -74,6 +74,17 @@ DEFAULT_TITLE = "SPO++ vs SPO: held-out evaluation reward"
 )
 @click.option("--title", default=DEFAULT_TITLE, show_default=True, help="title of report.md and curves.png")
 @click.option(
+    "--mixed-code",
+    type=click.Choice(["refuse", "flag"]),
+    default="refuse",
+    show_default=True,
+    envvar="SPOPP_MIXED_CODE",
+    show_envvar=True,
+    help="runs that do not come from one code (run.json's code: another commit, requirements.lock "
+    "or set of uncommitted changes): refuse the report naming them, or let them through "
+    "flagged in report.json and report.md",
+)
+@click.option(
     "--x",
     "x_axis",
     type=click.Choice(["version", "time"]),
@@ -92,6 +103,7 @@ def command(
     budget: int | None,
     title: str,
     x_axis: str,
+    mixed_code: str,
 ) -> None:
     if pages:
         if run_dirs:
@@ -100,15 +112,18 @@ def command(
         return
     if not run_dirs:
         raise click.UsageError("Missing argument 'RUN_DIR...'")
+    from spopp.provenance import MixedCode, check
+
     from .runs import RunError, read_runs
     from .tables import build, to_json, to_markdown
 
     warnings: list[str] = []
     try:
         runs = read_runs(list(run_dirs), metric, warnings)
-    except RunError as exc:
+        code = check({run.label: run.code for run in runs}, mixed_code, "spopp report")
+    except (RunError, MixedCode) as exc:
         raise click.ClickException(str(exc)) from None
-    report = build(runs, metric, kind, budget, title, warnings)
+    report = build(runs, metric, kind, budget, title, warnings, code)
     text_json, text_md = to_json(report), to_markdown(report)
     click.echo(text_json if fmt == "json" else text_md, nl=fmt == "json")
     if out is None:

@@ -43,6 +43,8 @@ class Run:
     # Seconds from the learner's start to the publication of each scored version (None where the
     # learner's log does not say); `--x time` draws against them.
     seconds: list[float | None] = field(default_factory=list)
+    # The code that made the run (run.json's, spopp/provenance.py); None: launched before runs recorded it.
+    code: dict[str, Any] | None = None
 
     @property
     def label(self) -> str:
@@ -60,6 +62,7 @@ class Run:
             "rewards": self.rewards,
             "skipped_versions": self.skipped,
             "seconds": self.seconds,
+            "code": self.code,
         }
 
 
@@ -105,7 +108,8 @@ def _read_run_json(path: Path) -> RunRecord:
 def read_run(folder: Path, metric: str, warnings: list[str]) -> Run:
     """One run folder, its curve at `metric`; warnings (skipped versions, a cut last line) are appended."""
     meta = _read_run_json(folder / RUN_FILE)
-    run = Run(dir=folder, arm=meta.arm, seed=meta.seed, name=meta.run or folder.name, status=meta.status)
+    run = Run(dir=folder, arm=meta.arm, seed=meta.seed, name=meta.run or folder.name, status=meta.status,
+              code=meta.code)  # fmt: skip
     if meta.restarts:
         # Supervision kept the run going; the curve is whole, but a reader should know what it rode out.
         listed = ", ".join(f"{k} {v}" for k, v in sorted(meta.restarts.items()))

@@ -44,6 +44,17 @@ def c10(rewards: Sequence[float]) -> float:
     return 0.5 * (auc_trapezoid(head) + end_reward(head))
 
 
+def c10_label(points) -> str:
+    """C10's name where curves of `points` points (an iterable of counts) went into it: "C10" when
+    every one had ten or more, else "C10 (5 points)" (or "C10 (3–5 points)"), since a C10 of fewer
+    points is not the paper's ten-point C10 and is not comparable with it."""
+    counts = sorted(set(points))
+    if not counts or counts[0] >= C10_POINTS:
+        return "C10"
+    lo, hi = counts[0], min(counts[-1], C10_POINTS)
+    return f"C10 ({lo} points)" if lo == hi else f"C10 ({lo}–{hi} points)"
+
+
 @dataclass(frozen=True)
 class Summary:
     """Mean and sample s.d. (n - 1 denominator; None with a single value) of n values."""

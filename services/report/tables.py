@@ -15,10 +15,11 @@ import json
 import math
 from typing import Any
 
+from spopp import provenance
 from spopp.curves import C10_POINTS
 
 from .runs import Run
-from .summaries import POINTS, area, c10, end_reward, summarize, wins
+from .summaries import POINTS, area, c10, c10_label, end_reward, summarize, wins
 
 SPO, SPOPP, TRAJNORM, EVENTTIME = "spo", "spopp", "spopp-trajnorm", "spo-eventtime"
 # The arms of services/launch/arms.py, each named for what it changes.
@@ -229,9 +230,16 @@ def ablation(runs: list[Run], warnings: list[str]) -> dict[str, Any] | None:
 
 
 def build(
-    runs: list[Run], metric: str, kind: str, budget: int | None, title: str, warnings: list[str]
+    runs: list[Run],
+    metric: str,
+    kind: str,
+    budget: int | None,
+    title: str,
+    warnings: list[str],
+    code: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The whole report as one JSON-ready dict (see the module docstring)."""
+    """The whole report as one JSON-ready dict (see the module docstring); `code` is what the runs'
+    code says (spopp.provenance.check's summary; by default their agreement, nothing refused)."""
     for run in runs:
         if run.arm not in ARM_NAMES and staleness_arm(run.arm) is None:
             warnings.append(
@@ -261,6 +269,7 @@ def build(
         "staleness": (stale := staleness_pairs(runs, kind, warnings)),
         "staleness_summary": staleness_summary(stale),
         "warnings": list(warnings),
+        "code": code or provenance.agree({run.label: run.code for run in runs}),
     }
 
 
@@ -298,6 +307,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     out = [f"# {_cell(report['title'])}", ""]
     out.append(f"Metric `{report['metric']}`, {area_rule}{budget}; {len(report['runs'])} runs.")
     out.append("")
+    out += _code_lines(report)
     out += _table1_lines(report)
     out += _table2_lines(report)
     out += _table3_lines(report)
@@ -305,6 +315,18 @@ def to_markdown(report: dict[str, Any]) -> str:
         out += ["", "## Warnings", ""]
         out += [f"- {_cell(w)}" for w in report["warnings"]]
     return "\n".join(out) + "\n"
+
+
+def _code_lines(report: dict[str, Any]) -> list[str]:
+    """The commit(s) of the report's runs, and the flag of runs from different code let through; a
+    report.json written before reports named the code says, from its runs, that it was not recorded."""
+    code = report.get("code") or provenance.agree(
+        {f"{r['run']} ({r['dir']})": r.get("code") for r in report["runs"]}
+    )
+    line = provenance.describe(code)
+    if code.get("flagged"):
+        line += f" **Mixed code, let through by `--mixed-code flag`:** {code['problem']}."
+    return [_cell(line), ""]
 
 
 def _table1_lines(report: dict[str, Any]) -> list[str]:
@@ -339,18 +361,26 @@ def _table2_lines(report: dict[str, Any]) -> list[str]:
     ablation_ = report["ablation"]
     if ablation_ is None:
         return []
-    out = ["", "## Table 2: normalization ablation (C10)", ""]
+    label = c10_label(entry["points"] for entry in ablation_["per_seed"])
+    out = ["", f"## Table 2: normalization ablation ({label.replace(' (', ', ').rstrip(')')})", ""]
     if ablation_["rows"] is None:
         out.append("No seed has all three arms (`spo`, `spopp`, `spopp-trajnorm`).")
         return out
+    what = (
+        "C10 = ½ (AUC of points 1–10 + mean of points 6–10)"
+        if label == "C10"
+        else f"{label} = ½ (AUC + mean of the final five) over the points each seed's runs have, not the paper's "
+        "C10 of ten points (AUC of points 1–10 + mean of points 6–10), with which it is not comparable"
+    )
     out.append(
-        "C10 = ½ (AUC of points 1–10 + mean of points 6–10), each seed's three runs cut to "
+        f"{what}, each seed's three runs cut to "
         "their common length; Δ in percentage points, mean ± sample s.d. over "
         f"{len(ablation_['seeds'])} seeds ({', '.join(str(s) for s in ablation_['seeds'])})."
         + (" The budget applies to Table 1 only." if report["budget"] is not None else "")
     )
     out.append("")
-    out += ["| comparison | Δ C10 (points) |", "|---|---|"]
+    unit = "(points)" if label == "C10" else "in percentage points"
+    out += [f"| comparison | Δ {label} {unit} |", "|---|---|"]
     out += [f"| {name} | {row['text']} |" for name, row in ablation_["rows"].items()]
     return out
 
