@@ -16,6 +16,7 @@ import gzip
 import json
 import math
 import re
+import statistics
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -336,6 +337,41 @@ def _cuda_ceiling() -> tuple[str, ...]:
 
 # -- the claims -----------------------------------------------------------------------------------------
 README, RESULTS_MD, MODELS, BENCH = "README.md", "docs/results.md", "docs/models.md", "BENCHMARKS.md"
+
+
+# -- the common-random-numbers measurement (docs/results/crn/crn.json) ------------------------------
+def _crn(side: str) -> dict:
+    return _json("crn/crn.json")[side]
+
+
+def _crn_pairing() -> tuple[str, ...]:
+    after, before = _crn("after"), _crn("before")
+    fewer = (before["delta_sd"] / after["delta_sd"]) ** 2
+    return (signed(after["correlation"], 2), signed(before["correlation"], 2), f(before["delta_sd"], ".2f"),
+            f(after["delta_sd"], ".2f"), f(before["delta_sd"], ".2f"), f(after["delta_sd"], ".2f"), f(fewer, ".0f"))  # fmt: skip
+
+
+def _crn_batches() -> tuple[str, ...]:
+    n = str(len(_json("crn/crn.json")["seeds"]))
+    return (str(_crn("after")["first_batch_equal"]), n, str(_crn("before")["first_batch_equal"]), n)
+
+
+def _crn_spread() -> tuple[str, ...]:
+    before, after = _crn("before")["sd"].values(), _crn("after")["sd"].values()
+    assert max(before) - min(before) < 0.1  # "1.6" stands for both arms
+    return (f(statistics.fmean(before), ".1f"), f(min(after), ".1f"), f(max(after), ".1f"))
+
+
+def _crn_deltas() -> tuple[str, ...]:
+    b, a = _crn("before"), _crn("after")
+    return (
+        signed(b["delta_mean"], 2),
+        f(b["delta_se"], ".2f"),
+        signed(a["delta_mean"], 2),
+        f(a["delta_se"], ".2f"),
+    )
+
+
 CLAIMS: list[tuple[str, str, Callable[[], tuple[str, ...]]]] = [
     (README, "on the toy model no cell's difference survives Holm's correction over the {} cells", _no_cell_survives),
     (README, "the action-token measure's mean differences are {}–{} points",
@@ -362,6 +398,12 @@ CLAIMS: list[tuple[str, str, Callable[[], tuple[str, ...]]]] = [
      _token_sign_by_coupling),
     (RESULTS_MD, "the paper's formula on the map's {}-point curves, labelled \"C10 ({} points)\"", _c10_points),
     (RESULTS_MD, "(`make map`: {} runs, the pilot's {} and {} main runs of {} s on average)", _map_times),
+    (RESULTS_MD, "The arms' areas correlate at r = {} over the seeds, against {} before, and the paired s.d. of Δ "
+     "area falls from {} to {} points. The same standard error now takes about ({} / {})² ≈ {} times fewer pairs.",
+     _crn_pairing),
+    (RESULTS_MD, "reward in {} of {} seeds, against {} of {} before.", _crn_batches),
+    (RESULTS_MD, "It went from {} to {}–{} points because every run used to share the evaluator's seed 0.", _crn_spread),
+    (RESULTS_MD, "Δ area is {} ± {} before and {} ± {} after.", _crn_deltas),
     (RESULTS_MD, "A main run took {} s on average", lambda: (f(_map()["times"]["main"]["mean_s"], ".1f"),)),
     (RESULTS_MD, "held-out reward from {} at version 0 to an end reward of {}–{})", _demo_learns),
     (RESULTS_MD, "(SPO++ lost all {} pairs, {} ± {} area points) and they are even on seeds 3–5 ({} ± {}, {} of {} "
