@@ -117,3 +117,23 @@ def test_shots_put_worked_examples_of_the_family_before_the_task():
     assert env_factory("reasoning-gym", {"shots": 3})().reset(other)[1:-1] == examples
     with pytest.raises(EnvSpecError, match="shots must be an integer in 0..8"):
         env_factory("reasoning-gym", {"shots": 9})
+
+
+@pytest.mark.process  # a fresh interpreter: its reward pool has never imported reasoning_gym
+def test_the_packages_import_is_paid_at_the_workers_start_not_in_the_first_answers_limit():
+    """reasoning_gym takes about 2 s to import (2.2 s here). The reward worker imports the scorer's
+    module, and with it the package, before it is ready, so a fresh process's first answer is
+    scored within a 1.5 s limit; imported inside the check, the first answers were killed at the
+    limit and scored 0 (5 of 8 in a pilot at the default 5 s on a loaded machine)."""
+    script = (
+        "from runtime.envs import env_factory\n"
+        "from runtime.envs.reasoning_gym import generate_tasks\n"
+        "train, _ = generate_tasks('chain_sum', 1, 1, seed=0, options={'min_terms': 2, 'max_terms': 2, 'max_digits': 1})\n"
+        "env = env_factory('reasoning-gym', {'reward_timeout_s': 1.5})()\n"
+        "env.reset(train[0])\n"
+        "step = env.step(f'<answer>{train[0].answer}</answer>')\n"
+        "print(step.reward, step.info.get('answer_check'))\n"
+    )  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["1.0", "None"], done.stdout

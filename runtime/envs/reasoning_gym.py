@@ -39,7 +39,11 @@ HELDOUT_SEED_OFFSET = 1_000_000_007
 # any training seed s (items s..s+n) and from the held-out ones (s + HELDOUT_SEED_OFFSET + i).
 SHOTS_SEED = 3 * HELDOUT_SEED_OFFSET
 MAX_SHOTS = 8
-SCORER = "runtime.envs.reasoning_gym:score"
+# The scorer lives in a module of its own that imports reasoning-gym at its top: a reward worker
+# imports it before it is ready (runtime.check_pool's preload), so the package's import, several
+# seconds on a loaded machine, is not charged to the first answers' reward_timeout_s (at 5 s, 5 of
+# 8 first checks of a pilot were killed and scored 0 when the import happened inside the check).
+SCORER = "runtime.envs.reasoning_gym_score:score"
 
 
 def _dataset(name: str, size: int, seed: int, options: dict[str, Any]):
@@ -121,19 +125,6 @@ def extract(answer_text: str) -> str | None:
         return None
     inner = answer_text[start + len("<answer>") : end if end != -1 else None]
     return inner.strip()
-
-
-def score(answer_text: str, task: Task) -> float:
-    """The family's own scorer on the extracted answer (run in a reward worker)."""
-    import reasoning_gym
-
-    name = task.meta.get("rg_dataset")
-    entry = task.meta.get("rg_entry")
-    if not isinstance(name, str) or not isinstance(entry, dict):
-        raise ValueError(
-            f"task {task.task_id} is not a reasoning-gym task (no rg_dataset/rg_entry in its meta)"
-        )
-    return float(reasoning_gym.get_score_answer_fn(name)(extract(answer_text), entry))
 
 
 _shots_cache: dict[str, list[tuple[str, str]]] = {}
