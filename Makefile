@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # DeepSpeed compiles a small shared-memory op for gloo once; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-agent demo-real demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render lock-check images-gpu compose-gpu-images
+.PHONY: setup system ops test test-slow test-fast test-gpu bench profile lint clean demo demo-quick demo-agent demo-real pretrained-study demo-alfworld demo-alfworld-quick compose-cpu compose-clean chaos map map-render lock-check images-gpu compose-gpu-images
 
 setup: $(STAMP) system
 
@@ -147,6 +147,11 @@ DEVICE ?= cpu
 demo-real: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.demo_real --out demo-real-out --device $(DEVICE) $(if $(PAIRED),--paired)
 
+# The pretrained-model study (issue 52): SPO++ against SPO on SmolLM2 with LoRA, a pilot on its own seeds
+# fixing the number of pairs before the main runs; resumable (tools/pretrained_study.py, docs/models.md).
+pretrained-study: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.pretrained_study --out pretrained-study-out --device $(DEVICE) $(if $(FAMILY),--family $(FAMILY))
+
 # When does SPO++ beat SPO? The demo's setting over a coupling x latency grid (tools/map.py): the
 # four arms from SPO to SPO++, one change each, a pilot on its own seeds fixing each cell's n before
 # the main runs; resumable. SEEDS="0 1 2" instead runs those seeds in every cell, with no pilot.
@@ -211,4 +216,4 @@ compose-gpu-images:
 	python3 deploy/compose_cpu.py --flavour gpu --replicas $(ROLLOUT_REPLICAS) --max-updates $(MAX_UPDATES)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-real-out demo-quick-lora-out demo-alfworld-out demo-alfworld-quick-out map-out chaos-out
+	rm -rf $(VENV) .pytest_cache build *.egg-info demo-out demo-quick-out demo-real-out demo-quick-lora-out demo-alfworld-out demo-alfworld-quick-out map-out chaos-out pretrained-study-out
