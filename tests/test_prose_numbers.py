@@ -374,6 +374,8 @@ def _crn_deltas() -> tuple[str, ...]:
 
 CLAIMS: list[tuple[str, str, Callable[[], tuple[str, ...]]]] = [
     (README, "on the toy model no cell's difference survives Holm's correction over the {} cells", _no_cell_survives),
+    (README, "rerun on one cell, the paired s.d. of Δ area fell from {} to {} points",
+     lambda: (f(_crn("before")["delta_sd"], ".2f"), f(_crn("after")["delta_sd"], ".2f"))),
     (README, "the action-token measure's mean differences are {}–{} points",
      lambda: tuple(f(g(abs(d["mean"]) for d in diffs(TOKEN)), ".1f") for g in (min, max))),
     (RESULTS_MD, "SPO++ is behind by {} ± {} points ([{}, {}], n = {}, t p = {}).", _behind),
