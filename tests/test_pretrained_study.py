@@ -184,6 +184,8 @@ def test_each_family_writes_tasks_and_a_config_the_launcher_accepts(tmp_path, fa
         assert isinstance(s, LaunchSettings) and s.env == f.env and s.study == f"pretrained-{family}"
         assert s.learner.lora_rank == 8 and s.evaluator.samples == 1 and not s.evaluator.greedy
         assert s.rollout.engine == ("vllm" if (device, tiny) == ("cpu", False) else "transformers")
+        # One batch in flight: more would make each batch the quickest episodes (the failures).
+        assert s.rollout.concurrency == (ps.TINY if tiny else ps.FULL)["batch_size"]
     # The held-out count states its s.e.: at most 3.1 points per version.
     assert math.sqrt(0.25 / (ps.N_HELDOUT - 1)) <= 0.0314
 
