@@ -14,6 +14,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -281,3 +282,27 @@ def test_map_and_ablate_refuse_before_any_run_when_a_run_in_out_is_other_code(tm
     assert f"spopp {command} --out {out}: its runs do not come from one code" in r.output
     assert f"commit {'0' * 12} (lock ffffffff): {folder}" in r.output and "this checkout" in r.output
     assert not (out / "protocol.json").exists() and not (out / "runs" / "spopp-s0").exists()  # nothing ran
+
+
+@pytest.mark.process  # git
+def test_a_finished_comparison_is_not_refused_for_this_checkouts_code(tmp_path):
+    """Run again after a pull, a comparison whose runs are all finished runs nothing: only its runs'
+    code counts, so one code elsewhere passes, and two codes are still refused."""
+    from services.launch.cli import _check_code
+
+    out = tmp_path / "out"
+    spo, spopp = out / "runs" / "spo-s0", out / "runs" / "spopp-s0"
+    _run(spo, "spo", 0, [0.1], _code("0"))
+    _run(spopp, "spopp", 0, [0.2], _code("0"))
+    _check_code([spo, spopp], out, "refuse", "x")  # commit 000… is not this checkout's: no matter
+    record = json.loads((spopp / "run.json").read_text())
+    (spopp / "run.json").write_text(json.dumps({**record, "code": _code("1")}))
+    with pytest.raises(click.ClickException, match="different code"):
+        _check_code([spo, spopp], out, "refuse", "x")
+    (spopp / "run.json").write_text(json.dumps({**record, "status": "stopped"}))  # one to resume
+    with pytest.raises(click.ClickException, match="this checkout"):
+        _check_code([spo, spopp], out, "refuse", "x")  # now this checkout's code counts
+    # A map's folders are only those so far: until its map.json exists, this checkout counts.
+    (spopp / "run.json").write_text(json.dumps(record))
+    with pytest.raises(click.ClickException, match="this checkout"):
+        _check_code([spo, spopp], out, "refuse", "x", planned=False)

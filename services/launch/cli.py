@@ -260,19 +260,29 @@ _MIXED_CODE = click.Option(
 )
 
 
-def _check_code(folders: list[Path], out: Path, policy: str, what: str) -> None:
+def _check_code(folders: list[Path], out: Path, policy: str, what: str, planned: bool = True) -> None:
     """Before any run starts: this checkout's code and that of the runs already in `folders` must be
-    one code (spopp.provenance), rather than the comparison being refused at its end."""
+    one code (spopp.provenance), rather than the comparison being refused at its end. This checkout
+    counts only when a run is still to come: a finished comparison run again (to redraw its page
+    after a pull) runs nothing, and its runs' code is what it is. `planned`: `folders` are every
+    run the comparison will have (ablate's); a map's are only those there so far, and it is
+    finished only once its map.json is written."""
     from spopp import provenance
     from spopp.jsonfile import read_model
     from spopp.records import RunRecord
 
-    runs = {"this checkout (the runs to come)": provenance.code(exclude=[out])}
+    found: dict[str, dict | None] = {}
+    to_come = not folders or not planned
     for folder in folders:
         try:
-            runs[str(folder)] = read_model(folder / "run.json", RunRecord).code
+            record = read_model(folder / "run.json", RunRecord)
         except (OSError, ValueError):  # no run there yet, or one its launch will name
+            to_come = True
             continue
+        found[str(folder)] = record.code
+        to_come = to_come or record.status != "finished"
+    runs = {"this checkout (the runs to come)": provenance.code(exclude=[out])} if to_come else {}
+    runs |= found
     try:
         summary = provenance.check(runs, policy, what)
     except provenance.MixedCode as exc:
@@ -449,7 +459,7 @@ def _map(
     couplings, latencies = _numbers(coupling, "coupling"), _numbers(latency, "latency")
     pilot = _seed_list(pilot_seeds, "pilot-seeds")
     folders = sorted(out.glob("cells/*/runs/*")) + sorted(out.glob("pilot/cells/*/runs/*"))
-    _check_code(folders, out, mixed_code, f"spopp map --out {out}")
+    _check_code(folders, out, mixed_code, f"spopp map --out {out}", planned=(out / "map.json").is_file())
     try:
         code = run_map(
             base, couplings, latencies, arm_list, out, seeds=main,
