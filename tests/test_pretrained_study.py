@@ -77,12 +77,14 @@ def test_a_resumed_study_is_the_same_study(tmp_path):
 
 
 def test_updates_are_part_of_the_study(tmp_path):
-    a = ps._parser().parse_args(["--updates", "4", "--eval-every", "2"])
-    assert (a.updates, a.eval_every) == (4, 2)
+    a = ps._parser().parse_args(["--updates", "4", "--eval-every", "2", "--lr", "2e-4"])
+    assert (a.updates, a.eval_every, a.lr) == (4, 2, 2e-4)
     protocol = ps.decide([1.0, 2.0], [1000, 1001], _grid(), [10.0] * 4, 1.5, 3, None)
     map_protocol.write(tmp_path, protocol)
     with pytest.raises(SystemExit, match="fixed the study for size"):
-        ps.main(["--out", str(tmp_path), "--updates", "4"])
+        ps.main(["--out", str(tmp_path), "--updates", "6"])
+    with pytest.raises(SystemExit, match="fixed the study for size"):  # the learning rate is the size's too
+        ps.main(["--out", str(tmp_path), "--lr", "5e-4"])
 
 
 def test_a_study_that_cannot_be_sized_is_refused_before_it_runs(tmp_path):

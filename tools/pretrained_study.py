@@ -16,10 +16,12 @@
            interval, the sign test, the code (spopp.provenance), and the n of pairs that would
            detect the paper's effects at the measured s.d. (`--render OUT` redraws it from study.json)
 
-The size (FULL): the demo's run (tools/demo_real.py: 8 updates of 16 episodes, rank-8 LoRA, vLLM
-for the replica and the evaluator on the CPU, the transformers engine on CUDA with --device cuda),
-held-out evaluation at versions 0, 4 and 8 on N_HELDOUT = 256 tasks, one episode each at T = 1: the
-per-version s.e. over tasks is sqrt(p (1 - p) / 255), at most 3.1 points (2.9 at p = 0.4). Every
+The size (FULL): the demo's run (tools/demo_real.py: batches of 16 episodes, rank-8 LoRA, vLLM for
+the replica and the evaluator on the CPU, the transformers engine on CUDA with --device cuda) cut to
+4 updates at lr 2e-4, held-out evaluation at versions 0, 2 and 4 on N_HELDOUT = 256 tasks, one
+episode each at T = 1: the per-version s.e. over tasks is sqrt(p (1 - p) / 255), at most 3.1 points
+(2.9 at p = 0.4). The demo's 8 updates at lr 1e-3 reach the ceiling by version 2 on this family
+(docs/results/pretrained-study/stopped-pilot-run), which would leave nothing to compare. Every
 stage is skipped when its output is there, so the study resumes, within a session and across
 sessions: `--pack DIR` copies what the page and a resume need (every finished run without its
 weights, the data, the protocol) into DIR (e.g. docs/results/pretrained-study/data), and
@@ -97,7 +99,9 @@ FAMILIES: dict[str, Family] = {
 # -- sizes and defaults -----------------------------------------------------------------------------
 
 N_HELDOUT = 256
-FULL = {**demo_real.FULL, "n_heldout": N_HELDOUT}
+# A fifth of the demo's learning rate over half its updates: 8 optimizer steps at 2e-4 add up to less
+# than the 2 at 1e-3 that took the stopped pilot run's training batch from 0.50 to 0.81.
+FULL = {**demo_real.FULL, "n_heldout": N_HELDOUT, "updates": 4, "eval_every": 2, "lr": 2e-4}
 # The wiring check's size: the repository's tiny model (random weights, tools/tiny_model.py) on the
 # transformers engine, two updates of four episodes, evaluations at versions 0 and 2 on 8 tasks.
 TINY = {**demo_real.TINY, "updates": 2, "eval_every": 2, "batch_size": 4, "n_heldout": 8}
@@ -113,9 +117,10 @@ PILOT_SEEDS = "1000,1001"  # never a main seed (those are 0..n-1)
 TARGET_SE = 1.5
 N_MIN = 3  # 2 degrees of freedom for the t interval, as the map
 # What the study may take, pilot and main runs together, priced by the pilot's mean run time. On 2
-# cores a FULL run is about 35-45 minutes (docs/models.md: 8 updates of about 3.5 minutes, plus three
-# evaluations of 256 tasks at about 0.8 s an episode), so the pilot's 4 runs take about 2.5-3 hours and
-# 600 minutes leave about 5 main seeds of two arms (3 of three); on one H200 a run is about 80-100 s.
+# cores a FULL run is about 30-40 minutes (the stopped pilot run: 5-9 minutes an update with the
+# evaluator beside it, and evaluations of 256 tasks at about 2 s an episode), so the pilot's 4 runs take
+# about 2-2.5 hours and 600 minutes leave about 5 main seeds of two arms (3 of three); on one H200 a
+# run is about a minute.
 BUDGET_MINUTES = 600.0
 # The paper's effects, area points (mean ± s.d. over its seeds).
 PAPER_EFFECTS = {"Math-TIR": 2.50, "ALFWorld": 19.00}
@@ -416,7 +421,13 @@ def study(a: argparse.Namespace) -> int:
     from services.launch.compare import compare
 
     size = dict(TINY if a.tiny else FULL)
-    size.update({k: v for k, v in (("updates", a.updates), ("eval_every", a.eval_every)) if v is not None})
+    size.update(
+        {
+            k: v
+            for k, v in (("updates", a.updates), ("eval_every", a.eval_every), ("lr", a.lr))
+            if v is not None
+        }
+    )
     arms = [x for x in a.arms.replace(" ", "").split(",") if x]
     if not all(x in arms for x in PILOT_ARMS):
         raise SystemExit("pretrained-study: the arms need spo and spopp (the pilot sizes their difference)")
@@ -546,6 +557,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"pilot and main runs together (default {BUDGET_MINUTES:.0f}); 0: no cap")  # fmt: skip
     p.add_argument("--updates", type=int, default=None, help=f"updates per run (default {FULL['updates']})")
     p.add_argument("--eval-every", type=int, default=None, help=f"versions between evaluations (default {FULL['eval_every']})")  # fmt: skip
+    p.add_argument(
+        "--lr", type=float, default=None, help=f"the learner's learning rate (default {FULL['lr']:g})"
+    )
     p.add_argument("--data-seed", type=int, default=0, help="seed of the tasks (0-999: the pilot's rule)")
     p.add_argument("--model", type=Path, default=None, help="an imported model folder")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
