@@ -122,9 +122,9 @@ def memory_settings(model: Path, repeats: int) -> dict:
 
     from services.learner.batch import collate
     from services.learner.config import LearnerSettings
-    from services.learner.engine import build_engine, release_engine
+    from services.learner.deepspeed_engine import build_engine, release_engine
     from services.learner.logprobs import token_logprobs
-    from services.learner.plan import saved_bytes
+    from services.learner.memory_plan import saved_bytes
 
     batch = 32
     common = {
@@ -205,7 +205,7 @@ def worker(model: Path, stage: int, batch: int, repeats: int, out: Path) -> None
     """One DeepSpeed run (under torchrun): warm-up, timed updates, a timed publish."""
     import torch.distributed as dist
 
-    from services.learner.engine import build_engine
+    from services.learner.deepspeed_engine import build_engine
     from services.learner.snapshot import publish_snapshot
 
     cfg = _config(model, stage, batch, out.parent / f"snap-{stage}-{os.environ.get('WORLD_SIZE', '1')}")

@@ -20,7 +20,7 @@ model FLOPs, as MFU is defined.
 Peak memory is torch.cuda.max_memory_allocated from the case's start (the model built, the engine's
 states made, the warm-up and timed updates), above what was allocated before it; the prediction
 is `spopp learner plan`'s total for the case (the model's states and the activations of a
-16,384-token micro-batch, services/learner/plan.py), the aim being within 15%. A case whose
+16,384-token micro-batch, services/learner/memory_plan.py), the aim being within 15%. A case whose
 prediction exceeds the card's usable memory (90%, the plan's reserve) is skipped and said so, as is
 one that would overrun the time budget (the whole bench is sized for one 6-minute run on an 80 GB
 H100 as on a 141 GB H200).
@@ -178,7 +178,7 @@ def random_model(config: dict, setup: Setup, ckpt: bool):
     with torch.device(setup.device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=_dtype(setup), attn_implementation="sdpa")
     model.to(setup.device)  # where it already is, unless from_config ignored the default device
-    # As services.learner.engine.build_engine prepares a loaded model.
+    # As services.learner.deepspeed_engine.build_engine prepares a loaded model.
     model.config.use_cache = False
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -192,7 +192,7 @@ def learner_engine(config: dict, setup: Setup, cfg):
     import deepspeed
     import torch
 
-    from services.learner.engine import deepspeed_config, init_distributed, seed_everything
+    from services.learner.deepspeed_engine import deepspeed_config, init_distributed, seed_everything
 
     _, world = init_distributed()
     seed_everything(cfg.seed)
@@ -236,7 +236,7 @@ def learner_case(
     config: dict, setup: Setup, zero: int, ckpt: bool, trajs, adv, profile: bool = False,
     packing: bool = True, liger: str = "off", persist: bool = False,
 ) -> dict:  # fmt: skip
-    from services.learner.engine import release_engine
+    from services.learner.deepspeed_engine import release_engine
     from services.learner.update import run_update
 
     cfg = settings(setup, zero, ckpt, packing, liger, persist)
@@ -330,10 +330,10 @@ def _release(setup: Setup) -> None:
 
 def plan_total(config: dict, setup: Setup, zero: int, ckpt: bool, gpu_gib: float) -> tuple[float, bool]:
     """`spopp learner plan`'s per-GPU total for the case (bytes), and whether it fits the card."""
-    from services.learner import plan
+    from services.learner import memory_plan
 
-    rows = plan.plan(
-        plan.model_shape(config),
+    rows = memory_plan.plan(
+        memory_plan.model_shape(config),
         gpus=1,
         gpu_memory_gib=gpu_gib,
         tokens=setup.budget,
@@ -549,7 +549,7 @@ def chunking(repeats: int = 3) -> dict[str, dict[str, float]]:
     import torch
 
     from services.learner import logprobs
-    from services.learner.plan import saved_bytes
+    from services.learner.memory_plan import saved_bytes
 
     config = {**SMOKE, "hidden_size": 128, "intermediate_size": 256, "vocab_size": 151936}
     setup = Setup(device="cpu", dtype="fp32", batch=0, budget=0, repeats=repeats, matmul=0, cases=())
@@ -607,7 +607,7 @@ def chunking_section(result: dict[str, dict[str, float]], load: float) -> str:
             f"{r['nograd_s']:.2f} |"
         )
     from services.learner.logprobs import CHUNK_TOKENS
-    from services.learner.plan import HEAD_TRANSIENT
+    from services.learner.memory_plan import HEAD_TRANSIENT
 
     (before, after), (positions, vocab) = result.values(), (4 * 511, 151936)
     lines += [

@@ -130,7 +130,7 @@ def _settings(model: Path, batch: int, micro: dict, packing: bool):
 def layouts(mixes: dict, repeats: int) -> dict:
     """Per mix: median seconds of one update, padded and packed, and the tokens each forwards."""
     from services.learner.batch import collate, pack_fill, plan_micro_batches
-    from services.learner.engine import build_engine, release_engine
+    from services.learner.deepspeed_engine import build_engine, release_engine
     from services.learner.update import run_update
 
     out = {}

@@ -37,12 +37,12 @@ from runtime.envs.base import StepResult
 from runtime.envs.math_tir import MathTIREnv
 from runtime.tasks import generate_arithmetic_tasks
 from services.rollout.config import RolloutSettings
-from services.rollout.worker import Worker
+from services.rollout.worker import Worker, read_run
 from services.tracker.embedded import EmbeddedRedis
-from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
 from tools.sink import LearnerSink
 from tools.tiny_model import build_tiny_model, perturb_weights, random_adapter
+from tools.tracker_process import TrackerProcess
 
 HEAD = "## Rollout: service against raw engine, weight swaps"
 
@@ -129,13 +129,11 @@ async def service_generate(engine, settings, tasks, episodes) -> tuple[int, floa
     (dispatch, outcome and trajectory calls per episode))."""
     with SinkProcess(settings.run) as sink:
         watched = _FirstCall(engine)
+        settings = settings.model_copy(update={"learner": sink.url})
+        t0 = time.perf_counter()  # the run's read is part of the replica's start-up, as before
         worker = Worker(
-            settings.model_copy(update={"learner": sink.url}),
-            watched,
-            OneTurnEnv,
-            {t.task_id: t for t in tasks},
+            settings, await read_run(settings), watched, OneTurnEnv, {t.task_id: t for t in tasks}
         )
-        t0 = time.perf_counter()
         await worker.run(max_episodes=episodes)
         end = time.perf_counter()
         await worker.close()

@@ -26,10 +26,10 @@ from pathlib import Path
 import redis
 
 from services.tracker.embedded import EmbeddedRedis
-from services.tracker.launcher import TrackerProcess
 from services.tracker.store import _load, num, prefix
 from spopp.client import TrackerClient
 from spopp.sampler import race_draws
+from tools.tracker_process import TrackerProcess
 
 
 def _progress(msg: str) -> None:

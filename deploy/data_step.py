@@ -28,9 +28,23 @@ import os
 import secrets
 import sys
 from pathlib import Path
+from typing import ClassVar
+
+from pydantic import Field
 
 from runtime.envs.toy_calc import generate_toy_calc_tasks
 from runtime.tasks import generate_arithmetic_tasks, write_jsonl
+from spopp.fields import ApiToken
+from spopp.settings import Settings, SettingsError
+
+
+class DataStepSettings(Settings):
+    """What the step reads from its environment, through the settings like every service: only the
+    shared token (SPOPP_API_TOKEN), so a token the tracker would refuse is refused here first."""
+
+    env_prefix: ClassVar[str] = "SPOPP_DATA_STEP_"
+    api_token: ApiToken | None = Field(None, description="the token .env sets; unset or empty: generated")
+
 
 SIZES = {"toy-calc": (128, 32), "math-tir": (2048, 256)}
 
@@ -39,7 +53,7 @@ def ensure_token(folder: Path) -> str:
     """'set in .env', 'kept' or 'generated': what happened to the token."""
     path = folder / "api-token"
     kept = path.read_text().strip() if path.is_file() else ""
-    given = os.environ.get("SPOPP_API_TOKEN", "")
+    given = DataStepSettings.resolve().api_token or ""
     # The entrypoint exports the volume's token before this step runs (deploy/image/entrypoint.sh):
     # the same value in the environment is the kept one, not one set in .env.
     if given and given != kept:
@@ -129,7 +143,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    print(f"data: token {ensure_token(a.secrets)}", flush=True)
+    try:
+        token = ensure_token(a.secrets)
+    except SettingsError as exc:  # e.g. a .env token shorter than the tracker takes: nothing written
+        print(f"data: {exc}", file=sys.stderr)
+        return 2
+    print(f"data: token {token}", flush=True)
     print(f"data: redis password {ensure_redis_password(a.secrets)}", flush=True)
     family = a.family or a.env
     if family not in SIZES:

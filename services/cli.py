@@ -22,16 +22,16 @@ def build() -> click.Group:
     from runtime.tasks_cli import group as tasks
     from services.evaluator.cli import group as evaluator
     from services.evaluator.cli import prior_command as prior
-    from services.launch.cli import ablate_command as ablate
-    from services.launch.cli import init_command as init
+    from services.init.cli import init_command as init
     from services.launch.cli import launch_command as launch
-    from services.launch.cli import map_command as map_
     from services.launch.cli import scale_command as scale
     from services.learner.cli import group as learner
     from services.learner.cli import lora_group as lora
     from services.models.cli import group as model
     from services.report.cli import command as report
     from services.rollout.cli import group as rollout
+    from services.study.cli import ablate_command as ablate
+    from services.study.cli import map_command as map_
     from services.tracker.cli import group as tracker
 
     app = click.Group(

@@ -4,6 +4,11 @@ A curve is a sequence of evaluation rewards r_1..r_T taken at equally spaced ste
 are plain Python so that analysis scripts need neither torch nor numpy. Paired comparisons truncate
 each (method, baseline) pair to its common length first: a run that stopped early must not be
 scored against the other's longer, usually better, tail.
+
+The paper's definitions (`auc_trapezoid`, `final_mean`, `learning_composite`) refuse a curve too
+short for them; `area`, `end_reward` and `c10` are what the report's tables and the studies' maps
+print, relaxed for short curves (end reward and C10 over fewer than five / ten points, C10 then
+named by `c10_label`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ Curve = Sequence[float]
 Metric = Callable[[Curve], float]
 
 C10_POINTS = 10
+AREAS = ("trapezoid", "mean")
+END_POINTS = 5
+# Points in percentage points: differences of rewards in [0, 1] are reported x100, as in the paper.
+POINTS = 100.0
 
 
 def _curve(rewards: Curve, name: str = "rewards") -> list[float]:
@@ -96,3 +105,39 @@ def paired_difference(
         return mean, math.nan
     sd = math.sqrt(math.fsum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
     return mean, sd
+
+
+def area(rewards: Curve, kind: str = "trapezoid") -> float:
+    """Normalized area under r_1..r_T: the trapezoid rule (default) or the step mean (rectangles)."""
+    if kind == "trapezoid":
+        return auc_trapezoid(rewards)
+    if kind == "mean":
+        return step_mean(rewards)
+    raise ValueError(f"unknown area rule {kind!r}; choose one of {', '.join(AREAS)}")
+
+
+def end_reward(rewards: Curve) -> float:
+    """Mean of the final five points, or of all points when the curve is shorter."""
+    return final_mean(rewards, k=min(END_POINTS, len(rewards)) or 1)
+
+
+def c10(rewards: Curve) -> float:
+    """Ablation composite: 0.5 * (AUC_trapezoid(r_1..r_10) + mean(r_6..r_10)).
+
+    A curve shorter than ten points uses what it has, 0.5 * (AUC(r_1..r_T) + its end reward); the
+    caller warns, since such values are not comparable with ten-point ones.
+    """
+    head = list(rewards[:C10_POINTS])
+    # With ten points the final five are r_6..r_10, so one formula covers both cases.
+    return 0.5 * (auc_trapezoid(head) + end_reward(head))
+
+
+def c10_label(points) -> str:
+    """C10's name where curves of `points` points (an iterable of counts) went into it: "C10" when
+    every one had ten or more, else "C10 (5 points)" (or "C10 (3–5 points)"), since a C10 of fewer
+    points is not the paper's ten-point C10 and is not comparable with it."""
+    counts = sorted(set(points))
+    if not counts or counts[0] >= C10_POINTS:
+        return "C10"
+    lo, hi = counts[0], min(counts[-1], C10_POINTS)
+    return f"C10 ({lo} points)" if lo == hi else f"C10 ({lo}–{hi} points)"

@@ -36,8 +36,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from .evidence import jeffreys_init
+from .fields import Id
 from .jsonfile import read_json, to_text, validate, write_text
-from .tracker_api import MAX_PRIOR, MIN_PRIOR, TASK_ID, Id, Prior
+from .tracker_api import MAX_PRIOR, MIN_PRIOR, TASK_ID, Prior
 
 __all__ = ["FORMAT", "PriorFile", "PriorTask", "build_prior", "read_prior", "write_prior"]
 

@@ -1,9 +1,9 @@
 """What each recipe's learner defaults to: the full recipes of the paper's paired comparison (§5).
 
 The tracker's run fixes the recipe at its creation; a learner that is not told its normalization
-or Dual-Clip takes its run's recipe's (services/learner/binding.py), and `spopp launch` writes
+or Dual-Clip takes its run's recipe's (services/learner/run_terms.py), and `spopp launch` writes
 them into the learner's config the same way, under what its learner section gives
-(services/launch/arms.py builds the comparison's arms on them).
+(spopp/arms.py builds the comparison's arms on them).
 """
 
 from __future__ import annotations

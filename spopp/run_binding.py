@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
-from spopp.settings import API_TOKEN_ENV, MIN_TOKEN_CHARS, RUN_ENV, TRACKER_URL_ENV, SettingsGroup
-from spopp.tracker_api import Id
+from spopp.fields import ApiToken, RunId
+from spopp.settings import API_TOKEN_ENV, RUN_ENV, TRACKER_URL_ENV, SettingsGroup
 
 DEFAULT_TRACKER = "http://127.0.0.1:8000"
 
@@ -39,12 +39,10 @@ class RunBinding(SettingsGroup):
     }
 
     # The tracker's own id type: a name it would refuse (a "/", "..") is refused here, at start.
-    run: Id = Field(..., description="the run's name at the tracker")
+    run: RunId = Field(..., description="the run's name at the tracker")
     tracker: str = Field(DEFAULT_TRACKER, min_length=1, max_length=4096, description="the tracker's base URL")
-    api_token: str | None = Field(
+    api_token: ApiToken | None = Field(
         None,
-        min_length=MIN_TOKEN_CHARS,
-        max_length=4096,
         description="bearer token of the tracker, also of the learner's intake (prefer the "
         "environment: flags show in process lists)",
     )

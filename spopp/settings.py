@@ -38,8 +38,6 @@ TRACKER_URL_ENV = "SPOPP_TRACKER_URL"
 # Read under one name by every service that takes them, so never a service's unknown variable
 # (SPOPP_TRACKER_URL is not a tracker setting, though it starts with the tracker's prefix).
 SHARED_ENV = frozenset({API_TOKEN_ENV, RUN_ENV, TRACKER_URL_ENV})
-# The tracker refuses a shorter token, so no client's token may be shorter either.
-MIN_TOKEN_CHARS = 16
 # SPOPP_* variables that are not a service's settings: the machine's, kept by `environ_without_settings`.
 MACHINE_ENV = frozenset({"SPOPP_PORT_RANGE"})
 
@@ -217,9 +215,13 @@ def _explain(cls: type[Settings], exc: ValidationError, source: dict[str, str]) 
 
 
 def _kinds(annotation: Any) -> set:
+    """The types a field takes, None left out; an alias of spopp.fields (`ApiToken | None` is
+    `Annotated[str, ...] | None`: pydantic keeps the Annotated inside a union) counts as its type."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return set(typing.get_args(annotation)) - {type(None)}
-    return {annotation}
+        kinds = set(typing.get_args(annotation)) - {type(None)}
+    else:
+        kinds = {annotation}
+    return {typing.get_args(k)[0] if typing.get_origin(k) is typing.Annotated else k for k in kinds}
 
 
 def _takes_text(annotation: Any) -> bool:
@@ -232,6 +234,19 @@ def _takes_text(annotation: Any) -> bool:
         elif kind not in (str, Path):
             return False
     return bool(kinds)
+
+
+def _metadata(field: Any) -> list:
+    """The field's constraints: its own, and those of an Annotated alias inside a union (pydantic
+    lifts an alias's constraints onto the field only when the alias is the whole annotation)."""
+    out = list(field.metadata)
+    annotation = field.annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            if typing.get_origin(arg) is typing.Annotated:
+                for extra in typing.get_args(arg)[1:]:
+                    out.extend(getattr(extra, "metadata", [extra]))
+    return out
 
 
 def _is_bool(annotation: Any) -> bool:
@@ -249,7 +264,7 @@ def field_help(cls: type[Settings], name: str) -> str:
             notes.append(f"default {default}")
     else:
         notes.append("required")
-    for meta in field.metadata:
+    for meta in _metadata(field):
         for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
             if isinstance(meta, getattr(annotated_types, attr.capitalize())):
                 notes.append(f"{sign} {getattr(meta, attr)}")

@@ -19,31 +19,15 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-# The one definition of an id the tracker keys on (tasks, runs' updates): the prior file and
-# `spopp prior` check task ids against TASK_ID, so no file carries a task PUT /tasks would refuse.
-# Every id is also a path segment (/v1/runs/{run}/tasks/{task_id}, .../workers/{worker_id}): no "/",
-# and not "." or ".." (which a client or proxy resolves as a path step). An id that could be created
-# but not read back (a task "a/b") was once accepted; now it is refused at creation with 422.
-MAX_ID_CHARS = 256
-ID_CHARS = "A-Za-z0-9_.:@+=-"
-ID_PATTERN = rf"^[{ID_CHARS}]+$"
+from .fields import ID_CHARS, MAX_ID_CHARS, Id, MaxStaleness, Recipe, Seed, WorkerId
+
+# The prior file and `spopp prior` check task ids against TASK_ID, so no file carries a task PUT
+# /tasks would refuse; the id types themselves are spopp.fields' (an id is a path segment).
 TASK_ID = re.compile(rf"^(?!\.{{1,2}}$)[{ID_CHARS}]{{1,{MAX_ID_CHARS}}}$")
 
 
-def _not_a_path_step(value: str) -> str:
-    if value in (".", ".."):
-        raise ValueError(f"{value!r} is a path step, not an id")
-    return value
-
-
-Id = Annotated[
-    str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ID_PATTERN), AfterValidator(_not_a_path_step)
-]
-WorkerId = Annotated[
-    str, Field(min_length=1, max_length=128, pattern=ID_PATTERN), AfterValidator(_not_a_path_step)
-]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Reward = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
@@ -64,7 +48,6 @@ MAX_WORKERS_PER_RUN = 4096  # workers a run keeps stats of (the tracker's defaul
 MAX_RUNS = 4096  # runs one tracker keeps (its default bound; a new run beyond it is 409)
 MAX_COUNT = 2**53 - 1  # a worker's reported counts: exact in a double, as Lua keeps them
 MAX_REASON_CHARS = 200
-MAX_STALENESS = 64  # policy versions a trajectory may lag the learner (a bound, not a target)
 
 Prior = Annotated[float, Field(ge=MIN_PRIOR, le=MAX_PRIOR, allow_inf_nan=False)]
 
@@ -99,7 +82,7 @@ class _Body(BaseModel):
 class RunConfig(_Body):
     """A run: one recipe, its prior mass, its retention and leases. Only `recipe` is required."""
 
-    recipe: Literal["spopp", "spo"]
+    recipe: Recipe
     base_snapshot: str | None = Field(
         None, max_length=MAX_SNAPSHOT_CHARS, description="snapshot of policy version 0 (up to 4096 chars)"
     )
@@ -116,7 +99,7 @@ class RunConfig(_Body):
         allow_inf_nan=False,
         description="lease length, renewable, in [0.001, 604800] (one week)",
     )
-    seed: int = Field(0, ge=0, lt=2**63, description="seed of the sampler's draws, in [0, 2^63)")
+    seed: Seed = Field(0, description="seed of the sampler's draws, in [0, 2^63)")
     study: Id | None = Field(
         None,
         description="with the seed, the key of every draw that is not the method's (the sampler's, the "
@@ -132,10 +115,8 @@ class RunConfig(_Body):
     )
     rho_min: float = Field(0.875, ge=MIN_RHO, le=1.0, description="SPO's smallest retention, in [1e-6, 1]")
     rho_max: float = Field(0.96, ge=MIN_RHO, le=1.0, description="SPO's largest retention, in [1e-6, 1]")
-    max_staleness: StrictInt = Field(
+    max_staleness: MaxStaleness = Field(
         0,
-        ge=0,
-        le=MAX_STALENESS,
         description="k: the learner trains on trajectories up to k policy versions older than its own "
         "(0: only the current version's, the paper's protocol); replicas keep generating across a "
         "swap when k > 0",

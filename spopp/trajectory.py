@@ -19,7 +19,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from .tracker_api import MAX_VERSION, Id
+from .fields import Id
+from .tracker_api import MAX_VERSION
 
 MAX_TOKENS = 1 << 20
 # Token ids fit an int32 (what an embedding is indexed with); the learner's own check is the model's

@@ -31,9 +31,9 @@ from fixtures_model import (  # noqa: F401  (session fixtures)
 )
 
 from services.tracker.embedded import EmbeddedRedis
-from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
 from spopp.net import PORT_RANGE_ENV, port_range
+from tools.tracker_process import TrackerProcess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -104,7 +104,7 @@ def run_task(
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from services.learner.config import LearnerSettings
-    from services.learner.engine import build_engine, release_engine
+    from services.learner.deepspeed_engine import build_engine, release_engine
     from services.learner.snapshot import gather_state_dict, publish_snapshot
     from services.learner.update import run_update
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 from hypothesis import strategies as st
+from records import run_record
 
 from runtime.agent import Budget, run_episode
 from runtime.agent_session import AgentSession, Message
@@ -488,7 +489,7 @@ def test_a_replica_with_an_agent_serves_the_chat_routes_and_others_do_not(tiny_m
         engine = TransformersEngine(tiny_model)
         s = RolloutSettings(model=tiny_model, tracker="http://127.0.0.1:9", learner="http://127.0.0.1:9",
                             run="agents", env="toy-calc")  # fmt: skip
-        worker = Worker(s, engine, make_env, {})
+        worker = Worker(s, run_record("agents"), engine, make_env, {})
         try:
             with TestClient(health_app(worker)) as http:
                 body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}

@@ -6,9 +6,9 @@ import time
 import httpx
 import pytest
 
-from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient, TrackerError
 from spopp.net import free_port
+from tools.tracker_process import TrackerProcess
 
 
 @pytest.mark.process

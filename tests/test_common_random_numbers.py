@@ -18,7 +18,7 @@ from runtime.engines.hf import TransformersEngine
 from runtime.envs.base import episode_seed
 from runtime.envs.toy_calc import ToyCalcEnv, generate_toy_calc_tasks
 from services.rollout.config import RolloutSettings
-from services.rollout.worker import Worker
+from services.rollout.worker import Worker, read_run
 from spopp.sampler import race_draws
 from spopp.streams import sampling_seed, stream_key
 from spopp.tracker_api import RunConfig
@@ -87,9 +87,11 @@ def _play_first_batch(tiny_model, tracker, client, name: str, recipe: str, study
             max_turns=2, max_tokens_per_turn=12, max_total_tokens=256, poll_seconds=0.05, retry_seconds=5,
             temperature=1.0,
         )  # fmt: skip
-        worker = Worker(settings, engine, ToyCalcEnv, {t.task_id: t for t in TASKS})
 
         async def scenario():
+            worker = Worker(
+                settings, await read_run(settings), engine, ToyCalcEnv, {t.task_id: t for t in TASKS}
+            )
             await asyncio.wait_for(worker.run(max_episodes=FIRST_BATCH), 120)
             await worker.close()
 

@@ -27,7 +27,7 @@ import yaml
 from services.cli import build
 from services.evaluator.config import EvaluatorSettings
 from services.evaluator.prior_config import PriorSettings
-from services.launch.init import InitSettings
+from services.init.create import InitSettings
 from services.learner.config import LearnerSettings
 from services.rollout.config import RolloutSettings
 from services.tracker.config import TrackerSettings
@@ -349,12 +349,14 @@ def test_env_files_name_only_real_settings_and_compose_variables(flavour):
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_env_files_leave_what_the_run_fixes_to_the_run(flavour):
     """The recipe, max_staleness and the recipe-bound loss settings are given once, to init; the
-    learner reads them from the tracker's run (services/learner/binding.py), so a file that set
+    learner reads them from the tracker's run (services/learner/run_terms.py), so a file that set
     them for the learner too would be a second copy that could disagree."""
     dotenv, _ = FLAVOURS[flavour]
     learner = LearnerSettings.resolve(env={**dotenv, "SPOPP_RUN": "r", "SPOPP_LEARNER_MODEL": "/m"})
     assert (learner.recipe, learner.max_staleness) == (None, None)
-    assert not {"normalization", "dual_clip"} & learner.model_fields_set  # the recipe's (binding.bind)
+    assert (
+        not {"normalization", "dual_clip"} & learner.model_fields_set
+    )  # the recipe's (run_terms.adopt_run_terms)
 
 
 def test_compose_starts_without_a_token_and_every_service_reads_the_same_one():
@@ -667,6 +669,18 @@ def _redis_files(secrets: Path) -> tuple[str, str]:
     for name in (data_step.REDIS_PASSWORD, data_step.REDIS_CONF):
         assert stat.S_IMODE((secrets / name).stat().st_mode) == 0o640, name  # owner and group spopp
     return password, conf
+
+
+def test_data_step_refuses_a_token_the_tracker_would_refuse_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    # The step reads the token through the settings (spopp.fields.ApiToken): a .env token of 5
+    # characters is refused here, exit 2, before a secret or a task file is written.
+    monkeypatch.setenv(API_TOKEN_ENV, "short")
+    data, secrets = tmp_path / "data", tmp_path / "secrets"
+    assert data_step.main(["--data", str(data), "--secrets", str(secrets), "--env", "toy-calc"]) == 2
+    assert "api_token" in capsys.readouterr().err
+    assert not secrets.exists() and not data.exists()
+    monkeypatch.setenv(API_TOKEN_ENV, "")  # compose's ${SPOPP_API_TOKEN:-}: unset, so one is generated
+    assert data_step.ensure_token(secrets) == "generated"
 
 
 def test_data_step_generates_the_redis_password_once_and_its_config_file(tmp_path, capsys):

@@ -16,6 +16,7 @@ import logging
 import pytest
 from fastapi.testclient import TestClient
 from learner_worker import dist_env_restored
+from records import run_record
 
 from runtime.engines.hf import TransformersEngine
 from runtime.envs.toy_calc import ToyCalcEnv, generate_toy_calc_tasks
@@ -29,10 +30,10 @@ def test_a_replica_says_its_engine_is_on_the_cpu(tiny_model):
 
     async def scenario() -> dict:
         engine = TransformersEngine(tiny_model)
-        # Nothing is contacted before run(): the URLs only have to parse.
+        # Nothing is contacted before run(): the URLs only have to parse, the run's record is made here.
         s = RolloutSettings(model=tiny_model, tracker="http://127.0.0.1:9", learner="http://127.0.0.1:9",
                             run="device", env="toy-calc")  # fmt: skip
-        worker = Worker(s, engine, ToyCalcEnv, {})
+        worker = Worker(s, run_record("device"), engine, ToyCalcEnv, {})
         try:
             with TestClient(health_app(worker)) as http:
                 return http.get("/healthz").json()

@@ -86,9 +86,8 @@ def test_late_requests_join_the_running_batch_and_rows_return_as_they_finish(
         # Until the decoding loop has admitted "long". Fixed delays (50 and 80 ms) raced the
         # machine: a fast CPU decodes its 120 tokens in 66 ms, before requests sent at 80 ms came.
         for _ in range(5000):
-            with engine._cv:
-                if engine._serving and not engine._pending:
-                    return
+            if engine.scheduler.decoding:
+                return
             await asyncio.sleep(0.001)
 
     async def scenario():
@@ -149,17 +148,15 @@ def test_a_swap_waits_for_running_rows_and_later_rows_see_the_new_weights(
         # loop's batch window can outlast it, and a swap then goes first).
         for _ in range(500):
             await asyncio.sleep(0.01)
-            with engine._cv:
-                if engine._serving and not engine._pending:
-                    break
+            if engine.scheduler.decoding:
+                break
         swap = asyncio.create_task(engine.load_weights(perturbed_model))
         # Wait until the swap is registered (it reads and checks the file first, in a thread: a
         # fixed sleep lost that race under load, and the next request then ran before the swap).
         for _ in range(500):
             await asyncio.sleep(0.01)
-            with engine._cv:
-                if engine._swaps:
-                    break
+            if engine.scheduler.swapping:
+                break
         # Sent during the swap: waits for it, then runs on the new weights.
         after = asyncio.create_task(engine.generate(prompts[1], greedy(max_tokens=30)))
         await swap
@@ -179,9 +176,8 @@ def test_a_cancelled_request_is_dropped_and_the_engine_goes_on(engine, runner, p
         victim = asyncio.create_task(engine.generate(prompts[0], long_sampling))
         for _ in range(5000):  # admitted and decoding (not a fixed sleep: a fast CPU finishes first)
             await asyncio.sleep(0.001)
-            with engine._cv:
-                if engine._serving and not engine._pending:
-                    break
+            if engine.scheduler.decoding:
+                break
         victim.cancel()
         with pytest.raises(asyncio.CancelledError):
             await victim
@@ -190,10 +186,10 @@ def test_a_cancelled_request_is_dropped_and_the_engine_goes_on(engine, runner, p
     g = runner.run(scenario())
     assert len(g.token_ids) == 5
     for _ in range(100):  # the decoding loop lets the dropped row go and stops
-        if not engine._serving:
+        if not engine.scheduler.serving:
             break
         time.sleep(0.01)
-    assert not engine._serving
+    assert not engine.scheduler.serving
 
 
 # -- the engine in a process of its own ----------------------------------------------------------

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from services.evaluator.records import Records
-from services.report.runs import RunError, read_run
 from spopp.jsonfile import FileFormatError, read_model, write_text
 from spopp.priors import read_prior, write_prior
 from spopp.records import EvalRecord, RunRecord
+from spopp.runs import RunError, read_run
 from spopp.snapshots import MANIFEST, Manifest, read_manifest, write_manifest
 
 # Each file as the code before the models wrote it (format, key order, indentation).

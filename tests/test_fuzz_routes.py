@@ -49,10 +49,10 @@ from services.rollout.serve import health_app as replica_app
 from services.shell.middleware import repeated_key
 from services.shell.server import ThreadedServer
 from services.tracker.embedded import EmbeddedRedis
-from services.tracker.launcher import TrackerProcess
 from spopp import tracker_api as api
 from spopp.client import TrackerClient
 from spopp.trajectory import INTAKE, INTAKE_BATCH, Trajectory, TrajectoryBatch
+from tools.tracker_process import TrackerProcess
 
 TOKEN = "fuzz-token-for-tests-0123456789abc"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

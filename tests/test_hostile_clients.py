@@ -39,7 +39,7 @@ import httpx
 import pytest
 from procs import send_raw
 
-from services.tracker.launcher import TrackerProcess
+from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process
 

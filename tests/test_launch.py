@@ -21,8 +21,8 @@ from procs import cli, held_port
 from runtime.envs.toy_calc import write_toy_calc_tasks
 from services.launch import gpus
 from services.launch.cli import resolve
-from services.launch.compare import arm_settings
 from services.launch.config import LaunchSettings
+from services.study.compare import arm_settings
 from spopp.client import TrackerClient
 from spopp.priors import build_prior, read_prior, write_prior
 from spopp.settings import SettingsError, environ_without_settings
@@ -314,15 +314,15 @@ def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
 
 
 def test_staleness_arms_set_k_for_the_tracker_run_which_the_learner_reads(toy, tmp_path):
-    from services.launch.arms import parse_arm
     from services.launch.config import plan, port_requests
+    from spopp.arms import parse_arm
 
     base = resolve(config(toy, tmp_path))
     for arm, k in (("spopp", 0), ("spopp-k1", 1), ("spo-k2", 2)):
         s = arm_settings(base, arm, 4, tmp_path)
         p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
         assert (s.max_staleness, p.run_config.max_staleness) == (k, k)
-        # The learner's config leaves the run's recipe, k and budget to the run (learner/binding.py).
+        # The learner's config leaves the run's recipe, k and budget to the run (learner/run_terms.py).
         assert (p.learner.recipe, p.learner.max_staleness, p.learner.max_updates) == (None, None, None)
         assert p.arm() == arm and s.run == f"{arm}-s4"
     # Without a suffix an arm keeps the base's k.
@@ -574,8 +574,8 @@ def _records_its_code_and_machine(record: dict) -> None:
 def test_the_tracker_run_must_match_the_recipe(toy, tmp_path, redis_server):
     """With an external Redis that already holds the run under another recipe: refused, and only the
     tracker was started (and stopped)."""
-    from services.tracker.launcher import TrackerProcess
     from spopp.client import TrackerClient
+    from tools.tracker_process import TrackerProcess
 
     tracker = TrackerProcess(redis_server.url)
     try:

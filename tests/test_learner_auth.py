@@ -13,8 +13,8 @@ import pytest
 from learner_worker import make_batch
 from procs import cli, learner_config, running
 
-from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
+from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

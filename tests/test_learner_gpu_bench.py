@@ -219,7 +219,7 @@ def test_a_deepspeed_engine_takes_the_chunked_path(tiny_model, _dist_env, stage,
     engine.backward hold one chunk of logits at most. (That the update is the reference's is
     tests/test_learner_update.py's and tests/test_lora.py's.)"""
     from services.learner.config import LearnerSettings
-    from services.learner.engine import build_engine, release_engine
+    from services.learner.deepspeed_engine import build_engine, release_engine
 
     cfg = LearnerSettings(
         run="chunks", model=tiny_model, zero_stage=stage, batch_size=2, mini_batches=1, micro_batch_size=2,
@@ -274,7 +274,7 @@ def test_the_bench_counts_the_models_it_names(label):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from bench.learner_gpu import MODELS, matmul_params
-    from services.learner.plan import model_shape
+    from services.learner.memory_plan import model_shape
 
     config = MODELS[label]
     published = {"Qwen2-0.5B": 0.49e9, "Qwen2-1.5B": 1.54e9}[label]

@@ -5,7 +5,7 @@ behind; a learner start used to wait on it without end. Now the build runs under
 it, which dies with its holder: a start that can take the flock and finds no process of a build
 at work removes the stale file and builds. A live build is waited for, never broken into.
 
-The starts here are the learner's own first step (services.learner.engine.init_distributed, a
+The starts here are the learner's own first step (services.learner.deepspeed_engine.init_distributed, a
 world of one) in a fresh process, on a copy of the session's built op, so that loading it takes
 seconds; one slow test kills a real build from scratch.
 """
@@ -50,7 +50,7 @@ sys.stdin.readline()  # told to finish: release as torch does (the file removed)
 baton.release()
 """
 
-START = "from services.learner.engine import init_distributed; init_distributed(); print('joined')"
+START = "from services.learner.deepspeed_engine import init_distributed; init_distributed(); print('joined')"
 
 
 def _env(ext: Path) -> dict:

@@ -56,7 +56,7 @@ def batch(tiny_model):
 def learner(tiny_model, batch):
     """(ZeRO-1 engine after one update, its config) in this process."""
     from services.learner.config import LearnerSettings
-    from services.learner.engine import build_engine, release_engine
+    from services.learner.deepspeed_engine import build_engine, release_engine
     from services.learner.update import run_update
 
     cfg = LearnerSettings(run="test", model=tiny_model, **CFG)

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from services.cli import build
 from services.shell.logs import bind, setup_logging
-from services.tracker.launcher import TrackerProcess
+from tools.tracker_process import TrackerProcess
 
 COMMANDS = [
     ("tracker", "serve"),

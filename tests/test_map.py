@@ -17,9 +17,9 @@ import pytest
 
 from runtime.envs import env_factory
 from runtime.envs.toy_calc import ToyCalcEnv, make_task
-from services.launch.map import cell_name, summarize
-from services.launch.map_render import markdown, write
 from services.learner.update import length_advantage_corr
+from services.study.map import cell_name, summarize
+from services.study.render import markdown, write
 
 TASK = make_task(123, 45, 67)  # 5602
 RIGHT, WRONG = "<ans>5602</ans>", "<ans>1</ans>"
@@ -167,8 +167,8 @@ def by_cell(seeds: list[int], *cells: str) -> dict[str, list[int]]:
 
 
 def test_the_chain_pairs_each_arm_with_the_one_before_it_and_names_the_change():
-    from services.launch.arms import step_label
-    from services.launch.map_summary import pairs
+    from services.study.summary import pairs
+    from spopp.arms import step_label
 
     assert pairs(FOUR) == [("spo-eventtime", "spo"), ("spopp-trajnorm", "spo-eventtime"),
                            ("spopp", "spopp-trajnorm"), ("spopp", "spo")]  # fmt: skip
@@ -184,7 +184,7 @@ def test_the_chain_pairs_each_arm_with_the_one_before_it_and_names_the_change():
 
 
 def test_the_sign_test_and_the_t_quantile_by_hand():
-    from services.report.summaries import sign_test, t_quantile
+    from spopp.stats import sign_test, t_quantile
 
     # Two-sided exact: 2 * P(X <= min(won, lost)), X ~ Binomial(won + lost, 1/2).
     assert sign_test(3, 0) == pytest.approx(2 / 8)
@@ -267,7 +267,7 @@ def test_a_missing_run_names_its_folder(tmp_path):
 
 def test_a_cell_is_the_base_with_the_two_knobs_set_and_nothing_else():
     from services.launch.config import LaunchSettings
-    from services.launch.map import cell_settings, plan_runs
+    from services.study.map import cell_settings, plan_runs
 
     base = LaunchSettings.model_validate(
         {"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "env_options": {"latency_median_s": 0.1}, "updates": 8}
@@ -290,8 +290,8 @@ def test_a_cell_is_the_base_with_the_two_knobs_set_and_nothing_else():
 
 
 def test_each_arm_sets_its_one_change_and_the_run_is_named_for_it(tmp_path):
-    from services.launch.compare import arm_settings
     from services.launch.config import LaunchSettings, plan, port_requests
+    from services.study.compare import arm_settings
 
     base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
     want = {  # arm: (tracker recipe, normalization, Dual-Clip)
@@ -310,7 +310,7 @@ def test_each_arm_sets_its_one_change_and_the_run_is_named_for_it(tmp_path):
 def test_the_map_command_refuses_bad_options_by_name(tmp_path):
     from click.testing import CliRunner
 
-    from services.launch.cli import map_command
+    from services.study.cli import map_command
 
     config = tmp_path / "base.yaml"
     config.write_text("model: m\ntasks: t.jsonl\nenv: toy-calc\n")
@@ -337,7 +337,7 @@ def test_the_map_command_refuses_bad_options_by_name(tmp_path):
 
 # -- the protocol: n per cell fixed from a pilot before the main runs -------------------------------
 def test_n_per_cell_from_the_pilot_and_the_budget_by_hand():
-    from services.launch.map_protocol import fit, wanted
+    from services.study.protocol import fit, wanted
 
     # (s.d. / 1.5)^2 seeds: s.d. 3 -> 4; 1 -> 0.44, raised to the least, 3; 6 -> 16.
     assert wanted(3.0, 1.5, 3) == 4 and wanted(1.0, 1.5, 3) == 3 and wanted(6.0, 1.5, 3) == 16
@@ -411,7 +411,7 @@ THREE = ["spo", "spo-eventtime", "spopp"]
 
 def test_the_pilot_fixes_n_per_cell_before_the_main_runs_and_a_resume_keeps_it(tmp_path):
     from services.launch.config import LaunchSettings
-    from services.launch.map import run_map
+    from services.study.map import run_map
 
     base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
     quiet, noisy, curves = _two_cells()
@@ -489,7 +489,7 @@ def test_the_pilot_fixes_n_per_cell_before_the_main_runs_and_a_resume_keeps_it(t
 )  # fmt: skip
 def test_a_pilot_that_cannot_size_the_cells_is_refused(tmp_path, kwargs, message):
     from services.launch.config import LaunchSettings
-    from services.launch.map import run_map
+    from services.study.map import run_map
 
     base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
     _quiet, _noisy, curves = _two_cells()
@@ -514,7 +514,7 @@ def test_a_pilot_that_cannot_size_the_cells_is_refused(tmp_path, kwargs, message
 )
 def test_a_bad_protocol_file_is_refused_by_name_and_left_as_it_was(tmp_path, content, message):
     from services.launch.config import LaunchSettings
-    from services.launch.map import run_map
+    from services.study.map import run_map
 
     (tmp_path / "protocol.json").write_text(content)
     base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc"})
@@ -536,7 +536,7 @@ def test_a_bad_protocol_file_is_refused_by_name_and_left_as_it_was(tmp_path, con
 # -- counterbalanced arm order, recorded environment options ---------------------------------------
 def test_each_seed_runs_the_arms_rotated_by_its_place():
     from services.launch.config import LaunchSettings
-    from services.launch.map import arm_order, plan_runs
+    from services.study.map import arm_order, plan_runs
 
     arms = ["spo", "spopp-trajnorm", "spopp"]
     assert [arm_order(arms, i) for i in range(4)] == [
@@ -560,7 +560,7 @@ def test_the_map_records_every_environment_option_and_the_arm_order(tmp_path):
     written before, its identity's with the defaults filled in) and each seed's arm order; map.md
     and the figure say the options; runs that disagree are a warning."""
     from runtime.envs import resolved_env_options
-    from services.launch.map_render import options_line
+    from services.study.render import options_line
 
     cell = cell_name(1.0, 0.5)
     given = {"coupling": 1.0, "latency_sigma": 0.5, "time_neutral": True}
@@ -603,8 +603,8 @@ def test_the_map_records_every_environment_option_and_the_arm_order(tmp_path):
 def test_render_redraws_the_map_and_the_pages_section_from_map_json_alone(tmp_path):
     from click.testing import CliRunner
 
-    from services.launch.cli import map_command
-    from services.launch.map_render import BEGIN, END
+    from services.study.cli import map_command
+    from services.study.render import BEGIN, END
 
     cell = cell_name(0.0, 0.0)
     for arm in ("spo", "spopp"):
@@ -635,8 +635,8 @@ def test_the_arms_of_a_comparison_share_a_study_and_the_evaluator_follows_the_ru
     """Common random numbers (spopp.streams): every arm of a comparison runs in one study (its
     folder's name: a map cell's, an ablation's), which the tracker run carries; two cells are two
     studies; a study in the base config wins; the evaluator's seed is left to the run's."""
-    from services.launch.compare import arm_settings
     from services.launch.config import LaunchSettings, plan, port_requests
+    from services.study.compare import arm_settings
     from spopp.settings import SettingsError
 
     base = LaunchSettings.model_validate(

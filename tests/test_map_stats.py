@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from services.launch.map_protocol import PLANNED_TESTS, decide, fixed
-from services.launch.map_render import markdown, p_value
-from services.launch.map_summary import across_cells, fisher, holm, t_p
-from services.report.summaries import c10_label
+from services.study.protocol import PLANNED_TESTS, decide, fixed
+from services.study.render import markdown, p_value
+from services.study.summary import across_cells
+from spopp.curves import c10_label
+from spopp.stats import fisher, holm, t_p
 
 ROOT = Path(__file__).resolve().parents[1]
 

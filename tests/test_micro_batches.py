@@ -107,7 +107,7 @@ def test_memory_settings_are_checked():
 def test_flash_attention_without_its_package_is_a_clear_error(tiny_model, monkeypatch):
     import importlib.util
 
-    from services.learner.engine import load_model
+    from services.learner.deepspeed_engine import load_model
 
     real = importlib.util.find_spec
     # As on a machine without flash-attn (this one has none; the patch keeps the test honest where one has).
@@ -127,7 +127,7 @@ def test_one_long_episode_fits_a_budget_that_count_based_micro_batches_exceed(ti
     from transformers import AutoModelForCausalLM
 
     from services.learner.logprobs import token_logprobs
-    from services.learner.plan import activation_bytes, model_shape, read_config, saved_bytes
+    from services.learner.memory_plan import activation_bytes, model_shape, read_config, saved_bytes
 
     lengths = [60, 48, 900, 52, 64, 40, 56, 44]
     budget = 960

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from services.launch import map_protocol
 from services.launch.config import LaunchSettings
+from services.study import protocol as map_protocol
 from spopp.settings import environ_without_settings
 from tools import pretrained_study as ps
 

@@ -1,4 +1,4 @@
-"""The learner's process group (services/learner/engine.py `init_distributed`)."""
+"""The learner's process group (services/learner/deepspeed_engine.py `init_distributed`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from spopp.settings import environ_without_settings
 
 _SCRIPT = """
 import json, os, psutil
-from services.learner.engine import init_distributed
+from services.learner.deepspeed_engine import init_distributed
 rank_world = init_distributed()
 listening = [c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN]
 print(json.dumps({"rank_world": rank_world, "listening": listening, "master_port": os.environ.get("MASTER_PORT")}))

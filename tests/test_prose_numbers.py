@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from services.launch.map_render import p_value
-from services.report.summaries import end_reward, sign_test
+from services.study.render import p_value
+from spopp.curves import end_reward
+from spopp.stats import sign_test
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"

@@ -18,8 +18,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from services.launch.map import cell_name, summarize
-from services.launch.map_render import markdown
+from services.study.map import cell_name, summarize
+from services.study.render import markdown
 from spopp import provenance
 from spopp.provenance import MixedCode, agree, check, code, describe, relaunched
 
@@ -263,7 +263,7 @@ def test_the_report_refuses_runs_from_different_code_or_flags_them(tmp_path):
 @pytest.mark.process  # git, on this checkout
 @pytest.mark.parametrize("command", ["map", "ablate"])
 def test_map_and_ablate_refuse_before_any_run_when_a_run_in_out_is_other_code(tmp_path, command):
-    from services.launch.cli import ablate_command, map_command
+    from services.study.cli import ablate_command, map_command
 
     config = tmp_path / "base.yaml"
     config.write_text("model: m\ntasks: t.jsonl\nenv: toy-calc\n")
@@ -288,7 +288,7 @@ def test_map_and_ablate_refuse_before_any_run_when_a_run_in_out_is_other_code(tm
 def test_a_finished_comparison_is_not_refused_for_this_checkouts_code(tmp_path):
     """Run again after a pull, a comparison whose runs are all finished runs nothing: only its runs'
     code counts, so one code elsewhere passes, and two codes are still refused."""
-    from services.launch.cli import _check_code
+    from services.study.cli import _check_code
 
     out = tmp_path / "out"
     spo, spopp = out / "runs" / "spo-s0", out / "runs" / "spopp-s0"

@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.launch import map_render
-from services.launch.map import PILOT, summarize
-from services.launch.map_summary import TOTAL, diff_key, run_times
 from services.report.published import render_page
+from services.study import render
+from services.study.map import PILOT, summarize
+from services.study.summary import TOTAL, diff_key, run_times
 
 ROOT = Path(__file__).resolve().parents[1]
 MAP = ROOT / "docs" / "map"
@@ -30,8 +30,8 @@ def _map() -> dict:
 def test_the_map_section_and_map_md_are_the_rendering_of_the_committed_map():
     result = _map()
     page = (ROOT / "docs" / "results.md").read_text()
-    assert map_render.section(page, result) == page, "docs/results.md's map section is stale: make map-render"
-    assert (MAP / "map.md").read_text() == map_render.markdown(result), (
+    assert render.section(page, result) == page, "docs/results.md's map section is stale: make map-render"
+    assert (MAP / "map.md").read_text() == render.markdown(result), (
         "docs/map/map.md is stale: make map-render"
     )
     assert "](map/map.png)" in page and (MAP / "map.png").stat().st_size > 10_000

@@ -15,10 +15,10 @@ import redis.exceptions
 from procs import cli
 
 from services.tracker.embedded import EmbeddedRedis
-from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
 from spopp.net import free_port
 from spopp.settings import environ_without_settings
+from tools.tracker_process import TrackerProcess
 
 
 async def _ping(url: str, password: str | None = None):

@@ -18,8 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from services.report.cli import command
-from services.report.plot import mean_band
-from services.report.summaries import area, c10, end_reward, summarize, trailing_mean, wins
+from services.report.plot import mean_band, trailing_mean
+from spopp.curves import area, c10, end_reward
+from spopp.stats import summarize, wins
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC = "eval/sampled/reward_mean"

@@ -18,10 +18,10 @@ from test_rollout_service import N_TASKS, _metric
 
 from runtime.tasks import generate_arithmetic_tasks
 from services.tracker.embedded import EmbeddedRedis
-from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
 from spopp.net import free_port
 from tools.sink import LearnerSink
+from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

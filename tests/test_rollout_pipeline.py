@@ -63,8 +63,9 @@ def test_episodes_keep_generating_while_their_outcome_reports_wait(tiny_model, t
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model), seconds=0.05)
     with LearnerSink(run) as sink:
         worker = Worker(
-            _settings(tiny_model, tracker, run, sink), engine, ToyCalcEnv, {t.task_id: t for t in TASKS}
-        )
+            _settings(tiny_model, tracker, run, sink), client.get_run(run), engine, ToyCalcEnv,
+            {t.task_id: t for t in TASKS},
+        )  # fmt: skip
         gate = asyncio.Event()
         reported = []
         outcomes = worker.tracker.outcomes
@@ -127,7 +128,7 @@ def test_episodes_ending_one_at_a_time_share_dispatches_reports_and_deliveries(
     engine = JitteredEngine(AutoTokenizer.from_pretrained(tiny_model))
     with LearnerSink(run) as sink:
         settings = _settings(tiny_model, tracker, run, sink, concurrency=16, max_turns=1)
-        worker = Worker(settings, engine, ToyCalcEnv, {t.task_id: t for t in tasks})
+        worker = Worker(settings, client.get_run(run), engine, ToyCalcEnv, {t.task_id: t for t in tasks})
         dispatch, calls, active = worker.tracker.dispatch, [], []
 
         async def counted(*args, **kwargs):
@@ -164,7 +165,7 @@ def test_leases_held_ready_are_given_back_on_shutdown(tiny_model, tracker, clien
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model), seconds=0.2)
     with LearnerSink(run) as sink:
         settings = _settings(tiny_model, tracker, run, sink, prefetch=3, shutdown_seconds=5)
-        worker = Worker(settings, engine, ToyCalcEnv, {t.task_id: t for t in TASKS})
+        worker = Worker(settings, client.get_run(run), engine, ToyCalcEnv, {t.task_id: t for t in TASKS})
 
         async def scenario():
             job = asyncio.create_task(worker.run())
@@ -241,6 +242,7 @@ def test_each_episode_s_environment_is_seeded_from_the_run_seed_task_and_request
     with LearnerSink(run) as sink:
         worker = Worker(
             _settings(tiny_model, tracker, run, sink, worker_id="rollout-7"),
+            client.get_run(run),
             engine,
             Recorded,
             {t.task_id: t for t in TASKS},

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from services.cli import build
 from services.evaluator.config import EvaluatorSettings, ScoreSettings
-from services.launch.init import InitSettings
+from services.init.create import InitSettings
 from services.learner.config import LearnerSettings
 from services.rollout.config import RolloutSettings
 from services.tracker.config import TrackerSettings

@@ -22,10 +22,10 @@ from test_evaluator import evaluator_args, publish, recorded
 from test_rollout_service import N_TASKS, replica
 
 from runtime.tasks import generate_arithmetic_tasks, write_jsonl
-from services.tracker.launcher import TrackerProcess
 from spopp.client import RunFinished, TrackerClient, TrackerError
 from spopp.net import free_port
 from tools.sink import LearnerSink
+from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import pytest
+from records import run_record
 
 from runtime.agent import Budget, run_episode
 from runtime.engines.base import SamplingConfig
@@ -150,8 +151,7 @@ def test_a_new_policy_under_staleness_keeps_what_may_still_train(
         return Lease(request_id=rid, task_id="t", value=0.5, policy_version=version, lease_expires_at="x")
 
     async def scenario():
-        worker = Worker(s, engine, make_env=lambda: None, tasks={})
-        worker.max_staleness = 1
+        worker = Worker(s, run_record("r", max_staleness=1), engine, make_env=lambda: None, tasks={})
         worker.ready = [lease("q0", 0), lease("q2", 2), lease("q3", 3)]
         episodes = {"r1": lease("r1", 1), "r2": lease("r2", 2)}
         tasks = {rid: asyncio.create_task(asyncio.sleep(0.3)) for rid in episodes}
@@ -167,3 +167,30 @@ def test_a_new_policy_under_staleness_keeps_what_may_still_train(
     assert [x.request_id for x in worker.ready] == ["q2", "q3"]
     assert (took >= 0.3) == waits
     assert gone == cancelled
+
+
+def test_a_worker_is_built_with_what_its_run_fixes(engine, tiny_model, runner):
+    """The run's record, read before the worker is built, sets its k, lease length, seed, stream
+    key and (a restarted worker id) the counts the tracker had of it: nothing is patched later."""
+    from services.rollout.config import RolloutSettings
+    from services.rollout.worker import Worker
+    from spopp.streams import stream_key
+
+    s = RolloutSettings(run="r", model=tiny_model, tracker="http://127.0.0.1:9", learner="http://127.0.0.1:9",
+                        worker_id="rollout-2")  # fmt: skip
+    before = {"leases": 3, "outcomes": 3, "trajectories": 5, "episodes": 6, "last_seen": None}
+    run = run_record(
+        "r", max_staleness=2, lease_seconds=30.0, seed=7, study="cell", workers={"rollout-2": before}
+    )
+
+    async def built(run):
+        worker = Worker(s, run, engine, make_env=lambda: None, tasks={})
+        await worker.close()
+        return worker
+
+    worker = runner.run(built(run))
+    assert (worker.max_staleness, worker.leases.lease_seconds, worker.run_seed) == (2, 30.0, 7)
+    assert worker.episodes.stream == stream_key("r", "cell") and worker.episodes.counts() == (5, 6)
+    fresh = runner.run(built(run_record("r")))
+    assert (fresh.max_staleness, fresh.leases.lease_seconds, fresh.run_seed) == (0, 900.0, 0)
+    assert fresh.episodes.stream == stream_key("r", None) and fresh.episodes.counts() == (0, 0)

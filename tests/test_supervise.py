@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.launch.supervise import GaveUp, RestartBudget, SupervisionSettings, describe_exit
+from services.launch.supervise import GaveUp, RestartBudget, describe_exit
+from services.launch.supervision_settings import SupervisionSettings
 from spopp.records import RunRecord
 
 

@@ -3,8 +3,8 @@
 import httpx
 import pytest
 
-from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient, TrackerError
+from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from services.tracker.launcher import TrackerProcess
 from spopp.client import AsyncTrackerClient, TrackerError
+from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.tracker.launcher import TrackerProcess
 from services.tracker.probe import probe
+from tools.tracker_process import TrackerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,12 +19,12 @@ from procs import held_port
 
 from services.tracker.embedded import EmbeddedRedis, SupervisedRedis
 from services.tracker.errors import ApiError
-from services.tracker.launcher import TrackerProcess
 from services.tracker.store import Store, prefix
 from spopp.client import TrackerClient
 from spopp.net import free_port
 from spopp.tracker_api import RunConfig, TaskPrior
 from spopp.wait import wait_http
+from tools.tracker_process import TrackerProcess
 
 
 def _send(url, method, path, body=None, raw=None, timeout=30):

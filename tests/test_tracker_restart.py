@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
+from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

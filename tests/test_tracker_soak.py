@@ -10,8 +10,8 @@ import pytest
 import redis as redis_sync
 
 from services.tracker.embedded import EmbeddedRedis
-from services.tracker.launcher import TrackerProcess
 from spopp.client import TrackerClient
+from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

@@ -12,7 +12,7 @@ import torch
 from learner_worker import dist_env_restored, make_batch
 
 from services.learner.config import LearnerSettings
-from services.learner.engine import build_engine, release_engine
+from services.learner.deepspeed_engine import build_engine, release_engine
 from services.learner.logprobs import token_logprobs
 from services.learner.update import run_update
 from services.learner.zero3_state import forward_stack_depth

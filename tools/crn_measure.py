@@ -23,9 +23,9 @@ import json
 import statistics
 from pathlib import Path
 
-from services.launch.map_summary import run_dir
-from services.report.runs import read_run
-from services.report.summaries import POINTS, area
+from services.study.summary import run_dir
+from spopp.curves import POINTS, area
+from spopp.runs import read_run
 
 METRIC = "eval/sampled/reward_mean"
 

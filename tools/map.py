@@ -1,7 +1,7 @@
 """`make map`: when does SPO++ beat SPO? The demo's setting on a grid of toy-calc's two knobs.
 
 1. data, cold start and prior: the demo's stages (tools/demo.py), in --out, each skipped when done;
-2. `spopp map` with the pilot rule (services/launch/map_protocol.py): the four arms (SPO, + event-time
+2. `spopp map` with the pilot rule (services/study/protocol.py): the four arms (SPO, + event-time
    evidence, + Dual-Clip 2, + the action-token measure = SPO++) on the pilot's seeds in every cell of
    coupling {-1, 0, +1} x latency sigma {0, 1.5}, from the same cold start, prior and budget;
 3. from the pilot's SPO++ − SPO s.d. per cell, each cell's n of main seeds (fresh ones), written to
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from services.launch.map import N_MIN, SE_TARGET
+from services.study.map import N_MIN, SE_TARGET
 from tools.demo import FULL, TINY, _say, add_cold_start_flag, base_config, prepare
 
 # Room for the extra turns on the coupled side (toy-calc's extra_turns, 3 by default).

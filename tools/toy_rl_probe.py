@@ -158,7 +158,7 @@ class _Probe:
         torch.manual_seed(seed)
         self.rng = random.Random(seed)
         self.engine = TransformersEngine(model_dir, max_batch=max(64, batch_size))
-        self.engine._shared_gen.manual_seed(seed)  # reproducible sampling stream for the probe
+        self.engine.sampler.shared.manual_seed(seed)  # reproducible sampling stream for the probe
         self.model = self.engine.model  # shared: the engine always samples with the newest weights
         self.pad = self.engine.tokenizer.pad_token_id
         self.opt = torch.optim.AdamW(

@@ -67,9 +67,10 @@ def check_spec(spec: str) -> str:
     )
 
 
-# The settings' type of an environment spec (the services' and the launch file's `env`): its shape
-# is checked when settings load, what it names when the service starts (`resolve`).
-EnvSpec = Annotated[str, AfterValidator(check_spec)]
+# The settings' type of an environment, a registered name or an import path (the services' and the
+# launch file's `env`): its shape is checked when settings load, what it names when the service starts
+# (`resolve`).
+EnvName = Annotated[str, AfterValidator(check_spec)]
 # The settings' type of `env_options`: a mapping; unset (compose's empty `${SPOPP_ENV_OPTIONS:-}`
 # arrives as None) is no options.
 EnvOptions = Annotated[dict, BeforeValidator(lambda v: {} if v is None else v)]

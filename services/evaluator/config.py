@@ -14,22 +14,13 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from runtime.engines.options import check_engine_options
-from runtime.envs.registry import ENV_HELP, EnvOptions, EnvSpec
+from runtime.envs.choice import EnvChoice
 from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
+from spopp.fields import Seed
 from spopp.run_binding import RunBinding
 from spopp.settings import Settings, SettingsGroup
 from spopp.snapshots import HOLDER_PATTERN
-
-
-class EnvChoice(SettingsGroup):
-    """The environment episodes are played in (a launched run's, from its top level)."""
-
-    env: EnvSpec = Field("math-tir", description=ENV_HELP)
-    env_options: EnvOptions = Field(
-        default_factory=dict,
-        description="the environment's arguments, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
-    )
 
 
 class EpisodeTuning(SettingsGroup):
@@ -97,10 +88,8 @@ class EvaluatorTuning(EpisodeTuning, ClaimSettings, HttpServerSettings):
     greedy: bool = Field(True, description="one temperature-0 episode per task")
     samples: int = Field(4, ge=0, le=1024, description="sampled episodes per task (avg@k, pass@k); 0: none")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="temperature of the sampled episodes")
-    seed: int | None = Field(
+    seed: Seed | None = Field(
         None,
-        ge=0,
-        lt=2**63,
         description="base of the sampled episodes' seeds (fixed per task and sample); unset: the run's seed "
         "at the tracker for the evaluator of a run, 0 for `spopp eval score`",
     )

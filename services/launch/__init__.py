@@ -1,1 +1,1 @@
-"""`spopp launch` and `spopp ablate`: a whole run (tracker, replicas, learner, evaluator) on one machine."""
+"""`spopp launch` (a whole run on one machine: tracker, replicas, learner, evaluator), `spopp scale`, `spopp init`."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -47,19 +47,20 @@ from pydantic import (
     model_validator,
 )
 
-from runtime.envs.registry import ENV_HELP, EnvOptions, EnvSpec
+from runtime.envs.registry import ENV_HELP, EnvName, EnvOptions
 from services.evaluator.config import EvaluatorSettings, EvaluatorTuning
 from services.learner.config import LearnerSettings, LearnerTuning
 from services.rollout.config import RolloutSettings, RolloutTuning
 from services.tracker.config import TrackerSettings, TrackerTuning
+from spopp.arms import arm_of
+from spopp.fields import ApiToken, Id, MaxStaleness, Recipe, RunId, Seed
 from spopp.recipes import RECIPE_DEFAULTS
 from spopp.run_binding import RunBinding
-from spopp.settings import MIN_TOKEN_CHARS, Settings, SettingsError
-from spopp.tracker_api import MAX_STALENESS, RunConfig
+from spopp.settings import Settings, SettingsError
+from spopp.tracker_api import RunConfig
 
-from .arms import arm_of
 from .gpus import GpuPlan
-from .supervise import SupervisionSettings
+from .supervision_settings import SupervisionSettings
 
 SECTIONS = ("tracker", "rollout", "learner", "evaluator")
 SERVICES: dict[str, type[Settings]] = {
@@ -149,15 +150,12 @@ class EvaluatorSection(Section, EvaluatorTuning):
 class LaunchSettings(Settings):
     env_prefix: ClassVar[str] = "SPOPP_LAUNCH_"
 
-    run: str | None = Field(
-        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$",
-        description="run name at the tracker; unset: <recipe>-s<seed>",
-    )  # fmt: skip
+    run: RunId | None = Field(None, description="run name at the tracker; unset: <recipe>-s<seed>")
     run_dir: Path | None = Field(None, description="folder of everything the run writes; unset: runs/<run>")
-    recipe: Literal["spopp", "spo"] = Field("spopp", description="spopp (SPO++) or spo")
-    seed: int = Field(0, ge=0, lt=2**31, description="seed of the sampler, the sampling and the learner")
-    study: str | None = Field(
-        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@+=-]+$",  # a tracker id's characters
+    recipe: Recipe = Field("spopp", description="spopp (SPO++) or spo")
+    seed: Seed = Field(0, description="seed of the sampler, the sampling and the learner")
+    study: Id | None = Field(
+        None,
         description="with the seed, the key of the draws that are not the method's (prompts dispatched, "
         "sampling, environment streams): runs of one seed and study draw alike (common random numbers "
         "across the arms of a comparison; spopp ablate and spopp map set it); unset: the run name",
@@ -168,21 +166,19 @@ class LaunchSettings(Settings):
         None, description="task prior from `spopp prior`; unset: a flat Jeffreys prior for every task"
     )
     heldout: Path | None = Field(None, description="held-out tasks of the evaluator; unset: no evaluator")
-    env: EnvSpec = Field("math-tir", description=ENV_HELP)
+    env: EnvName = Field("math-tir", description=ENV_HELP)
     env_options: EnvOptions = Field(
         default_factory=dict,
         description="the environment's arguments for every replica, the evaluator and the prior, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
     )
     updates: int = Field(100, ge=1, le=10_000_000, description="budget: learner updates")
-    max_staleness: int = Field(
+    max_staleness: MaxStaleness = Field(
         0,
-        ge=0,
-        le=MAX_STALENESS,
         description="k: train on trajectories up to k policy versions old (the tracker run's and the "
         "learner's); 0: the current version only, the paper's protocol",
     )
-    api_token: str | None = Field(
-        None, min_length=MIN_TOKEN_CHARS, description="bearer token of every service (prefer SPOPP_API_TOKEN)"
+    api_token: ApiToken | None = Field(
+        None, description="bearer token of every service (prefer SPOPP_API_TOKEN)"
     )
     run_config: dict = Field(
         default_factory=dict,
@@ -279,7 +275,7 @@ class Plan:
         }
 
     def arm(self) -> str:
-        """The comparison arm (arms.py) of this run's recipe and learner settings, with -k<N> under
+        """The comparison arm (spopp/arms.py) of this run's recipe and learner settings, with -k<N> under
         bounded staleness max_staleness N > 0."""
         arm = arm_of(self.launch.recipe, self.learner.normalization, self.learner.dual_clip)
         k = self.launch.max_staleness
@@ -343,7 +339,7 @@ def _learner(s: LaunchSettings, run_dir: Path, binding: RunBinding, port: int) -
         seed=s.seed, port=port, host="127.0.0.1", log_format=s.log_format,
     )  # fmt: skip
     # recipe, max_staleness and the budget are the tracker run's (_run_config), which the learner
-    # reads at start (services/learner/binding.py): one way in, not a second copy to reconcile.
+    # reads at start (services/learner/run_terms.py): one way in, not a second copy to reconcile.
     learner = _build(LearnerSettings, "learner", values)
     # One rank per learner GPU unless said otherwise; on a CPU machine, one rank.
     nproc = s.learner.nproc or len(s.gpus.learner) or 1

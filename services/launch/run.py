@@ -146,7 +146,7 @@ class Launcher:
         self.tracker_finished = False  # the tracker said the run is finished (it stays so)
         self.folder = RunFolder(s)
         self.sup = Supervisor(s, echo, run_finished=self._run_finished, on_restart=self._restarted)
-        self.scaler = Scaler(s, self.sup, self.folder, echo)
+        self.scaler = Scaler(s, self.sup, self.folder.update, echo)
         self.metrics = LaunchMetrics({})
 
     @property

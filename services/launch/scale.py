@@ -3,11 +3,12 @@ and the launcher reads it each tick, starting rollout-N.. or stopping the highes
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 from spopp.net import free_port
 
 from .config import LaunchSettings, Plan, rollout_settings
-from .run_folder import RunFolder
-from .supervise import Supervisor
 
 # `spopp scale` writes the wanted replica count here; the running launcher reads it each tick.
 SCALE_FILE = "replicas"
@@ -28,13 +29,27 @@ def parse_replicas(text: str, gpu_slots: int) -> int:
     return n
 
 
-class Scaler:
-    """Applies the scale file's count to the supervised replicas of plan `p`."""
+class Replicas(Protocol):
+    """What rescaling needs of the supervisor (supervise.Supervisor): named by its shape, so that
+    this module sits beside the supervisor rather than above it."""
 
-    def __init__(self, s: LaunchSettings, sup: Supervisor, folder: RunFolder, echo) -> None:
+    done: set[str]
+
+    def spawn(self, p: Plan, name: str, service: str, command: str) -> Any: ...
+
+    def wait_started(self, names: list[str]) -> None: ...
+
+    def retire(self, name: str) -> None: ...
+
+
+class Scaler:
+    """Applies the scale file's count to the supervised replicas of plan `p`; `record(p, replicas=n)`
+    writes the new count into the run's record (run_folder.RunFolder.update)."""
+
+    def __init__(self, s: LaunchSettings, sup: Replicas, record: Callable[..., None], echo) -> None:
         self.s = s
         self.sup = sup
-        self.folder = folder
+        self.record = record
         self.echo = echo
         self.seen: int | None = None  # the scale file's mtime last read
 
@@ -71,7 +86,7 @@ class Scaler:
             p.rollouts.remove(r)
         if want != have:
             self.echo(f"replicas {have} -> {want} ({path})")
-        self.folder.update(p, replicas=want)
+        self.record(p, replicas=want)
 
     def _add_replica(self, p: Plan, i: int) -> None:
         taken = {p.tracker.port, p.learner.port, *(r.port for r in p.rollouts)}

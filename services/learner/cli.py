@@ -94,21 +94,25 @@ def plan_command(model: str, gpus: int, zero: int | None, micro_batch_tokens: in
                  as_json: bool) -> None:  # fmt: skip
     """Per-GPU memory of training MODEL on GPUS (weights, gradients, optimizer states, activations),
     with and without checkpointing and offload, and which settings fit. Reads config.json only."""
-    from . import plan
+    from . import memory_plan
 
     if zero == 0 and dtype == "bf16":
         raise click.BadParameter(
             "ZeRO 0 with bf16 is refused by the learner (see zero_stage); use 1", param_hint="--zero"
         )
     try:
-        shape = plan.model_shape(plan.read_config(model))
+        shape = memory_plan.model_shape(memory_plan.read_config(model))
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    rows = plan.plan(
+    rows = memory_plan.plan(
         shape, gpus=gpus, gpu_memory_gib=gpu_memory, tokens=micro_batch_tokens, dtype=dtype, zero=zero
     )
     settings = {"gpus": gpus, "gpu_memory_gib": gpu_memory, "tokens": micro_batch_tokens, "dtype": dtype}
-    click.echo(plan.as_json(shape, rows, **settings) if as_json else plan.render(shape, rows, **settings))
+    click.echo(
+        memory_plan.as_json(shape, rows, **settings)
+        if as_json
+        else memory_plan.render(shape, rows, **settings)
+    )
 
 
 lora_group = click.Group("lora", help="LoRA snapshots: adapters the learner published (lora_rank > 0).")

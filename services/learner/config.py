@@ -14,9 +14,9 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from services.shell.http_settings import HttpServerSettings
+from spopp.fields import MaxStaleness, Recipe, Seed
 from spopp.run_binding import RunBinding
 from spopp.settings import Settings
-from spopp.tracker_api import MAX_STALENESS
 
 
 class LearnerTuning(HttpServerSettings):
@@ -193,7 +193,7 @@ class LearnerSettings(LearnerTuning, RunBinding, Settings):
     log_dir: Path = Field(Path("spopp-data/logs"), description="metrics.jsonl and TensorBoard events")
 
     # -- what the run fixed at its creation (binding.py reads it from the tracker) ----------------
-    recipe: Literal["spopp", "spo"] | None = Field(
+    recipe: Recipe | None = Field(
         None, description="unset: the tracker run's (fixed at its creation); set: must be the run's"
     )
     max_updates: int | None = Field(
@@ -202,12 +202,10 @@ class LearnerSettings(LearnerTuning, RunBinding, Settings):
         description="stop after this many updates; unset: the tracker run's budget (never, for a run "
         "without one); set: must be the run's budget where it has one",
     )
-    max_staleness: int | None = Field(
+    max_staleness: MaxStaleness | None = Field(
         None,
-        ge=0,
-        le=MAX_STALENESS,
         description="k: train on trajectories dispatched up to k policy versions before the one being "
         "trained (0: the current version's only, the paper's protocol); unset: the tracker run's; "
         "set: must be the run's",
     )
-    seed: int = Field(0, ge=0, description="seed of torch's RNG on every rank")
+    seed: Seed = Field(0, description="seed of torch's RNG on every rank")

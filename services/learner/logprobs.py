@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 # Tokens per chunk. Its fp32 logits are 4 x 512 x 151,936 B = 311 MB at Qwen's vocabulary (524 MB
-# at Gemma's 256k), and a chunk's backward holds about four such tensors (services/learner/plan.py,
+# at Gemma's 256k), and a chunk's backward holds about four such tensors (services/learner/memory_plan.py,
 # HEAD_TRANSIENT: 1.2 GB), small beside the activations of a 16k-token micro-batch (tens of GB at
 # 1.5 B parameters), while a [512, hidden] x [hidden, V] matmul is still large enough to keep a
 # GPU's tensor cores busy. The price: backward recomputes each chunk's output-layer matmul, one more

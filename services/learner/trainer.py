@@ -25,15 +25,15 @@ from spopp.advantages import normalize_advantages
 from spopp.client import TrackerClient, TrackerError
 
 from .batch import collate, plan_micro_batches
-from .binding import bind
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import LearnerSettings
-from .engine import build_engine, init_distributed
+from .deepspeed_engine import build_engine, init_distributed
 from .failpoints import failpoint
 from .ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from .logprobs import token_logprobs
 from .metrics import LearnerMetrics
 from .metrics_log import MetricsLog
+from .run_terms import adopt_run_terms
 from .snapshot import discard_unannounced, publish_snapshot
 from .spo import SpoDriftCache
 from .update import NonFiniteTrajectories, length_advantage_corr, run_update, staleness_stats
@@ -79,7 +79,7 @@ class Learner:
             # anything is built on it; every rank trains under the same bound settings.
             self.tracker = TrackerClient(cfg.tracker, token=cfg.api_token)
             run = self.tracker.get_run(cfg.run)
-            cfg = bind(cfg, run.config)
+            cfg = adopt_run_terms(cfg, run.config)
             version = run.policy_version
         self.cfg = cfg = _broadcast(cfg)
         self.engine, self.tokenizer = build_engine(cfg, cfg.model)

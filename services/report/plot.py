@@ -13,14 +13,38 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .runs import Run
-from .summaries import interpolate, trailing_mean
+from spopp.runs import Run
+
 from .tables import EVENTTIME, SPO, SPOPP, TRAJNORM, arm_name
 
 SMOOTHING = 5
 COLORS = {SPO: "#1f77b4", SPOPP: "#d62728", TRAJNORM: "#2ca02c", EVENTTIME: "#ff7f0e"}
 OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 ARM_ORDER = (SPO, SPOPP, TRAJNORM, EVENTTIME)
+
+
+def trailing_mean(values: list[float], window: int = 5) -> list[float]:
+    """Each point replaced by the mean of itself and up to window - 1 points before it (the figure's smoothing)."""
+    if window < 1:
+        raise ValueError(f"window must be positive, got {window}")
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        out.append(math.fsum(chunk) / len(chunk))
+    return out
+
+
+def interpolate(xs: list[float], ys: list[float], x: float) -> float | None:
+    """Linear interpolation of the points (xs, ys) at x; None outside [xs[0], xs[-1]] (no extrapolation)."""
+    if not xs or x < xs[0] or x > xs[-1]:
+        return None
+    for i in range(len(xs) - 1):
+        if xs[i] <= x <= xs[i + 1]:
+            if xs[i + 1] == xs[i]:
+                return ys[i]
+            w = (x - xs[i]) / (xs[i + 1] - xs[i])
+            return ys[i] + w * (ys[i + 1] - ys[i])
+    return ys[-1]  # a single point, at x
 
 
 def mean_band(curves: list[tuple[list[float], list[float]]]) -> tuple[list[float], list[float], list[float]]:

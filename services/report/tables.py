@@ -16,13 +16,12 @@ import math
 from typing import Any
 
 from spopp import provenance
-from spopp.curves import C10_POINTS
-
-from .runs import Run
-from .summaries import POINTS, area, c10, c10_label, end_reward, summarize, wins
+from spopp.curves import C10_POINTS, POINTS, area, c10, c10_label, end_reward
+from spopp.runs import Run
+from spopp.stats import summarize, wins
 
 SPO, SPOPP, TRAJNORM, EVENTTIME = "spo", "spopp", "spopp-trajnorm", "spo-eventtime"
-# The arms of services/launch/arms.py, each named for what it changes.
+# The arms of spopp/arms.py, each named for what it changes.
 ARM_NAMES = {
     SPO: "SPO",
     EVENTTIME: "SPO + event-time evidence",

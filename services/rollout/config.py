@@ -11,9 +11,10 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from runtime.engines.options import check_engine_options
-from runtime.envs.registry import ENV_HELP, EnvOptions, EnvSpec
+from runtime.envs.choice import EnvChoice
 from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
+from spopp.fields import WorkerId
 from spopp.run_binding import RunBinding
 from spopp.settings import Settings
 
@@ -97,22 +98,17 @@ class RolloutTuning(ClaimSettings, HttpServerSettings):
         return {**self.engine_options, **lora}
 
 
-class RolloutSettings(RolloutTuning, RunBinding, Settings):
+class RolloutSettings(RolloutTuning, RunBinding, EnvChoice, Settings):
     env_prefix: ClassVar[str] = "SPOPP_ROLLOUT_"
 
     model: Path = Field(..., description="model folder of policy version 0 (Hugging Face layout)")
     learner: str = Field("http://127.0.0.1:8100", description="learner base URL (POST /v1/trajectories)")
 
-    env: EnvSpec = Field("math-tir", description=ENV_HELP)
-    env_options: EnvOptions = Field(
-        default_factory=dict,
-        description="the environment's arguments, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
-    )
     tasks: Path | None = Field(None, description="task file (JSONL/parquet: prompt, answer, task_id)")
     generated_tasks: int = Field(
         0, ge=0, le=10_000_000, description="use N generated arithmetic tasks instead of a file"
     )
-    worker_id: str = Field("rollout-0", min_length=1, max_length=128, description="name of this replica")
+    worker_id: WorkerId = Field("rollout-0", description="name of this replica")
     max_episodes: int | None = Field(
         None, ge=1, description="stop after N episodes (smoke runs, tests); unset: run until stopped"
     )

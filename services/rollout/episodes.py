@@ -58,6 +58,10 @@ class Episodes:
         leases: Leases,
         metrics: RolloutMetrics,
         stopping: asyncio.Event,
+        *,
+        run_seed: int,
+        stream: str,
+        counted: tuple[int, int],
     ) -> None:
         self.s = settings
         self.engine = engine
@@ -92,16 +96,16 @@ class Episodes:
         # drain waits for generation and reports only, never for a learner that is away.
         self.deliveries: set[asyncio.Task] = set()
         self.fatal: Exception | None = None
-        # The run's seed and stream key at the tracker (read at start): the base of each episode's
-        # sampling seed and environment stream, the same whichever replica plays a request and, for
-        # the arms of one study, whichever arm (spopp.streams).
-        self.run_seed = 0
-        self.stream = settings.run
+        # The run's seed and stream key at the tracker: the base of each episode's sampling seed
+        # and environment stream, the same whichever replica plays a request and, for the arms of
+        # one study, whichever arm (spopp.streams).
+        self.run_seed = run_seed
+        self.stream = stream
         # This replica's counts for its heartbeats: trajectories the learner accepted, episodes
         # played to the end; `counted` is what the tracker had of this worker id at start.
         self.accepted = 0
         self.episodes_done = 0
-        self.counted = (0, 0)
+        self.counted = counted
 
     @property
     def driven_by_agent(self) -> bool:

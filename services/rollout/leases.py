@@ -41,11 +41,13 @@ def default_prefetch(s: RolloutSettings) -> int:
 
 
 class Leases:
-    """The leases this replica holds: `ready` (leased, not started) and `inflight` (an episode each)."""
+    """The leases this replica holds: `ready` (leased, not started) and `inflight` (an episode each),
+    each `lease_seconds` long (the run's)."""
 
     def __init__(
         self,
         settings: RolloutSettings,
+        lease_seconds: float,
         tracker: AsyncTrackerClient,
         metrics: RolloutMetrics,
         stopping: asyncio.Event,
@@ -61,7 +63,7 @@ class Leases:
         # Refill the ready leases once half of them are gone (or none is left), not after every
         # episode: half the dispatch calls, and the other half still covers a dispatch's round trip.
         self.dispatch_step = max(1, self.prefetch // 2)
-        self.lease_seconds = 900.0  # the run's, read at start
+        self.lease_seconds = lease_seconds  # the run's (renewals come at a fraction of it)
         self.ended = 0  # episodes ended, however (what max_episodes counts)
         self.dispatches = 0  # dispatch calls made (the rollout bench reports calls per episode)
 

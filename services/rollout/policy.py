@@ -29,11 +29,13 @@ log = logging.getLogger("spopp.rollout")
 
 
 class Policy:
-    """The policy `engine` generates with (`version`, from `snapshot`), kept in step with the tracker."""
+    """The policy `engine` generates with (`version`, from `snapshot`), kept in step with the tracker;
+    `max_staleness` is the run's k."""
 
     def __init__(
         self,
         settings: RolloutSettings,
+        max_staleness: int,
         engine: VersionedEngine,
         tracker: AsyncTrackerClient,
         work: tuple[Leases, Episodes],
@@ -48,7 +50,7 @@ class Policy:
         self.stopping = stopping
         self.version: int | None = None
         self.snapshot: str | None = None
-        self.max_staleness = 0  # the run's k, read at start
+        self.max_staleness = max_staleness  # the run's k (fixed at the run's creation)
 
     async def sync(self) -> None:
         """Load the tracker's current snapshot if it is not the one the engine holds."""

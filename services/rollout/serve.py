@@ -14,7 +14,7 @@ from services.shell import server as http
 from services.shell.routes import service_app
 
 from .config import RolloutSettings
-from .worker import Worker
+from .worker import Worker, read_run
 
 log = logging.getLogger("spopp.rollout")
 
@@ -58,17 +58,20 @@ async def serve(s: RolloutSettings) -> None:
     tasks = load_task_table(s)
     make_env = env_factory(s.env, s.env_options)
     engine = make_engine(s.engine, s.model, **s.engine_kwargs())
-    worker = Worker(s, engine, make_env, tasks)
-    log.info(
-        "rollout %s: run %s, %d tasks, engine %s on %s",
-        s.worker_id, s.run, len(tasks), s.engine, engine.device_name,
-    )  # fmt: skip
     try:
-        # A signal stops dispatching and drains (worker.shutdown); run() then returns by itself.
-        await http.serve(
-            health_app(worker), s.host, s.port, worker.run(max_episodes=s.max_episodes),
-            on_signal=lambda: asyncio.ensure_future(worker.shutdown()), limits=s.server_limits(),
+        # The run's record first (retried for retry_seconds): the worker is built from it.
+        worker = Worker(s, await read_run(s), engine, make_env, tasks)
+        log.info(
+            "rollout %s: run %s, %d tasks, engine %s on %s",
+            s.worker_id, s.run, len(tasks), s.engine, engine.device_name,
         )  # fmt: skip
+        try:
+            # A signal stops dispatching and drains (worker.shutdown); run() then returns by itself.
+            await http.serve(
+                health_app(worker), s.host, s.port, worker.run(max_episodes=s.max_episodes),
+                on_signal=lambda: asyncio.ensure_future(worker.shutdown()), limits=s.server_limits(),
+            )  # fmt: skip
+        finally:
+            await worker.close()
     finally:
-        await worker.close()
         await engine.close()

@@ -1,6 +1,8 @@
-"""Before a replica's first dispatch: the run's status, this worker id's previous life, the learner.
+"""Before a replica's first dispatch: the run's record, its status, this worker id's previous life,
+the learner.
 
-A replica waits for the learner's /healthz (bounded by `retry_seconds`) so that no lease waits on
+The run's record is read before the Worker is built (`read_run`), and the Worker is built from
+it. A replica waits for the learner's /healthz (bounded by `retry_seconds`) so that no lease waits on
 a learner that is still loading its model. A run already finished ends the replica at once
 (RunFinished, as a dispatch would answer).
 """
@@ -23,6 +25,14 @@ log = logging.getLogger("spopp.rollout")
 
 # How often the learner's /healthz is tried before the first dispatch.
 LEARNER_WAIT_POLL_S = 1.0
+
+
+async def read_run(s: RolloutSettings) -> Run:
+    """The run's record at the tracker, read before the replica's Worker is built from it: what
+    the run fixes at creation (max_staleness, lease length, seed and study), its status, and what
+    the tracker has of this worker id. Retried for up to `retry_seconds`, as every tracker call."""
+    async with AsyncTrackerClient(s.tracker, token=s.api_token, retry_seconds=s.retry_seconds) as tracker:
+        return await tracker.get_run(s.run)
 
 
 def run_finished(run: Run) -> RunFinished:

@@ -6,7 +6,8 @@ worker composes the replica's concerns, each in its own module:
 - services/rollout/episodes.py: playing an episode, reporting its outcome, posting its trajectory;
 - services/rollout/policy.py: following the policy version, draining, swapping the weights
   (through the gate of services/rollout/swap.py);
-- services/rollout/startup.py: the run's status and the learner's /healthz before the first dispatch.
+- services/rollout/startup.py: the run's record (`read_run`), read before the Worker is built from
+  it, and the learner's /healthz before the first dispatch.
 Here: the loop that keeps the slots full, and how the replica stops.
 
 Every few seconds, and at the end, a heartbeat tells the tracker its counts (trajectories the
@@ -36,17 +37,17 @@ from runtime.engines.base import Engine
 from runtime.envs.base import Environment, Task
 from spopp.client import AsyncTrackerClient, RunFinished, StalePolicy
 from spopp.streams import stream_key
-from spopp.tracker_api import Lease
+from spopp.tracker_api import Lease, Run
 
 from .config import RolloutSettings
 from .episodes import Episodes, token_versions
 from .leases import Leases, default_prefetch
 from .metrics import RolloutMetrics
 from .policy import Policy
-from .startup import release_previous_life, run_finished, wait_for_learner
+from .startup import read_run, release_previous_life, run_finished, wait_for_learner
 from .swap import VersionedEngine
 
-__all__ = ["Worker", "default_prefetch", "token_versions"]
+__all__ = ["Worker", "default_prefetch", "read_run", "token_versions"]
 
 log = logging.getLogger("spopp.rollout")
 
@@ -56,15 +57,21 @@ FINISH_GRACE_S = 5.0
 
 
 class Worker:
+    """One replica's worker for `run`, the run's record as the tracker had it when the replica
+    started (`read_run`): a run's configuration never changes, so its lease length, max_staleness,
+    seed and study are read once, and the components are built with them."""
+
     def __init__(
         self,
         settings: RolloutSettings,
+        run: Run,
         engine: Engine,
         make_env: Callable[[], Environment],
         tasks: dict[str, Task],
         metrics: RolloutMetrics | None = None,
     ) -> None:
         self.s = settings
+        self.run_record = run
         # Behind the swap gate: every generation carries the policy version that made it.
         self.engine = VersionedEngine(engine)
         self.metrics = metrics or RolloutMetrics()
@@ -76,14 +83,19 @@ class Worker:
         auth = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
         self.learner = httpx.AsyncClient(base_url=settings.learner, timeout=60.0, headers=auth)
         self.stopping = asyncio.Event()
-        self.leases = Leases(settings, self.tracker, self.metrics, self.stopping)
+        self.leases = Leases(settings, run.config.lease_seconds, self.tracker, self.metrics, self.stopping)
+        # A restarted replica counts on from what the tracker has of it, so its counts add up.
+        mine = run.workers.get(settings.worker_id)
         self.episodes = Episodes(
             settings, self.engine, make_env, tasks, (self.tracker, self.learner), self.leases,
-            self.metrics, self.stopping,
+            self.metrics, self.stopping, run_seed=run.config.seed,
+            stream=stream_key(settings.run, run.config.study),
+            counted=(mine.trajectories, mine.episodes) if mine is not None else (0, 0),
         )  # fmt: skip
         self.policy = Policy(
-            settings, self.engine, self.tracker, (self.leases, self.episodes), self.metrics, self.stopping
-        )
+            settings, run.config.max_staleness, self.engine, self.tracker, (self.leases, self.episodes),
+            self.metrics, self.stopping,
+        )  # fmt: skip
 
     # -- what the health route, the tests and the bench read ------------------------------------
     @property
@@ -99,10 +111,6 @@ class Worker:
     @property
     def max_staleness(self) -> int:
         return self.policy.max_staleness
-
-    @max_staleness.setter
-    def max_staleness(self, k: int) -> None:
-        self.policy.max_staleness = k
 
     @property
     def ready(self) -> list[Lease]:
@@ -179,19 +187,12 @@ class Worker:
             raise self.episodes.fatal
 
     async def _before_first_dispatch(self) -> None:
-        """Read the run (RunFinished if it is over), wait for the learner, load the policy."""
-        run = await self.tracker.get_run(self.s.run)
-        # A run's configuration never changes: read its lease length once, not per episode.
-        self.leases.lease_seconds = run.config.lease_seconds
-        self.policy.max_staleness = run.config.max_staleness
-        self.episodes.run_seed = run.config.seed
-        self.episodes.stream = stream_key(self.s.run, run.config.study)
+        """RunFinished if the run was over when read; give back a previous life's leases, wait for
+        the learner, load the policy."""
+        run = self.run_record
         if run.status == "finished":
             raise run_finished(run)
-        # A restarted replica counts on from what the tracker has of it, so its counts add up.
-        mine = run.workers.get(self.s.worker_id)
-        if mine is not None:
-            self.episodes.counted = (mine.trajectories, mine.episodes)
+        if self.s.worker_id in run.workers:
             await release_previous_life(self.s, self.tracker)
         await wait_for_learner(self.s, self.learner, self.tracker, self.stopping)
         await self.policy.sync()

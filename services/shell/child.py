@@ -2,8 +2,8 @@
 stopped by its own pid (SIGTERM, then SIGKILL), never by name.
 
 `spopp launch` runs every process of a run this way, each logging to its file in the run folder and
-dying with the launcher; tests, benchmarks and users' scripts start a tracker the same way
-(services/tracker/launcher.py), its output kept in a temporary file.
+dying with the launcher; tests and benchmarks start a tracker the same way
+(tools/tracker_process.py), its output kept in a temporary file.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .logs import AccessLog
+from .overload import overloaded_bytes
 
 log = logging.getLogger("spopp.http")
 
@@ -85,23 +86,6 @@ def effective_cap(max_connections: int, soft_file_limit: int | None = None) -> i
         return max_connections
     room = max(soft_file_limit - FD_RESERVE, MIN_CONNECTIONS)
     return max(1, min(max_connections, room))
-
-
-def _overloaded_reply(cap: int) -> bytes:
-    body = json.dumps(
-        {
-            "detail": {
-                "code": "overloaded",
-                "message": f"every one of this server's {cap} connections is busy with a request; retry",
-                "max_connections": cap,
-            }
-        }
-    ).encode()
-    head = (
-        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-        b"retry-after: 1\r\nconnection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
-    )
-    return head + body
 
 
 # Headers of which a request may carry one: two would let two readers see two values (the
@@ -185,7 +169,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport) -> None:
         if len(self.connections) >= self.cap and not self._evict_one():
             # Every connection has a request in flight: this one gets a clear answer, not a hang.
-            transport.write(_overloaded_reply(self.cap))
+            transport.write(overloaded_bytes(self.cap))
             transport.close()
             log.warning("connection refused with 503: %d connections, all busy", len(self.connections))
             return

@@ -28,6 +28,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -253,3 +254,14 @@ _RESERVED = (
     "levelno", "lineno", "module", "msecs", "message", "msg", "name", "pathname", "process",
     "processName", "relativeCreated", "stack_info", "thread", "threadName", "taskName", "color_message",
 )  # fmt: skip
+
+
+def command_echo(settings: Any, service: str, **context: Any) -> Callable[[str], None]:
+    """Set up a command's logging (`settings.log_format`); answer how it prints its progress: plain
+    lines on stdout, or with json logs, log lines (so that everything it writes parses)."""
+    import click
+
+    setup_logging(service, settings.log_format, **context)
+    if settings.log_format == "json":
+        return logging.getLogger(f"spopp.{service}").info
+    return click.echo

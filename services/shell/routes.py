@@ -22,11 +22,11 @@ from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 
 from services.shell.middleware import BodyLimit, invalid_detail, short_errors
+from services.shell.overload import RETRY_HEADERS
 
 from .prometheus import CONTENT_TYPE, render
 
 Registries = CollectorRegistry | Iterable[CollectorRegistry]
-RETRY_AFTER_SECONDS = 1
 # The codes of FastAPI's own refusals (400: a body that is no JSON Python can read, such as bad
 # UTF-8, an integer of over 4300 digits, arrays nested past the recursion limit).
 HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
@@ -44,9 +44,7 @@ class Unavailable(Exception):
 
 
 def unavailable_response(detail: dict) -> JSONResponse:
-    return JSONResponse(
-        {"detail": detail}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
-    )
+    return JSONResponse({"detail": detail}, status_code=503, headers=RETRY_HEADERS)
 
 
 async def _call(fn: Callable[[], Any]) -> Any:

@@ -8,7 +8,8 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from services.shell.http_settings import HttpServerSettings
-from spopp.settings import MIN_TOKEN_CHARS, Settings
+from spopp.fields import ApiToken
+from spopp.settings import Settings
 from spopp.tracker_api import MAX_RUNS, MAX_WORKERS_PER_RUN
 
 
@@ -104,9 +105,8 @@ class TrackerTuning(HttpServerSettings):
 class TrackerSettings(TrackerTuning, Settings):
     env_prefix: ClassVar[str] = "SPOPP_TRACKER_"
     data_dir: Path = Field(Path("spopp-data/tracker"), description="the embedded Redis's AOF folder")
-    api_token: str | None = Field(
+    api_token: ApiToken | None = Field(
         None,
-        min_length=MIN_TOKEN_CHARS,
         description="bearer token every /v1 route requires, when set (prefer the environment: "
         "flags show in process lists)",
     )

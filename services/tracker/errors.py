@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-RETRY_AFTER_SECONDS = 1
+from services.shell.overload import RETRY_HEADERS
 
 
 class ApiError(Exception):
@@ -20,7 +20,7 @@ class ApiError(Exception):
 
 
 def error_response(status: int, detail: dict) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else None
+    headers = RETRY_HEADERS if status == 503 else None
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 

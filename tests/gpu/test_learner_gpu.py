@@ -105,7 +105,7 @@ def check_on_both_devices(
 def test_the_process_group_is_nccl_on_cuda():
     import torch.distributed as dist
 
-    from services.learner.engine import init_distributed
+    from services.learner.deepspeed_engine import init_distributed
 
     init_distributed()
     assert dist.get_backend() == "nccl"

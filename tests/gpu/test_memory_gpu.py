@@ -28,7 +28,7 @@ activations; with the step on the CPU the peak of each run is a backward pass. P
 measured against ZeRO 3 with the optimizer offloaded for the same reason (and it is how `spopp
 learner plan` offers it: optimizer+params).
 
-Expected savings come from services/learner/plan.py, which `spopp learner plan` prints: the fp32
+Expected savings come from services/learner/memory_plan.py, which `spopp learner plan` prints: the fp32
 moments (8 B per parameter) for the optimizer, the fp32 weights (4 B per parameter) for the
 parameters, and the activation formula's difference with and without checkpointing. Each must show
 at least `MOST` of its expected size (see there).
@@ -48,7 +48,7 @@ import pytest
 import torch
 from learner_worker import dist_env_restored, make_batch, run_task
 
-from services.learner import plan
+from services.learner import memory_plan
 
 pytestmark = [
     pytest.mark.process,
@@ -71,7 +71,7 @@ CFG = {
 }  # fmt: skip
 
 # A saving must reach 3/4 of what the sizes predict. The activation formula was checked against what
-# autograd keeps to within 10% (tests/test_learner_plan.py); the rest is room for what the formula
+# autograd keeps to within 10% (tests/test_learner_memory_plan.py); the rest is room for what the formula
 # leaves out on CUDA (kernels' workspaces, the allocator's 512-byte rounding, a parameter's gradient
 # in flight to the CPU, ZeRO 3's gathered working set). A setting that does not act saves ~0.
 MOST = 0.75
@@ -142,8 +142,8 @@ def big_model(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def shape(big_model) -> plan.ModelShape:
-    return plan.model_shape(plan.read_config(big_model))
+def shape(big_model) -> memory_plan.ModelShape:
+    return memory_plan.model_shape(memory_plan.read_config(big_model))
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +251,7 @@ def test_optimizer_offload_lowers_the_peak_by_the_optimizer_states(measured, sha
     errs = check_same_update(off, plain, initial)
     # plan's fp32 table: AdamW's two moments, 8 B per parameter, go to the CPU. In the backward the
     # same 8 B show as DeepSpeed's fp32 master and gradient partitions, which go with them.
-    on_gpu = lambda offload: plan.state_bytes(shape, 1, 2, "fp32", offload, False)["optimizer"]  # noqa: E731
+    on_gpu = lambda offload: memory_plan.state_bytes(shape, 1, 2, "fp32", offload, False)["optimizer"]  # noqa: E731
     expected = on_gpu(False) - on_gpu(True)
     assert expected == 8 * shape.params
     why = f"the fp32 moments, 8 B x {shape.params / 1e6:.1f} M parameters"
@@ -266,7 +266,7 @@ def test_checkpointing_lowers_the_peak_by_the_activations_it_drops(
     assert ckpt["memory"]["checkpointing"] and not plain["memory"]["checkpointing"]
     errs = check_same_update(ckpt, plain, initial)
     tokens = padded_tokens(batch)
-    act = lambda on: plan.activation_bytes(shape, tokens, "fp32", checkpointing=on)["peak"]  # noqa: E731
+    act = lambda on: memory_plan.activation_bytes(shape, tokens, "fp32", checkpointing=on)["peak"]  # noqa: E731
     expected = act(False) - act(True)
     why = (
         f"plan's fp32 activations of {tokens} padded tokens, {_mib(act(False))} without, {_mib(act(True))} "
@@ -284,7 +284,7 @@ def test_parameter_offload_lowers_the_peak_by_the_parameters(measured, shape, in
     errs = check_same_update(off, plain, initial)
     # plan's fp32 table under ZeRO 3 on one GPU: the weights' partition, 4 B per parameter, goes to
     # the CPU; the layer being gathered (4 B x the largest layer) is on the GPU either way.
-    weights = lambda offload: plan.state_bytes(shape, 1, 3, "fp32", True, offload)["weights"]  # noqa: E731
+    weights = lambda offload: memory_plan.state_bytes(shape, 1, 3, "fp32", True, offload)["weights"]  # noqa: E731
     expected = weights(False) - weights(True)
     assert expected == 4 * shape.params
     why = f"the fp32 weights, 4 B x {shape.params / 1e6:.1f} M parameters"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from spopp.tracker_api import Id, LookupBody, LookupResult, RequestState
+from spopp.fields import Id
+from spopp.tracker_api import LookupBody, LookupResult, RequestState
 
 from ..deps import RunName, StoreDep
 

@@ -6,7 +6,8 @@ from collections import Counter
 
 from fastapi import APIRouter
 
-from spopp.tracker_api import Id, PutTasks, PutTasksResult, TaskState
+from spopp.fields import Id
+from spopp.tracker_api import PutTasks, PutTasksResult, TaskState
 
 from ..deps import RunName, StoreDep
 from ..errors import ApiError

@@ -15,7 +15,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path
 
-from spopp.tracker_api import HeartbeatBody, WorkerBeat, WorkerId, WorkerReleased
+from spopp.fields import WorkerId
+from spopp.tracker_api import HeartbeatBody, WorkerBeat, WorkerReleased
 
 from ..deps import RunName, StoreDep
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from services.learner import plan
+from services.learner import memory_plan
 
 QWEN2_7B = Path(__file__).parent / "data" / "qwen2-7b-config.json"
 
@@ -24,7 +24,7 @@ def _qwen2_7b_by_hand() -> int:
 
 @pytest.fixture(scope="module")
 def qwen2_7b():
-    return plan.model_shape(plan.read_config(QWEN2_7B))
+    return memory_plan.model_shape(memory_plan.read_config(QWEN2_7B))
 
 
 def test_a_7b_qwen2_is_counted_exactly_without_weights(qwen2_7b):
@@ -60,24 +60,26 @@ def test_the_cli_answers_for_a_7b_qwen2():
 
 @pytest.mark.parametrize("gpus", [1, 8, 64])
 def test_model_states_agree_with_deepspeeds_estimators(qwen2_7b, gpus):
-    z2 = plan.state_bytes(qwen2_7b, gpus, 2)
+    z2 = memory_plan.state_bytes(qwen2_7b, gpus, 2)
     assert sum(z2[k] for k in ("weights", "gradients", "optimizer")) == pytest.approx(
-        plan.deepspeed_estimate(qwen2_7b, gpus, 2, False, False), rel=1e-9
+        memory_plan.deepspeed_estimate(qwen2_7b, gpus, 2, False, False), rel=1e-9
     )
     # ZeRO-3: DeepSpeed counts 18 bytes per partitioned parameter where we count 20 (it leaves out
     # the bf16 weights' own partition); within 12%.
     # With the optimizer offloaded, DeepSpeed keeps the bf16 weights on the GPU, as we do.
-    z2off = plan.state_bytes(qwen2_7b, gpus, 2, "bf16", True)
+    z2off = memory_plan.state_bytes(qwen2_7b, gpus, 2, "bf16", True)
     assert (
-        z2off["weights"] == plan.deepspeed_estimate(qwen2_7b, gpus, 2, True, False)
+        z2off["weights"] == memory_plan.deepspeed_estimate(qwen2_7b, gpus, 2, True, False)
         and z2off["optimizer"] == 0
     )
-    z3 = plan.state_bytes(qwen2_7b, gpus, 3)
+    z3 = memory_plan.state_bytes(qwen2_7b, gpus, 3)
     assert sum(z3[k] for k in ("weights", "gradients", "optimizer")) == pytest.approx(
-        plan.deepspeed_estimate(qwen2_7b, gpus, 3, False, False), rel=0.12
+        memory_plan.deepspeed_estimate(qwen2_7b, gpus, 3, False, False), rel=0.12
     )
-    z3off = plan.state_bytes(qwen2_7b, gpus, 3, "bf16", True, True)
-    assert z3off["weights"] == plan.deepspeed_estimate(qwen2_7b, gpus, 3, True, True)  # the gathered layer
+    z3off = memory_plan.state_bytes(qwen2_7b, gpus, 3, "bf16", True, True)
+    assert z3off["weights"] == memory_plan.deepspeed_estimate(
+        qwen2_7b, gpus, 3, True, True
+    )  # the gathered layer
 
 
 SHAPES = [
@@ -108,7 +110,7 @@ def test_activations_match_what_autograd_keeps(values, dtype, checkpointing):
     from services.learner.logprobs import token_logprobs
 
     config = _small(values)
-    shape = plan.model_shape(config)
+    shape = memory_plan.model_shape(config)
     cfg = AutoConfig.for_model(**config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
@@ -122,8 +124,8 @@ def test_activations_match_what_autograd_keeps(values, dtype, checkpointing):
     def forward():
         token_logprobs(model, ids, torch.ones_like(ids)).sum()
 
-    measured = plan.saved_bytes(forward, exclude=list(model.parameters()))
-    predicted = plan.activation_bytes(shape, ids.numel(), dtype, checkpointing)["saved"]
+    measured = memory_plan.saved_bytes(forward, exclude=list(model.parameters()))
+    predicted = memory_plan.activation_bytes(shape, ids.numel(), dtype, checkpointing)["saved"]
     assert predicted == pytest.approx(measured, rel=0.10)
 
 

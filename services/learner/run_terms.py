@@ -1,4 +1,4 @@
-"""The learner bound to its run: what the tracker's run fixed at its creation, read from there.
+"""The run's terms a learner adopts: what the tracker's run fixed at its creation, read from there.
 
 The recipe, the staleness bound k and the budget are the run's (`PUT /v1/runs/{run}` sets them
 once; only `POST .../budget` grows the budget), so a learner reads them from the tracker at start
@@ -34,7 +34,7 @@ def check_run(cfg: LearnerSettings, run: RunConfig) -> None:
         raise ValueError(f"run {cfg.run!r} does not match this learner's settings: " + "; ".join(wrong))
 
 
-def bind(cfg: LearnerSettings, run: RunConfig) -> LearnerSettings:
+def adopt_run_terms(cfg: LearnerSettings, run: RunConfig) -> LearnerSettings:
     """`cfg` with the run's recipe, max_staleness and budget where it gives none, and the recipe's
     normalization and Dual-Clip where it gives none (check_run's ValueError first)."""
     check_run(cfg, run)

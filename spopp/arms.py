@@ -13,13 +13,16 @@ change each, so that every step's paired difference is one change alone:
 
 Any arm with a `-k<N>` suffix (spopp-k1, spo-k2) is that arm under bounded staleness
 max_staleness N; without one, an arm keeps the base config's max_staleness.
+
+The launcher names each run's arm by them (`arm_of`, into run.json) and the studies
+(services/study) compose their comparisons of them, so they live in the library.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from spopp.recipes import RECIPE_DEFAULTS
+from .recipes import RECIPE_DEFAULTS
 
 # Each arm: the tracker's recipe and the learner fields it sets, in the order of the chain.
 ARMS: dict[str, dict[str, Any]] = {

@@ -6,17 +6,17 @@ outcomes back after newer policies were published (`make map` also sets `time_ne
 the coupled side's extra turns do not also make it arrive later). Each cell of the grid is the base
 config with those two env_options set and nothing else changed; in each cell every arm runs on
 every seed from the same checkpoint, prior and budget. The arms walk from SPO to SPO++ one change
-at a time (arms.py), so each step's paired difference is that change alone.
+at a time (spopp/arms.py), so each step's paired difference is that change alone.
 
-How many seeds each cell gets is fixed before its main runs (map_protocol.py): by a pilot on seeds
+How many seeds each cell gets is fixed before its main runs (protocol.py): by a pilot on seeds
 of its own, or the given seeds. Pilot runs go into `<out>/pilot/cells/<cell>/runs/<arm>-s<seed>/`,
 main runs into `<out>/cells/...`, one after another; a stopped map resumes (finished runs are
 skipped, an unfinished one resumes, the protocol is read back). Within a cell, the i-th seed runs
 the arms in the given order rotated by i (`arm_order`), so that a drift of the machine's load over
-a map falls on every arm alike rather than always on the last one. Then map.json (map_summary.py:
+a map falls on every arm alike rather than always on the last one. Then map.json (summary.py:
 every run's area, each paired difference with its t interval, t test, sign test and Holm's
 adjustment over the cells, a pooled test per comparison, the protocol, the machine and the
-times), map.md and map.png (map_render.py).
+times), map.md and map.png (render.py).
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import map_protocol
+from services.launch.config import LaunchSettings
+
 from .compare import arm_settings, run_in_turn
-from .config import LaunchSettings
-from .map_render import write
-from .map_summary import TOTAL, across_cells, diff_key, run_times, summarize_cell
+from .protocol import PROTOCOL, decide, fixed
+from .protocol import read as read_protocol
+from .protocol import write as write_protocol
+from .render import write
+from .summary import TOTAL, across_cells, diff_key, run_times, summarize_cell
 
 SE_TARGET = 1.5  # area points: the standard error the design aims each cell's SPO++ − SPO at
 N_MIN = 3  # seeds a cell gets at least: 2 degrees of freedom for its t interval
@@ -95,7 +98,7 @@ def summarize(
 ) -> dict:
     """map.json's grid part from the run folders under `out`: every cell over its seeds, each
     difference with its t test's p and Holm's adjustment over the cells, and per comparison the
-    cells' pooled test (map_summary.across_cells)."""
+    cells' pooled test (summary.across_cells)."""
     out_cells = [
         {"cell": name, "coupling": c, "latency_sigma": lat, **summarize_cell(out, name, arms, seeds[name], arm_order, mixed_code)}
         for name, c, lat in cells(couplings, latencies)
@@ -165,9 +168,7 @@ def _decide(pilot: dict, grid: dict, pilot_seeds: list[int], out: Path, budget_s
     if budget_s is not None and per_seed > 0:
         capacity = max(0, math.floor((budget_s - spent) / per_seed))
     sds = {c["cell"]: c["diffs"][diff_key(*TOTAL)]["sd"] for c in pilot["cells"]}
-    return map_protocol.decide(
-        sds, pilot_seeds, target, n_min, first_seed, capacity, times["mean_s"], budget_s
-    )
+    return decide(sds, pilot_seeds, target, n_min, first_seed, capacity, times["mean_s"], budget_s)
 
 
 def _say_protocol(protocol: dict, echo) -> None:
@@ -181,6 +182,22 @@ def _say_protocol(protocol: dict, echo) -> None:
             + (", capped by the budget)" if cell in protocol["capped"] else ")")
         )
         echo(f"=== map protocol: {cell}: n = {len(seeds)}{why}, seeds {seeds[0]}..{seeds[-1]}")
+
+
+def _result(out: Path, grid: dict, protocol: dict, mixed_code: str) -> dict:
+    """map.json's content: the main runs' grid summary, the protocol, the machine and the times,
+    and under the pilot rule the pilot's summary (SPO and SPO++ only) beside them."""
+    couplings, latencies, arms = grid["couplings"], grid["latencies"], grid["arms"]
+    result = summarize(out, couplings, latencies, arms, protocol["seeds"], mixed_code)
+    result |= {"protocol": protocol, "machine": machine(), "times": {"main": run_times(out)}}
+    if protocol["pilot_seeds"]:
+        pilot_seeds_by_cell = {n: protocol["pilot_seeds"] for n in protocol["seeds"]}
+        pilot_arms = [a for a in arms if a in TOTAL]
+        result["pilot"] = summarize(
+            out / PILOT, couplings, latencies, pilot_arms, pilot_seeds_by_cell, mixed_code
+        )
+        result["times"]["pilot"] = run_times(out / PILOT)
+    return result
 
 
 def run_map(
@@ -215,9 +232,9 @@ def run_map(
     t0 = clock()
     out.mkdir(parents=True, exist_ok=True)
     grid = {"couplings": couplings, "latencies": latencies, "arms": arms}
-    protocol = map_protocol.read(out)
+    protocol = read_protocol(out)
     if protocol is not None:
-        _check_resume(protocol, grid, seeds, pilot_seeds, out / map_protocol.PROTOCOL)
+        _check_resume(protocol, grid, seeds, pilot_seeds, out / PROTOCOL)
     else:
         if pilot_seeds is not None:
             pilot, code = _pilot(base, grid, pilot_seeds, out, echo, runner, mixed_code)
@@ -227,24 +244,15 @@ def run_map(
                 pilot, grid, pilot_seeds, out, budget_s, clock() - t0, target_se, n_min, first_seed
             )
         else:
-            protocol = map_protocol.fixed([n for n, _c, _l in cells(couplings, latencies)], seeds, target_se)
+            protocol = fixed([n for n, _c, _l in cells(couplings, latencies)], seeds, target_se)
         protocol["grid"] = grid
-        map_protocol.write(out, protocol)  # before the first main run: the seeds are fixed now
+        write_protocol(out, protocol)  # before the first main run: the seeds are fixed now
     _say_protocol(protocol, echo)
     planned = plan_runs(base, couplings, latencies, arms, protocol["seeds"], out)
     _launchers, code = runner(planned, echo, "map")
     if code != 0:
         return code
-    result = summarize(out, couplings, latencies, arms, protocol["seeds"], mixed_code)
-    result |= {"protocol": protocol, "machine": machine(), "times": {"main": run_times(out)}}
-    if protocol["pilot_seeds"]:
-        pilot_seeds_by_cell = {n: protocol["pilot_seeds"] for n in protocol["seeds"]}
-        pilot_arms = [a for a in arms if a in TOTAL]
-        result["pilot"] = summarize(
-            out / PILOT, couplings, latencies, pilot_arms, pilot_seeds_by_cell, mixed_code
-        )
-        result["times"]["pilot"] = run_times(out / PILOT)
-    write(out, result)
+    write(out, _result(out, grid, protocol, mixed_code))
     for path in ("map.json", "map.md", "map.png"):
         echo(f"wrote {out / path}")
     return 0

@@ -1,4 +1,4 @@
-"""A learner bound to its run (services/learner/binding.py): the recipe, max_staleness and the
+"""A learner bound to its run (services/learner/run_terms.py): the recipe, max_staleness and the
 budget max_updates are the tracker run's, read at start; given to the learner as well, they must
 be the run's, and a difference is refused naming both sides."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.learner.binding import bind, check_run
 from services.learner.config import LearnerSettings
+from services.learner.run_terms import adopt_run_terms, check_run
 from spopp.tracker_api import RunConfig
 
 
@@ -19,26 +19,28 @@ def settings(**over) -> LearnerSettings:
 
 def test_what_is_not_given_is_the_runs():
     bare = LearnerSettings(run="r", model=Path("m"))
-    got = bind(bare, RunConfig(recipe="spo", max_staleness=1, max_updates=12))
+    got = adopt_run_terms(bare, RunConfig(recipe="spo", max_staleness=1, max_updates=12))
     assert (got.recipe, got.max_staleness, got.max_updates) == ("spo", 1, 12)
     # The recipe's normalization and Dual-Clip, since none was given: SPO's full recipe.
     assert (got.normalization, got.dual_clip) == ("trajectory", 10.0)
-    got = bind(bare, RunConfig(recipe="spopp"))
+    got = adopt_run_terms(bare, RunConfig(recipe="spopp"))
     assert (got.recipe, got.max_staleness, got.max_updates) == ("spopp", 0, None)  # no budget: never stop
     assert (got.normalization, got.dual_clip) == ("token", 2.0)
     # Given, they stay: an arm that changes one thing (spo-eventtime: SPO++'s evidence, SPO's learner).
     arm = LearnerSettings(run="r", model=Path("m"), normalization="trajectory", dual_clip=10.0)
-    got = bind(arm, RunConfig(recipe="spopp"))
+    got = adopt_run_terms(arm, RunConfig(recipe="spopp"))
     assert (got.recipe, got.normalization, got.dual_clip) == ("spopp", "trajectory", 10.0)
     # dual_clip given as null (off) is given: it stays off.
     off = LearnerSettings.resolve(env={}, flags={"run": "r", "model": "m", "dual_clip": None})
-    assert bind(off, RunConfig(recipe="spo")).dual_clip is None
+    assert adopt_run_terms(off, RunConfig(recipe="spo")).dual_clip is None
     assert bare.recipe is None  # bind answers a copy
 
 
 def test_the_same_settings_pass_and_a_run_without_a_budget_takes_any():
-    assert bind(settings(), RunConfig(recipe="spopp", max_updates=30)).max_updates == 30
-    assert bind(settings(max_updates=6), RunConfig(recipe="spopp")).max_updates == 6  # created before budgets
+    assert adopt_run_terms(settings(), RunConfig(recipe="spopp", max_updates=30)).max_updates == 30
+    assert (
+        adopt_run_terms(settings(max_updates=6), RunConfig(recipe="spopp")).max_updates == 6
+    )  # created before budgets
     check_run(settings(max_updates=None), RunConfig(recipe="spopp"))
 
 
@@ -54,7 +56,7 @@ def test_the_same_settings_pass_and_a_run_without_a_budget_takes_any():
 )  # fmt: skip
 def test_each_difference_is_refused_naming_both(over, run, named):
     with pytest.raises(ValueError) as err:
-        bind(settings(**over), RunConfig(recipe="spopp", **run))
+        adopt_run_terms(settings(**over), RunConfig(recipe="spopp", **run))
     assert "run 'r' does not match this learner's settings" in str(err.value) and named in str(err.value)
 
 

@@ -1,7 +1,8 @@
 """Start `spopp tracker serve` as a child process and wait until it is ready.
 
-Used by the tests and the benchmarks, and handy in users' scripts: the tracker runs as a real
-process speaking real HTTP. It is stopped by its own pid, never by name.
+A test and benchmark helper (kept out of the product by the import contracts): the tracker runs as
+a real process speaking real HTTP. It is stopped by its own pid, never by name. `spopp launch` starts
+its tracker through its own plan, not through this.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ anything trains. Init never grows a budget: a stack's settings are fixed with it
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from pydantic import Field, ValidationError
 
+from spopp.fields import Recipe, Seed
 from spopp.run_binding import RunBinding
 from spopp.settings import Settings
 from spopp.tracker_api import RunConfig
@@ -23,8 +24,8 @@ from spopp.wait import WaitTimeout, wait_http
 class InitSettings(RunBinding, Settings):
     env_prefix: ClassVar[str] = "SPOPP_INIT_"
 
-    recipe: Literal["spopp", "spo"] = Field(..., description="spopp (SPO++) or spo")
-    seed: int = Field(0, ge=0, lt=2**63, description="seed of the tracker's sampler")
+    recipe: Recipe = Field(..., description="spopp (SPO++) or spo")
+    seed: Seed = Field(0, description="seed of the tracker's sampler")
     base_snapshot: str = Field(
         ..., min_length=1, description="policy version 0 as the replicas see it (a model folder path)"
     )

@@ -2,7 +2,7 @@
 differences of the chain's steps and of SPO++ against SPO (each with its t interval and sign test),
 and what each knob measurably did.
 
-A step of the chain is one change alone (arms.py): spo → spo-eventtime is event-time evidence,
+A step of the chain is one change alone (spopp/arms.py): spo → spo-eventtime is event-time evidence,
 spo-eventtime → spopp-trajnorm Dual-Clip 2, spopp-trajnorm → spopp the action-token measure. Of
 the arms a map has, each step pairs one arm with the one before it in the chain; with two or more
 steps the total (SPO++ − SPO) is reported beside them.
@@ -10,7 +10,8 @@ steps the total (SPO++ − SPO) is reported beside them.
 Over the cells (across_cells): each difference's two-sided t test p, Holm's adjustment of it over
 the cells that make the same comparison (a map tests each comparison once per cell, so a reader
 looking for the cell where it "works" has as many chances as cells), and per comparison Fisher's
-combination of the cells' p's, the test of "no difference in any cell".
+combination of the cells' p's, the test of "no difference in any cell" (the tests are the
+library's, spopp.stats).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import math
 from pathlib import Path
 
 from spopp import provenance
+from spopp.arms import ARMS, step_label
+from spopp.curves import POINTS, area, c10
 from spopp.records import RunRecord
-
-from .arms import ARMS, step_label
+from spopp.runs import read_run
+from spopp.stats import fisher, holm, paired, t_p
 
 MEASURES = (
     "length_advantage_corr",
@@ -150,9 +153,6 @@ def summarize_cell(
     """One cell over its seeds: per arm the per-seed areas (and their mean, C10 and measures), each
     paired difference in area points, the environment options its runs had, warnings, and the code
     of its runs (spopp.provenance: runs from different code are refused, or flagged by `mixed_code`)."""
-    from services.report.runs import read_run
-    from services.report.summaries import POINTS, area, c10, paired
-
     warnings: list[str] = []
     curves: dict[str, dict[int, list[float]]] = {arm: {} for arm in arms}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
@@ -189,46 +189,6 @@ def summarize_cell(
         "measured": _means([m for arm in arms for m in runs[arm]]),
         "code": provenance.check(codes, mixed_code, f"cell {name} of {out}"),
     }  # fmt: skip
-
-
-def t_p(d: dict) -> float | None:
-    """The two-sided p of the paired t test of a difference (the test its t interval inverts, n − 1
-    degrees of freedom): None with one pair; with no spread, 1 when the mean is 0 and 0 otherwise."""
-    if d.get("mean") is None or d.get("se") is None:
-        return None
-    if d["se"] == 0:
-        return 1.0 if d["mean"] == 0 else 0.0
-    from scipy.stats import t
-
-    return float(2 * t.sf(abs(d["mean"]) / d["se"], d["df"]))
-
-
-def holm(ps: list[float | None]) -> list[float | None]:
-    """Holm's step-down adjusted p-values, in the order given: sorted ascending, the i-th smallest
-    (from 0) of the m known p's times m − i, never below the one before it, at most 1. A None stays
-    None and is not counted in m."""
-    known = sorted((p, i) for i, p in enumerate(ps) if p is not None)
-    out: list[float | None] = [None] * len(ps)
-    running = 0.0
-    for rank, (p, i) in enumerate(known):
-        running = max(running, min(1.0, (len(known) - rank) * p))
-        out[i] = running
-    return out
-
-
-def fisher(ps: list[float | None]) -> dict[str, float | int | None]:
-    """Fisher's combination of k independent p's (None left out): X = −2 Σ ln p, chi-square with 2k
-    degrees of freedom when every null holds. It asks whether any of them differs, not which nor in
-    which direction. A p of 0 makes the combined p 0 (X is infinite and not written)."""
-    known = [p for p in ps if p is not None]
-    if not known:
-        return {"k": 0, "statistic": None, "df": 0, "p": None}
-    if min(known) == 0:
-        return {"k": len(known), "statistic": None, "df": 2 * len(known), "p": 0.0}
-    from scipy.stats import chi2
-
-    x = -2 * math.fsum(math.log(p) for p in known)
-    return {"k": len(known), "statistic": x, "df": 2 * len(known), "p": float(chi2.sf(x, 2 * len(known)))}
 
 
 def across_cells(cells: list[dict]) -> dict[str, dict]:

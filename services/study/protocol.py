@@ -31,7 +31,7 @@ from typing import Any
 
 PROTOCOL = "protocol.json"
 
-# The tests the map's summary makes (map_summary.across_cells), named in every protocol so that a
+# The tests the map's summary makes (summary.across_cells), named in every protocol so that a
 # reader can tell the tests planned before the main runs from tests chosen after them.
 PLANNED_TESTS = {
     "per_cell": "each paired difference: its 95 % t interval, the two-sided paired t test (t_p) and the "

@@ -1,5 +1,6 @@
 """Reading run folders: `run.json` (arm, seed, status) and the evaluator's `eval/evals.jsonl`,
-through their models (`spopp.records`).
+through their models (`spopp.records`). `spopp report` and the studies (services/study) both read
+runs this way, and may not import each other, so the reader lives in the library.
 
 A run's curve is its scored evaluation lines in policy-version order, at the chosen metric; the
 skipped lines (pruned or unreadable snapshots) are left out and named in a warning. Anything that
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spopp.jsonfile import FileFormatError, read_model, validate
-from spopp.records import EvalRecord, RunRecord
+from .jsonfile import FileFormatError, read_model, validate
+from .records import EvalRecord, RunRecord
 
 RUN_FILE = "run.json"
 EVALS_FILE = Path("eval") / "evals.jsonl"

@@ -1,7 +1,7 @@
 """Matched runs: one base config, several arms, several seeds, then `spopp report` over them.
 
 An arm changes the recipe and nothing else (the paper's protocol: same checkpoint, tasks, prior,
-decoding, budget and optimizer); the arms are in arms.py. `--arms spopp,spopp-k1` pairs the paper's
+decoding, budget and optimizer); the arms are in spopp/arms.py. `--arms spopp,spopp-k1` pairs the paper's
 protocol against one version of staleness on the same seeds. The arms of one seed share a study
 (the comparison's folder name unless the base config names one), so they draw the same prompts,
 samples and environment streams: the pair differs by its method only (spopp.streams).
@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from .arms import ARM_FIELDS, ARMS, parse_arm
-from .config import LaunchSettings
+from services.launch.config import LaunchSettings
+from spopp.arms import ARM_FIELDS, ARMS, parse_arm
 
 
 def arm_settings(base: LaunchSettings, arm: str, seed: int, out: Path) -> LaunchSettings:
@@ -49,7 +49,7 @@ def run_in_turn(planned: list[tuple[str, LaunchSettings]], echo, what: str) -> t
     """Check every run (`(label, settings)`) before the first starts, then run them one after
     another, each with a progress line and an estimate of the time left; a run already finished
     is said so and skipped. Stops at the first run that fails; answers (the launchers, exit code)."""
-    from .run import Launcher, LaunchError
+    from services.launch.run import Launcher, LaunchError
 
     launchers = []
     for label, s in planned:

@@ -1,0 +1,27 @@
+"""`spopp init`: the command of run creation (create.py)."""
+
+from __future__ import annotations
+
+import click
+
+from services.shell.logs import command_echo
+from spopp.settings import settings_command
+
+from .create import InitSettings, run_init
+
+
+def _init(settings: InitSettings) -> None:
+    try:
+        run_init(settings, echo=command_echo(settings, "init", run=settings.run))
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+init_command = settings_command(
+    InitSettings,
+    "init",
+    _init,
+    help="Create a run at the tracker and load its tasks with their prior (the init step of "
+    "docker compose and Kubernetes). Idempotent: a second init with the same settings changes "
+    "nothing; a different recipe, config or prior is refused with the reason.",
+)
