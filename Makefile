@@ -180,6 +180,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check spopp runtime services tools tests bench examples
 	$(VENV)/bin/lint-imports
 	$(PY) -m tools.check_links
+	$(PY) -m tools.check_layout
 
 # requirements.lock against pyproject.toml, then every image role of both flavours resolved under it
 # by uv from the index's metadata (CPU: Debian's Python 3.11.2; GPU: the CUDA base's 3.12.3 with

@@ -35,7 +35,7 @@ from typing import Any
 
 from .agent import Budget, _Sequence
 from .chat import ChatRenderer
-from .engines.base import Engine, SamplingConfig
+from .engines.base import Engine, Generation, SamplingConfig
 from .tool_calls import ToolFormat, arguments_value, calls_as_text, parse, preamble, tool_format
 
 MAX_MESSAGES = 4096
@@ -288,9 +288,32 @@ class AgentSession:
                 self.call_s += time.perf_counter() - started
 
     async def _complete(self, messages: list[Message], options: CallOptions) -> dict:
+        segment, per_call = self._admit(messages, options)
+        # The episode's seed is kept for every call, as the agent loop keeps it for every turn: one
+        # seed and one conversation sample the same tokens through the endpoint as in the loop.
+        sampling = replace(
+            self.sampling, max_tokens=per_call, stop=tuple(dict.fromkeys(self.sampling.stop + options.stop))
+        )
+        gen = await self._generate(segment, sampling)
+        content, calls, finish = self._read_reply(gen, sampling.stop, options)
+        reply = Message("assistant", content or "", _canonical_calls(calls, "reply") if calls else ())
+        segment.history = [*messages, reply]
+        return self._response(segment, gen, content, calls, finish, options)
+
+    def _admit(self, messages: list[Message], options: CallOptions) -> tuple[_Segment, int]:
+        """Refuse a call past a bound, else add its prompt ids to its segment: (segment, tokens allowed)."""
         if self.calls >= self.max_calls:
             raise self._refuse("max_calls", f"this episode has made its {self.max_calls} calls")
         segment, new_ids = self._place(messages, options.tools)
+        per_call = self._tokens_allowed(segment, new_ids, options.max_tokens)
+        if not self.segments or segment is not self.segments[-1]:  # a new segment
+            self.segments.append(segment)
+        segment.seq.add(new_ids)
+        segment.last_generated = None
+        self.calls += 1
+        return segment, per_call
+
+    def _tokens_allowed(self, segment: _Segment, new_ids: list[int], max_tokens: int | None) -> int:
         # Every segment's tokens count against the episode's budget (each is trained on).
         room = self.budget.max_total_tokens - self.tokens() - len(new_ids)
         context = getattr(self.engine, "context_tokens", None)
@@ -300,17 +323,9 @@ class AgentSession:
             raise self._refuse(
                 "max_total_tokens", f"no room left under the episode's {self.budget.max_total_tokens} tokens"
             )
-        per_call = min(self.budget.max_tokens_per_turn, room, options.max_tokens or room)
-        if not self.segments or segment is not self.segments[-1]:  # a new segment
-            self.segments.append(segment)
-        segment.seq.add(new_ids)
-        segment.last_generated = None
-        self.calls += 1
-        # The episode's seed is kept for every call, as the agent loop keeps it for every turn: one
-        # seed and one conversation sample the same tokens through the endpoint as in the loop.
-        sampling = replace(
-            self.sampling, max_tokens=per_call, stop=tuple(dict.fromkeys(self.sampling.stop + options.stop))
-        )
+        return min(self.budget.max_tokens_per_turn, room, max_tokens or room)
+
+    async def _generate(self, segment: _Segment, sampling: SamplingConfig) -> Generation:
         s = time.perf_counter()
         gen = await self.engine.generate(segment.seq.ids, sampling)
         self.generate_s += time.perf_counter() - s
@@ -319,18 +334,27 @@ class AgentSession:
         # the model ended gets the template's turn end after it.
         segment.last_generated = list(gen.token_ids)
         segment.cut = gen.finish_reason == "length"
+        return gen
+
+    def _read_reply(
+        self, gen: Generation, stops: tuple[str, ...], options: CallOptions
+    ) -> tuple[str, list, str]:
+        """The generation as (content, tool calls, finish reason) for the response."""
         text = self.engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         finish = gen.finish_reason
         if finish == "stop" and not options.keep_stop:
-            for stop in sampling.stop:  # as OpenAI's API: the stop string is not in the content
+            for stop in stops:  # as OpenAI's API: the stop string is not in the content
                 if text.endswith(stop):
                     text = text[: -len(stop)]
                     break
         content, calls = parse(text, self.format) if options.tools else (text, [])
         if calls and finish == "stop":
             finish = "tool_calls"
-        reply = Message("assistant", content or "", _canonical_calls(calls, "reply") if calls else ())
-        segment.history = [*messages, reply]
+        return content, calls, finish
+
+    def _response(
+        self, segment: _Segment, gen: Generation, content: str, calls: list, finish: str, options: CallOptions
+    ) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls

@@ -5,7 +5,7 @@ launcher's progress line), which may not import each other, so their models live
 need only some fields and files written by earlier versions lack later ones, so every field a
 reader can do without is optional; keys a later writer adds are kept (extra="allow").
 
-    run.json     {"run", "arm", "recipe", "normalization", "seed", "updates", "final_version",
+    run.json     {"run", "arm", "recipe", "normalization", "seed", "max_updates", "final_version",
                   "identity": {...}, "env", "env_options": {...}, "status", "started", "launches", "updates_done", "finished",
                   "code": {"commit", "dirty", "lock_sha256", ...}, "machine": {...}}  (spopp/provenance.py)
     evals.jsonl  {"policy_version", "step", "snapshot", "time", "eval/...": ...} when scored,
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictInt
 
 from .jsonfile import to_text
 
@@ -37,10 +37,16 @@ class RunRecord(BaseModel):
     recipe: str | None = Field(None, description="spopp or spo")
     normalization: str | None = Field(None, description="the learner's advantage normalization")
     seed: StrictInt = Field(description="the run's seed")
-    updates: StrictInt | None = Field(None, ge=1, description="the budget in learner updates")
+    # Records written before the rename carry the budget as "updates" (docs/map/data, docs/results).
+    max_updates: StrictInt | None = Field(
+        None,
+        ge=1,
+        validation_alias=AliasChoices("max_updates", "updates"),
+        description="the budget in learner updates",
+    )
     final_version: StrictInt | None = Field(None, ge=0, description="the budget's last policy version")
     identity: dict[str, Any] = Field(
-        default_factory=dict, description="what a resume may not change (see launch's Plan.identity)"
+        default_factory=dict, description="what a resume may not change (see launch's ProcessPlan.identity)"
     )
     env: str | None = Field(None, description="the environment (math-tir, toy-calc, alfworld)")
     env_options: dict[str, Any] | None = Field(

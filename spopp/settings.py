@@ -72,6 +72,9 @@ class Settings(SettingsGroup):
     # Fields read from one variable in every service rather than SPOPP_<SERVICE>_<FIELD>; RunBinding
     # (a base listed before Settings) adds the run's name and the tracker's URL.
     shared_env: ClassVar[Mapping[str, str]] = {"api_token": API_TOKEN_ENV}
+    # Keys an earlier version read, by their old name: what they are called now. Given, they are
+    # refused as unknown, with `<old>: renamed <new>` rather than a bare "unknown setting".
+    renamed: ClassVar[Mapping[str, str]] = {}
 
     # Every command logs, so every command's settings say how (services.shell.logs).
     log_format: Literal["text", "json"] = Field(
@@ -115,6 +118,7 @@ class Settings(SettingsGroup):
             raise SettingsError(
                 f"unknown environment variable(s) {', '.join(unknown)}: {cls.__name__} reads "
                 f"{cls.env_prefix}<FIELD> for the fields listed by --help{cls._shared_hint(unknown)}"
+                f"{cls._renamed_hint(unknown)}"
             )
         for name, value in (flags or {}).items():
             flag = "--" + name.replace("_", "-")
@@ -133,6 +137,16 @@ class Settings(SettingsGroup):
             f"{f} is {var}" for f, var in cls.shared_env.items() if f"{cls.env_prefix}{f.upper()}" in unknown
         ]
         return "; " + ", ".join(said) + " in every service" if said else ""
+
+    @classmethod
+    def _renamed_hint(cls, unknown: list[str]) -> str:
+        """The new name of each variable named after a renamed field (SPOPP_LAUNCH_UPDATES)."""
+        said = [
+            f"{old}: renamed {new}"
+            for old, new in cls.renamed.items()
+            if f"{cls.env_prefix}{old.upper()}" in unknown
+        ]
+        return "; " + "; ".join(said) if said else ""
 
     @classmethod
     def env_names(cls) -> set[str]:
@@ -202,6 +216,8 @@ def _explain(cls: type[Settings], exc: ValidationError, source: dict[str, str]) 
         if len(err["loc"]) > 1:
             # A field of a nested model (a launch section): named by its path, `learner.lr`.
             lines.append(f"{cls.explain_nested(err)} ({where})")
+        elif err["type"] == "extra_forbidden" and name in cls.renamed:
+            lines.append(f"{name}: renamed {cls.renamed[name]} ({where})")
         elif err["type"] == "extra_forbidden":
             lines.append(f"unknown setting {name!r} ({where}); see --help for the settings")
         elif err["type"] == "missing":

@@ -13,6 +13,7 @@ is what makes the arm-to-arm difference of a seed less noisy than the difference
 from __future__ import annotations
 
 import hashlib
+import json
 
 
 def stream_key(run: str, study: str | None) -> str:
@@ -27,3 +28,14 @@ def sampling_seed(seed: int, key: str, request_id: str) -> int:
     same in every process and replica (unlike hash(), salted per process)."""
     digest = hashlib.sha256(f"sampling\x1f{seed}\x1f{key}\x1f{request_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
+
+
+def episode_seed(seed: int, *identity: str | int) -> int:
+    """A 64-bit seed for one episode's environment stream, from the run's `seed` and the episode's
+    identity (the environments' `stream`, runtime/envs/base.py).
+
+    SHA-256 of the JSON of [seed, *identity]: the same in every process (unlike hash(), salted per
+    process), and streams of different identities are unrelated (unlike seed + i). Its own encoding,
+    not sampling_seed's, so the two families of streams never coincide."""
+    text = json.dumps([seed, *identity], separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")

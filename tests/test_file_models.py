@@ -54,7 +54,7 @@ MANIFEST_TEXT = (
 RUN_JSON = json.dumps(
     {
         "run": "spopp-s0", "arm": "spopp", "recipe": "spopp", "normalization": "token", "seed": 0,
-        "updates": 4, "final_version": 4,
+        "max_updates": 4, "final_version": 4,
         "identity": {"run": "spopp-s0", "recipe": "spopp", "seed": 0, "run_config": {"retention": 0.875}},
         "status": "finished", "started": 1700000000.5, "launches": 2, "updates_done": 4,
         "finished": 1700000100.25,
@@ -108,6 +108,24 @@ def test_a_run_json_in_todays_format_loads_and_is_written_back_the_same(tmp_path
     record = read_model(path, RunRecord)
     assert record.final_version is None and record.model_extra == {"note": "kept"}
     assert json.loads(record.to_text(str(path))) == {**old, "note": "kept"}
+    # A launcher's file from before the budget was named max_updates: read, and written back renamed.
+    before = {("updates" if k == "max_updates" else k): v for k, v in json.loads(RUN_JSON).items()}
+    path.write_text(json.dumps(before, indent=2) + "\n")
+    record = read_model(path, RunRecord)
+    assert record.max_updates == 4 and not record.model_extra
+    assert record.to_text(str(path)) == RUN_JSON
+
+
+def test_every_committed_run_json_loads_with_its_budget():
+    # Records written before the rename carry "updates": they stay as committed, and still load.
+    root = Path(__file__).resolve().parent.parent
+    paths = sorted((root / "docs").rglob("run.json"))
+    assert paths
+    for path in paths:
+        raw = json.loads(path.read_text())
+        record = read_model(path, RunRecord)
+        assert record.max_updates == raw.get("max_updates", raw.get("updates")), path
+        assert "updates" not in (record.model_extra or {}), path
 
 
 def test_evals_lines_in_todays_format_load_for_the_evaluator_and_the_report(tmp_path):

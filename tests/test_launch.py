@@ -51,7 +51,7 @@ def toy(tmp_path_factory) -> dict:
 def config(toy: dict, tmp: Path, **over) -> Path:
     cfg = {
         "model": str(toy["model"]), "tasks": str(toy["train"]), "heldout": str(toy["heldout"]),
-        "prior": str(toy["prior"]), "env": "toy-calc", "updates": 4, "progress_seconds": 1,
+        "prior": str(toy["prior"]), "env": "toy-calc", "max_updates": 4, "progress_seconds": 1,
         "run_dir": str(tmp / "run"),
         "rollout": {"engine": "transformers", "concurrency": 8, **BUDGET},
         "learner": {"batch_size": 4, "mini_batches": 2, "micro_batch_size": 2, "lr": 1e-4, "keep_snapshots": 2},
@@ -98,7 +98,17 @@ def _refused(toy, tmp_path, expect: str, **over) -> None:
             {"gpus": {"rollout": [[0], [1]]}},
             "gpus.rollout lists devices for 2 replicas but rollout.replicas is 1",
         ),
-        ({"updates": 5}, "must be a multiple of evaluator.every 2"),
+        ({"max_updates": 5}, "must be a multiple of evaluator.every 2"),
+        # A launch file from before the rename: the old key is named with the new one.
+        ({"updates": 4}, "updates: renamed max_updates (the run's budget in learner updates)"),
+        (
+            {"learner": {"max_updates": 6}},
+            "learner: max_updates is set by spopp launch (use the top-level max_updates",
+        ),
+        (
+            {"evaluator": {"tasks": "x.jsonl"}},
+            "evaluator: tasks is set by spopp launch (use the top-level heldout",
+        ),
         (
             {"learner": {"nproc": 3}, "gpus": {"learner": [0, 1]}},
             "learner.nproc 3 needs 3 devices but gpus.learner gives 2",
@@ -221,29 +231,48 @@ def test_set_reaches_into_sections_and_wins_over_the_file(toy, tmp_path):
 
 
 def test_env_options_reach_every_replica_and_the_evaluator(toy, tmp_path):
-    from services.launch.config import plan
+    from services.launch.config import process_plan
 
     s = resolve(config(toy, tmp_path, env_options={"max_tool_calls": 1}), ("rollout.replicas=2",))
     from services.launch.config import port_requests
 
     ports = {name: 9000 + i for i, name in enumerate(port_requests(s))}
-    p = plan(s, ports)
+    p = process_plan(s, ports)
     assert [r.env_options for r in p.rollouts] == [{"max_tool_calls": 1}] * 2
     assert p.evaluator.env_options == {"max_tool_calls": 1}
     assert p.identity()["env_options"] == {"max_tool_calls": 1}
     # A run launched without them keeps the identity it had before env_options existed.
-    assert "env_options" not in plan(resolve(config(toy, tmp_path)), ports).identity()
+    assert "env_options" not in process_plan(resolve(config(toy, tmp_path)), ports).identity()
+
+
+def test_a_run_finished_before_the_budget_was_named_max_updates_is_still_finished(toy, tmp_path):
+    """A comparison or map resumed across the rename: its finished runs' run.json say "updates", and
+    the launcher still finds them finished (nothing to run) and writes the budget back renamed."""
+    from services.launch.run import Launcher
+
+    s = resolve(config(toy, tmp_path))
+    p = Launcher(s, echo=lambda _line: None).prepare()  # a new folder: nothing there yet
+    (p.run_dir / "learner").mkdir(parents=True)
+    (p.run_dir / "learner" / "metrics.jsonl").write_text(json.dumps({"step": s.max_updates}) + "\n")
+    old = {"run": s.run, "arm": p.arm(), "seed": s.seed, "updates": s.max_updates, "identity": p.identity(),
+           "status": "finished", "launches": 1}  # fmt: skip
+    (p.run_dir / "run.json").write_text(json.dumps(old, indent=2) + "\n")
+    again = Launcher(s, echo=lambda _line: None)
+    again.prepare()
+    assert again.finished_already() and again.record.max_updates == s.max_updates
+    again.folder.update(again.plan, status="finished")
+    assert json.loads((p.run_dir / "run.json").read_text())["max_updates"] == s.max_updates
 
 
 def test_every_child_is_bound_to_the_one_run(toy, tmp_path):
     """spopp launch builds the run binding once (plan.binding) and every run-bound child carries
     it: the same run, the tracker it started, the token; the tracker itself gets only the token."""
-    from services.launch.config import plan, port_requests
+    from services.launch.config import port_requests, process_plan
     from spopp.run_binding import RunBinding
 
     token = "t" * 24
     s = resolve(config(toy, tmp_path, api_token=token), ("rollout.replicas=2", "seed=3"))
-    p = plan(s, {name: 9000 + i for i, name in enumerate(port_requests(s))})
+    p = process_plan(s, {name: 9000 + i for i, name in enumerate(port_requests(s))})
     assert p.binding == RunBinding(
         run="spopp-s3", tracker=f"http://127.0.0.1:{p.tracker.port}", api_token=token
     )
@@ -257,18 +286,18 @@ def test_the_embedded_redis_port_is_drawn_by_the_launcher_with_the_others(toy, t
     too. Drawn inside the tracker, it could land on a port handed to the tracker itself or to a
     replica that has not bound it yet (the likely cause of a tracker exiting 3 at start in CI). With
     an external Redis, none is drawn; a redis_port given in the file is checked like any port."""
-    from services.launch.config import plan
+    from services.launch.config import process_plan
     from services.launch.run import LaunchError, _resolve_ports
 
     s = resolve(config(toy, tmp_path), ("rollout.replicas=3",))
     ports = _resolve_ports(s)
     assert set(ports) == {"tracker", "redis", "learner", "evaluator", "rollout-0", "rollout-1", "rollout-2"}
     assert len(set(ports.values())) == len(ports)
-    assert plan(s, ports).tracker.redis_port == ports["redis"]
+    assert process_plan(s, ports).tracker.redis_port == ports["redis"]
 
     external = resolve(config(toy, tmp_path, tracker={"redis_url": "redis://127.0.0.1:6379/0"}))
     assert "redis" not in _resolve_ports(external)
-    assert plan(external, _resolve_ports(external)).tracker.redis_port == 0
+    assert process_plan(external, _resolve_ports(external)).tracker.redis_port == 0
 
     with held_port() as port:
         with pytest.raises(LaunchError, match=f"port {port} \\(redis\\) is in use"):
@@ -279,11 +308,11 @@ def test_the_learners_lora_rank_reaches_every_engine(toy, tmp_path):
     """learner.lora_rank is the one LoRA setting a launch config needs: replicas and the evaluator
     get it (what vLLM must know at start-up), and their engines with it; merged snapshots need
     none; a smaller rank given by hand is refused."""
-    from services.launch.config import plan, port_requests
+    from services.launch.config import port_requests, process_plan
 
     def planned(*sets):
         s = resolve(config(toy, tmp_path), ("rollout.replicas=2", "learner.lora_rank=8", *sets))
-        return plan(s, {name: 9000 + i for i, name in enumerate(port_requests(s))})
+        return process_plan(s, {name: 9000 + i for i, name in enumerate(port_requests(s))})
 
     p = planned("rollout.engine_options.max_batch=4")
     assert (
@@ -306,7 +335,12 @@ def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
     assert arms["spo"].recipe == "spo" and arms["spopp"].recipe == "spopp"
     assert arms["spopp-trajnorm"].learner.normalization == "trajectory"
     for s in arms.values():
-        assert s.seed == 3 and s.model == base.model and s.prior == base.prior and s.updates == base.updates
+        assert (
+            s.seed == 3
+            and s.model == base.model
+            and s.prior == base.prior
+            and s.max_updates == base.max_updates
+        )
         assert {k: v for k, v in s.learner.given().items() if k != "normalization"} == base.learner.given()
     with pytest.raises(ValueError, match="each arm sets it"):
         arm_settings(LaunchSettings.model_validate({**base.model_dump(), "learner": {"dual_clip": 3.0}}),
@@ -314,13 +348,13 @@ def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
 
 
 def test_staleness_arms_set_k_for_the_tracker_run_which_the_learner_reads(toy, tmp_path):
-    from services.launch.config import plan, port_requests
+    from services.launch.config import port_requests, process_plan
     from spopp.arms import parse_arm
 
     base = resolve(config(toy, tmp_path))
     for arm, k in (("spopp", 0), ("spopp-k1", 1), ("spo-k2", 2)):
         s = arm_settings(base, arm, 4, tmp_path)
-        p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
+        p = process_plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
         assert (s.max_staleness, p.run_config.max_staleness) == (k, k)
         # The learner's config leaves the run's recipe, k and budget to the run (learner/run_terms.py).
         assert (p.learner.recipe, p.learner.max_staleness, p.learner.max_updates) == (None, None, None)
@@ -335,15 +369,15 @@ def test_staleness_arms_set_k_for_the_tracker_run_which_the_learner_reads(toy, t
 
 
 def test_the_example_config_is_valid_on_a_five_gpu_node():
-    from services.launch.config import plan, port_requests
+    from services.launch.config import port_requests, process_plan
 
     s = resolve(Path(__file__).parent.parent / "deploy" / "launch.example.yaml")
-    p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
+    p = process_plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
     assert p.arm() == "spopp" and p.nproc == 2 and len(p.rollouts) == 2 and p.evaluator is not None
     s.learner = s.learner.model_validate(
         s.learner.model_dump(exclude={"nproc"})
     )  # one rank per learner GPU by default
-    assert plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))}).nproc == 2
+    assert process_plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))}).nproc == 2
     assert p.learner.dual_clip == 2.0 and p.learner.normalization == "token"
     assert gpus.check(s.gpus, len(p.rollouts), 5) == []
     assert gpus.check(s.gpus, len(p.rollouts), 4) == [
@@ -352,10 +386,10 @@ def test_the_example_config_is_valid_on_a_five_gpu_node():
 
 
 def test_the_paper_alfworld_config_plans_on_an_eight_gpu_node():
-    from services.launch.config import plan, port_requests
+    from services.launch.config import port_requests, process_plan
 
     s = resolve(Path(__file__).parent.parent / "deploy" / "launch.alfworld.yaml")
-    p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
+    p = process_plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
     assert p.arm() == "spopp" and p.nproc == 2 and len(p.rollouts) == 5 and p.final_version == 50
     assert p.learner.batch_size == 128 and p.learner.updates_per_publish == 1 and p.learner.lr == 1e-6
     assert all(r.env == "alfworld" and r.env_options["max_steps"] == 50 for r in p.rollouts)
@@ -453,7 +487,7 @@ LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_target_modules": ["q_proj", "v_
 
 @pytest.mark.slow  # three launches of one run, the first stopped mid-run
 def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy, tmp_path):
-    path = config(toy, tmp_path, updates=1000, learner=LORA)
+    path = config(toy, tmp_path, max_updates=1000, learner=LORA)
     log = tmp_path / "launch1.log"
     proc = _start(path, log)
     try:
@@ -485,7 +519,7 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
 
     # The budget may change on resume (the launch changes the run's at the tracker, saying so);
     # what defines the run may not.
-    again = launch(str(path), "--set", f"updates={budget}", timeout=300)
+    again = launch(str(path), "--set", f"max_updates={budget}", timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"budget changed from 1000 to {budget} updates" in again.stdout
     assert "resuming run spopp-s0" in again.stdout and f"from update {stopped_at}" in again.stdout
@@ -517,7 +551,7 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
     for name in ("rollout-0", "evaluator"):
         assert yaml.safe_load((tmp_path / "run" / "config" / f"{name}.yaml").read_text())["lora_rank"] == 4
 
-    done = launch(str(path), "--set", f"updates={budget}")
+    done = launch(str(path), "--set", f"max_updates={budget}")
     assert done.returncode == 0 and f"finished already ({budget} updates of {budget})" in done.stdout
 
     changed = launch(str(path), "--set", "recipe=spo", "--set", "run=spopp-s0")
@@ -527,7 +561,7 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
 
 
 def test_a_killed_launcher_takes_its_children_with_it(toy, tmp_path):
-    path = config(toy, tmp_path, updates=1000)
+    path = config(toy, tmp_path, max_updates=1000)
     log = tmp_path / "launch.log"
     proc = _start(path, log)
     try:
@@ -598,7 +632,7 @@ def test_prior_file_reaches_the_tracker_and_may_not_change(toy, tmp_path):
     tracker answers 409 to another prior), and a prior file edited in place is refused."""
     prior_path = tmp_path / "prior.json"
     prior_path.write_bytes(toy["prior"].read_bytes())
-    path = config(toy, tmp_path, updates=2, prior=str(prior_path), evaluator={"enabled": False})
+    path = config(toy, tmp_path, max_updates=2, prior=str(prior_path), evaluator={"enabled": False})
     r = launch(str(path), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tasks 24 created, 0 unchanged" in r.stdout
@@ -606,7 +640,7 @@ def test_prior_file_reaches_the_tracker_and_may_not_change(toy, tmp_path):
     export = [json.loads(line) for line in (tmp_path / "run" / "export.jsonl").read_text().splitlines()]
     assert {row["task_id"] for row in export} == {t.task_id for t in read_prior(prior_path).tasks}
 
-    r = launch(str(path), "--set", "updates=4", timeout=300)
+    r = launch(str(path), "--set", "max_updates=4", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tasks 0 created, 24 unchanged" in r.stdout
     # The budget fixed at creation (2) changes explicitly with the launch's; the learner marked the
@@ -617,7 +651,7 @@ def test_prior_file_reaches_the_tracker_and_may_not_change(toy, tmp_path):
 
     ids = [t.task_id for t in read_prior(prior_path).tasks]
     write_prior(prior_path, build_prior({t: [1.0, 1.0] for t in ids}, 8.0, {}), overwrite=True)
-    r = launch(str(path), "--set", "updates=6", timeout=300)
+    r = launch(str(path), "--set", "max_updates=6", timeout=300)
     assert r.returncode == 1
     assert "a task already there with another prior" in r.stdout
 
@@ -650,7 +684,7 @@ def _wandb_history(run_file: Path) -> list[dict]:
 
 
 def test_wandb_offline_mirrors_the_learner_and_evaluator_records(toy, tmp_path):
-    path = config(toy, tmp_path, updates=2, wandb=True)
+    path = config(toy, tmp_path, max_updates=2, wandb=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOPP_", "WANDB_"))}
     r = subprocess.run(cli("launch", str(path)), capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -716,7 +750,7 @@ def test_a_users_package_is_trained_without_touching_spopp(toy, tmp_path, spec):
     for name, text in USER_PACKAGE.items():
         (pkg / name).write_text(text)
     env = {**environ_without_settings(), "PYTHONPATH": str(tmp_path / "site")}
-    path = config(toy, tmp_path, env=spec, updates=2)
+    path = config(toy, tmp_path, env=spec, max_updates=2)
     check = subprocess.run(
         cli("launch", str(path), "--check"), capture_output=True, text=True, timeout=240, env=env
     )

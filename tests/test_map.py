@@ -270,7 +270,7 @@ def test_a_cell_is_the_base_with_the_two_knobs_set_and_nothing_else():
     from services.study.map import cell_settings, plan_runs
 
     base = LaunchSettings.model_validate(
-        {"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "env_options": {"latency_median_s": 0.1}, "updates": 8}
+        {"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "env_options": {"latency_median_s": 0.1}, "max_updates": 8}
     )  # fmt: skip
     cell = cell_settings(base, -1.0, 1.5)
     assert cell.env_options == {"latency_median_s": 0.1, "coupling": -1.0, "latency_sigma": 1.5}
@@ -290,17 +290,19 @@ def test_a_cell_is_the_base_with_the_two_knobs_set_and_nothing_else():
 
 
 def test_each_arm_sets_its_one_change_and_the_run_is_named_for_it(tmp_path):
-    from services.launch.config import LaunchSettings, plan, port_requests
+    from services.launch.config import LaunchSettings, port_requests, process_plan
     from services.study.compare import arm_settings
 
-    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
+    base = LaunchSettings.model_validate(
+        {"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "max_updates": 2}
+    )
     want = {  # arm: (tracker recipe, normalization, Dual-Clip)
         "spo": ("spo", "trajectory", 10.0), "spo-eventtime": ("spopp", "trajectory", 10.0),
         "spopp-trajnorm": ("spopp", "trajectory", 2.0), "spopp": ("spopp", "token", 2.0),
     }  # fmt: skip
     for arm, (recipe, norm, clip) in want.items():
         s = arm_settings(base, arm, 0, tmp_path)
-        p = plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
+        p = process_plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
         assert (p.run_config.recipe, p.learner.normalization, p.learner.dual_clip) == (recipe, norm, clip), (
             arm
         )
@@ -413,7 +415,9 @@ def test_the_pilot_fixes_n_per_cell_before_the_main_runs_and_a_resume_keeps_it(t
     from services.launch.config import LaunchSettings
     from services.study.map import run_map
 
-    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
+    base = LaunchSettings.model_validate(
+        {"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "max_updates": 2}
+    )
     quiet, noisy, curves = _two_cells()
     ran, seen, lines = [], [], []
     clock = Clock()
@@ -491,7 +495,9 @@ def test_a_pilot_that_cannot_size_the_cells_is_refused(tmp_path, kwargs, message
     from services.launch.config import LaunchSettings
     from services.study.map import run_map
 
-    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
+    base = LaunchSettings.model_validate(
+        {"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "max_updates": 2}
+    )
     _quiet, _noisy, curves = _two_cells()
     curves |= {(c, a, s): [0, 0.2, 0.2] for c, a, s in list(curves) for s in (7, 8)}
     arms = kwargs.pop("arms", ["spo", "spopp"])
@@ -545,7 +551,9 @@ def test_each_seed_runs_the_arms_rotated_by_its_place():
         ["spopp", "spo", "spopp-trajnorm"],
         ["spo", "spopp-trajnorm", "spopp"],
     ]
-    base = LaunchSettings.model_validate({"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "updates": 2})
+    base = LaunchSettings.model_validate(
+        {"model": "m", "tasks": "t.jsonl", "env": "toy-calc", "max_updates": 2}
+    )
     runs = plan_runs(base, [0.0], [0.0], arms, by_cell([5, 6, 7, 8], cell_name(0.0, 0.0)), Path("out"))
     assert [s.run for _c, s in runs] == [
         "spo-s5", "spopp-trajnorm-s5", "spopp-s5",
@@ -635,18 +643,18 @@ def test_the_arms_of_a_comparison_share_a_study_and_the_evaluator_follows_the_ru
     """Common random numbers (spopp.streams): every arm of a comparison runs in one study (its
     folder's name: a map cell's, an ablation's), which the tracker run carries; two cells are two
     studies; a study in the base config wins; the evaluator's seed is left to the run's."""
-    from services.launch.config import LaunchSettings, plan, port_requests
+    from services.launch.config import LaunchSettings, port_requests, process_plan
     from services.study.compare import arm_settings
     from spopp.settings import SettingsError
 
     base = LaunchSettings.model_validate(
-        {"model": "m", "tasks": "t.jsonl", "heldout": "h.jsonl", "env": "toy-calc", "updates": 2}
+        {"model": "m", "tasks": "t.jsonl", "heldout": "h.jsonl", "env": "toy-calc", "max_updates": 2}
     )
     cell = tmp_path / "cells" / "coupling+1-latency1.5"
     plans = []
     for arm in ("spo", "spopp"):
         s = arm_settings(base, arm, 4, cell)
-        plans.append(plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))}))
+        plans.append(process_plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))}))
     assert [p.run_config.study for p in plans] == ["coupling+1-latency1.5"] * 2
     assert plans[0].binding.run != plans[1].binding.run and {p.run_config.seed for p in plans} == {4}
     assert all(p.evaluator.seed is None for p in plans)  # the evaluator takes the run's seed
@@ -657,7 +665,9 @@ def test_the_arms_of_a_comparison_share_a_study_and_the_evaluator_follows_the_ru
     named = LaunchSettings.model_validate({**base.model_dump(), "study": "mine"})
     assert arm_settings(named, "spo", 4, cell).study == "mine"
     # A plain launch has none (its draws are keyed on its run name); the file may not set it twice.
-    assert plan(base, {n: 20000 + i for i, n in enumerate(port_requests(base))}).run_config.study is None
+    assert (
+        process_plan(base, {n: 20000 + i for i, n in enumerate(port_requests(base))}).run_config.study is None
+    )
     with pytest.raises(SettingsError, match="run_config.study is set by spopp launch"):
         bad = LaunchSettings.model_validate({**base.model_dump(), "run_config": {"study": "x"}})
-        plan(bad, {n: 20000 + i for i, n in enumerate(port_requests(bad))})
+        process_plan(bad, {n: 20000 + i for i, n in enumerate(port_requests(bad))})

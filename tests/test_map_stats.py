@@ -122,14 +122,14 @@ def test_the_reports_table_2_labels_a_short_c10():
     from services.report.tables import _table2_lines
 
     rows = {"SPO++ vs SPO": {"text": "+1.0 ± 0.5"}}
-    short = {"ablation": {"seeds": [1], "per_seed": [{"points": 5}], "rows": rows}, "budget": None}
+    short = {"ablation": {"seeds": [1], "per_seed": [{"points": 5}], "rows": rows}, "points": None}
     text = "\n".join(_table2_lines(short))
     assert "## Table 2: normalization ablation (C10, 5 points)" in text
     assert (
         "not the paper's C10 of ten points" in text
         and "| comparison | Δ C10 (5 points) in percentage points |" in text
     )
-    full = {"ablation": {"seeds": [1], "per_seed": [{"points": 10}], "rows": rows}, "budget": None}
+    full = {"ablation": {"seeds": [1], "per_seed": [{"points": 10}], "rows": rows}, "points": None}
     text = "\n".join(_table2_lines(full))
     assert "(C10)" in text and "C10 = ½ (AUC of points 1–10 + mean of points 6–10)" in text
     assert "| comparison | Δ C10 (points) |" in text

@@ -76,15 +76,30 @@ def test_a_resumed_study_is_the_same_study(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["protocol.json"]
 
 
-def test_updates_are_part_of_the_study(tmp_path):
-    a = ps._parser().parse_args(["--updates", "4", "--eval-every", "2", "--lr", "2e-4"])
-    assert (a.updates, a.eval_every, a.lr) == (4, 2, 2e-4)
+def test_the_budget_is_part_of_the_study(tmp_path):
+    a = ps._parser().parse_args(["--max-updates", "4", "--eval-every", "2", "--lr", "2e-4"])
+    assert (a.max_updates, a.eval_every, a.lr) == (4, 2, 2e-4)
     protocol = ps.decide([1.0, 2.0], [1000, 1001], _grid(), [10.0] * 4, 1.5, 3, None)
     map_protocol.write(tmp_path, protocol)
     with pytest.raises(SystemExit, match="fixed the study for size"):
-        ps.main(["--out", str(tmp_path), "--updates", "6"])
+        ps.main(["--out", str(tmp_path), "--max-updates", "6"])
     with pytest.raises(SystemExit, match="fixed the study for size"):  # the learning rate is the size's too
         ps.main(["--out", str(tmp_path), "--lr", "5e-4"])
+
+
+def test_a_study_decided_before_the_budget_was_named_max_updates_is_the_same_study(tmp_path):
+    # Its protocol.json (and the study.json copying it) names the size's budget "updates".
+    protocol = ps.decide([1.0, 2.0], [1000, 1001], _grid(), [10.0] * 4, 1.5, 3, None)
+    old = json.loads(json.dumps(protocol))
+    old["grid"]["size"] = {
+        ("updates" if k == "max_updates" else k): v for k, v in old["grid"]["size"].items()
+    }
+    assert ps.upgraded(old) == json.loads(json.dumps(protocol)) and ps.upgraded(protocol) is protocol
+    ps.check_resume(ps.upgraded(old), _grid(), [1000, 1001], tmp_path)
+    map_protocol.write(tmp_path, old)
+    with pytest.raises(SystemExit, match="fixed the study for size"):  # read upgraded, then compared
+        ps.main(["--out", str(tmp_path), "--max-updates", "6"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["protocol.json"]
 
 
 def test_a_study_that_cannot_be_sized_is_refused_before_it_runs(tmp_path):
@@ -158,6 +173,10 @@ def test_the_page_renders_from_a_fake_report(tmp_path):
     (tmp_path / "README.md").unlink()
     assert ps.main(["--render", str(tmp_path)]) == 0
     assert (tmp_path / "README.md").read_text() == page
+    # A study decided before the budget was named max_updates: its size says "updates", same page.
+    old = json.loads((tmp_path / "study.json").read_text())
+    old["protocol"]["grid"]["size"]["updates"] = old["protocol"]["grid"]["size"].pop("max_updates")
+    assert ps.render(old) == page
     # Runs from different code let through by --mixed-code flag: the page says so.
     study["code"] = {**study["code"], "flagged": True, "problem": "different code: x"}
     assert "**Mixed code, let through by `--mixed-code flag`:** different code: x." in ps.render(study)

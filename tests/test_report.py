@@ -1,4 +1,4 @@
-"""`spopp report`: the curve summaries, pairing by seed, truncation, budget, ablation and errors.
+"""`spopp report`: the curve summaries, pairing by seed, truncation, --points, ablation and errors.
 
 Every expected number is computed by hand in the test (the arithmetic written out), not by the
 report's own functions, so that a wrong formula fails here.
@@ -188,7 +188,7 @@ def test_hand_computed_sample_sd_of_the_area_differences():
 def test_table_one_numbers_from_three_paired_seeds(runs_root):
     code, report, _ = invoke(runs_root, "--format", "json")
     assert code == 0
-    assert report["metric"] == METRIC and report["area"] == "trapezoid" and report["budget"] is None
+    assert report["metric"] == METRIC and report["area"] == "trapezoid" and report["points"] is None
     assert report["ablation"] is None
     # The runs, with their curves: the skipped version is out, version 0's step is null.
     runs = {(r["arm"], r["seed"]): r for r in report["runs"]}
@@ -256,26 +256,37 @@ def test_step_mean_area(runs_root):
     assert report["pairs"][1]["d_area"] == pytest.approx(100 * 0.2 / 3)
 
 
-def test_budget_leaves_out_short_pairs_and_cuts_the_others(runs_root):
-    _, report, _ = invoke(runs_root, "--format", "json", "--budget", "4")
-    assert report["budget"] == 4
+def test_points_leaves_out_short_pairs_and_cuts_the_others(runs_root):
+    _, report, _ = invoke(runs_root, "--format", "json", "--points", "4")
+    assert report["points"] == 4
     assert [p["seed"] for p in report["pairs"]] == [0, 2]
     assert all(p["points"] == 4 for p in report["pairs"])
-    assert any(w.startswith("pair seed 1: left out") and "budget of 4" in w for w in report["warnings"])
+    assert any(w.startswith("pair seed 1: left out") and "below --points 4" in w for w in report["warnings"])
     d = [20.0, -25.0 / 3]
     assert report["table"]["d_area"]["mean"] == pytest.approx((20.0 - 25.0 / 3) / 2)
     assert report["table"]["d_area"]["sd"] == pytest.approx(math.sqrt(2 * (d[0] - sum(d) / 2) ** 2))
     assert report["table"]["pairs_won_area"] == {"won": 1, "n": 2}
-    _, report, _ = invoke(runs_root, "--format", "json", "--budget", "5")
+    _, report, _ = invoke(runs_root, "--format", "json", "--points", "5")
     assert report["pairs"] == [] and report["table"] is None
     assert "no SPO/SPO++ pair: every pair has fewer than 5 common points, so no Table 1" in report["warnings"]
 
-    # A budget of 2 cuts every pair to its first two points: seed 0 spo (0 + 0.2)/2, spopp 0.2.
-    _, report, _ = invoke(runs_root, "--format", "json", "--budget", "2")
+    # --points 2 cuts every pair to its first two points: seed 0 spo (0 + 0.2)/2, spopp 0.2.
+    _, report, _ = invoke(runs_root, "--format", "json", "--points", "2")
     assert [p["points"] for p in report["pairs"]] == [2, 2, 2]
     assert report["pairs"][0]["spo"]["area"] == pytest.approx(0.1)
     assert report["pairs"][0]["spopp"]["area"] == pytest.approx(0.2)
     assert report["pairs"][0]["spo"]["end"] == pytest.approx(0.1)
+
+
+def test_a_report_written_before_points_was_named_so_renders_alike(runs_root):
+    # report.json said "budget" for --points before the rename; committed pages render from it.
+    from services.report.tables import to_markdown
+
+    _, report, _ = invoke(runs_root, "--format", "json", "--points", "4")
+    text = to_markdown(report)
+    assert "every pair at 4 points" in text
+    old = {("budget" if k == "points" else k): v for k, v in report.items()}
+    assert to_markdown(old) == text
 
 
 def test_an_unpaired_seed_is_warned_about_listed_and_left_out(runs_root):

@@ -96,6 +96,28 @@ def test_bad_settings_name_the_field_and_its_source(tmp_path):
     assert "model is required" in out and "SPOPP_ROLLOUT_MODEL" in out
 
 
+def test_a_renamed_launch_key_is_refused_with_its_new_name(tmp_path):
+    # `updates` of a launch file from before the rename: in the file, by --set, or in the environment.
+    from services.launch.cli import resolve
+    from services.launch.config import LaunchSettings
+    from spopp.settings import SettingsError
+
+    hint = "updates: renamed max_updates (the run's budget in learner updates)"
+    config = tmp_path / "launch.yaml"
+    config.write_text("model: m\ntasks: t.jsonl\nupdates: 40\n")
+    with pytest.raises(SettingsError) as err:
+        resolve(config)
+    assert f"{hint} (config file {config})" in str(err.value)
+    config.write_text("model: m\ntasks: t.jsonl\n")
+    with pytest.raises(SettingsError) as err:
+        resolve(config, ("updates=40",))
+    assert f"{hint} (flag --updates)" in str(err.value)
+    with pytest.raises(SettingsError) as err:
+        LaunchSettings.resolve(config, {"SPOPP_LAUNCH_UPDATES": "40"})
+    assert "unknown environment variable(s) SPOPP_LAUNCH_UPDATES" in str(err.value) and hint in str(err.value)
+    assert resolve(config, ("max_updates=40",)).max_updates == 40
+
+
 def test_text_stays_text_and_structured_values_are_read_as_yaml():
     from services.learner.config import LearnerSettings
     from services.rollout.config import RolloutSettings

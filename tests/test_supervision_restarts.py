@@ -71,7 +71,7 @@ def _frozen_holding(run_dir: Path, worker: str, process: psutil.Process) -> bool
 def test_each_kind_killed_mid_run_is_restarted_and_the_run_ends_whole_no_orphan(toy, tmp_path):  # noqa: F811
     budget = 24
     path = config(
-        toy, tmp_path, updates=budget, rollout={"replicas": 2}, supervision=FAST,
+        toy, tmp_path, max_updates=budget, rollout={"replicas": 2}, supervision=FAST,
         learner={"checkpoint_every": 1},
     )  # fmt: skip
     run_dir = tmp_path / "run"
@@ -149,7 +149,7 @@ def test_a_process_that_dies_on_every_start_stops_the_run_with_its_restarts_spen
     stopped-by-someone: a replica's exit 0 is normal only once the run is finished at the tracker;
     stopped (SIGTERM: it exits 0) while the run goes on, it is no crash to mend: the run fails."""
     path = config(
-        toy, tmp_path, updates=1000, evaluator={"enabled": False},
+        toy, tmp_path, max_updates=1000, evaluator={"enabled": False},
         supervision={**FAST, "max_restarts": 2, "enabled": case != "supervision-off"},
     )  # fmt: skip
     log = tmp_path / "launch.log"

@@ -46,18 +46,18 @@ GAMES = {"max_receptacles": 4, "max_distractors": 3}
 # other training-split games for the teacher, heldout_per_type * 6 held-out games.
 FULL = {
     "train_per_type": 8, "cold_start_per_type": 16, "heldout_per_type": 4, "teacher_episodes": 2,
-    "cold_start_steps": 1000, "prior_rollouts": 2, "updates": 8, "eval_every": 4, "eval_samples": 1,
+    "cold_start_steps": 1000, "prior_rollouts": 2, "max_updates": 8, "eval_every": 4, "eval_samples": 1,
     "batch_size": 16, "seeds": "0,1",
 }  # fmt: skip
 QUICK = {
     "train_per_type": 4, "cold_start_per_type": 16, "heldout_per_type": 4, "teacher_episodes": 2,
-    "cold_start_steps": 1000, "prior_rollouts": 2, "updates": 8, "eval_every": 4, "eval_samples": 1,
+    "cold_start_steps": 1000, "prior_rollouts": 2, "max_updates": 8, "eval_every": 4, "eval_samples": 1,
     "batch_size": 16, "seeds": "0",
 }  # fmt: skip
 # The smallest path through every stage, for the end-to-end test.
 TINY = {
     "train_per_type": 1, "cold_start_per_type": 1, "heldout_per_type": 1, "teacher_episodes": 1,
-    "cold_start_steps": 20, "prior_rollouts": 1, "updates": 2, "eval_every": 1, "eval_samples": 1,
+    "cold_start_steps": 20, "prior_rollouts": 1, "max_updates": 2, "eval_every": 1, "eval_samples": 1,
     "batch_size": 4, "seeds": "0",
 }  # fmt: skip
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t = time.monotonic()
     code = demo.run_and_report(out, base_config(out, size, a.wandb), seeds=seeds, ablate=a.ablate,
-                               updates=size["updates"])  # fmt: skip
+                               max_updates=size["max_updates"])  # fmt: skip
     if code != 0:
         return code
     stages["runs and report"] = time.monotonic() - t

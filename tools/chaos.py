@@ -1,7 +1,7 @@
 """`make chaos`: the demo's configuration under `spopp launch` with several replicas, while random
 children are SIGKILLed at random times; then whether the run came through whole.
 
-    python -m tools.chaos [--out chaos-out] [--replicas 3] [--updates 120] [--kills 6] [--seed 0]
+    python -m tools.chaos [--out chaos-out] [--replicas 3] [--max-updates 120] [--kills 6] [--seed 0]
 
 The run is the demo's launch config (tools/demo.py: rollout, learner and evaluator sections) on
 an untrained toy model and generated toy-calc tasks, so it needs no cold start. Once the learner
@@ -48,7 +48,7 @@ def say(text: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def prepare(out: Path, replicas: int, updates: int) -> Path:
+def prepare(out: Path, replicas: int, max_updates: int) -> Path:
     """The toy model, tasks and launch config under `out` (kept between runs); answers the config."""
     from runtime.envs.toy_calc import write_toy_calc_tasks
     from tools.toy_model import build_toy_model
@@ -56,7 +56,9 @@ def prepare(out: Path, replicas: int, updates: int) -> Path:
     if not (out / "model" / "config.json").is_file():
         build_toy_model(out / "model", seed=0)
     write_toy_calc_tasks(out / "data", seed=0, n_train=64, n_heldout=16)
-    cfg = base_config(out, {**TINY, "updates": updates, "batch_size": 32, "eval_every": 4}, wandb=False)
+    cfg = base_config(
+        out, {**TINY, "max_updates": max_updates, "batch_size": 32, "eval_every": 4}, wandb=False
+    )
     cfg.update(
         model=str(out / "model"), prior=None, run="chaos", run_dir=str(out / "run"), progress_seconds=15,
         supervision={"max_restarts": 10, "window_seconds": 600, "backoff_seconds": 1, "max_backoff_seconds": 8},
@@ -262,13 +264,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("chaos-out"), help="folder of the run (made anew)")
     p.add_argument("--replicas", type=int, default=3, help="rollout replicas")
     p.add_argument(
-        "--updates", type=int, default=120, help="the run's budget in learner updates (a multiple of 4)"
+        "--max-updates", type=int, default=120, help="the run's budget in learner updates (a multiple of 4)"
     )
     p.add_argument("--kills", type=int, default=6, help="kills to make (at least one of each kind: 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the victims and their moments")
     a = p.parse_args(argv)
-    if a.kills < len(KINDS) or a.replicas < 1 or a.updates < 8 or a.updates % 4:
-        p.error(f"--kills at least {len(KINDS)}, --replicas at least 1, --updates a multiple of 4 from 8")
+    if a.kills < len(KINDS) or a.replicas < 1 or a.max_updates < 8 or a.max_updates % 4:
+        p.error(f"--kills at least {len(KINDS)}, --replicas at least 1, --max-updates a multiple of 4 from 8")
     return a
 
 
@@ -282,12 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)
     t0 = time.monotonic()
-    config = prepare(a.out, a.replicas, a.updates)
+    config = prepare(a.out, a.replicas, a.max_updates)
     victims = plan_kills(rng, a.kills, a.replicas)
-    say(f"{a.replicas} replicas, {a.updates} updates; victims in order: {', '.join(victims)}")
+    say(f"{a.replicas} replicas, {a.max_updates} updates; victims in order: {', '.join(victims)}")
     launch = Launch(config, a.out / "launch.log")
     try:
-        kills = unleash(launch, victims, rng, run_dir, a.updates)
+        kills = unleash(launch, victims, rng, run_dir, a.max_updates)
         while launch.proc.poll() is None:
             wait(launch, 1.0)
             if time.monotonic() - t0 > 1800:
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             launch.proc.send_signal(signal.SIGINT)
             launch.proc.wait(120)
     orphans = [p.pid for p in launch.descendants.gone(20)]
-    result = check(run_dir, a.updates, launch.text())
+    result = check(run_dir, a.max_updates, launch.text())
     result.update(
         kills=kills,
         seconds=round(time.monotonic() - t0, 1),
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         training_lost=training_lost(steps(run_dir), kills),
     )
     (a.out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
-    _say_summary(result, kills, a.updates)
+    _say_summary(result, kills, a.max_updates)
     problems = _problems(result, kills, orphans, launch.proc.returncode)
     for problem in problems:
         say("FAILED: " + problem)
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if problems else 0
 
 
-def _say_summary(result: dict, kills: list[dict], updates: int) -> None:
+def _say_summary(result: dict, kills: list[dict], max_updates: int) -> None:
     """The outages, the training time each kill cost, and the one summary line."""
     restarts = sum(result["restarts"].values())
     say(
@@ -333,7 +335,7 @@ def _say_summary(result: dict, kills: list[dict], updates: int) -> None:
         )
     )
     print(
-        f"chaos: kills {len(kills)}, restarts {restarts}, updates {result['updates']}/{updates}, "
+        f"chaos: kills {len(kills)}, restarts {restarts}, updates {result['updates']}/{max_updates}, "
         f"outcomes lost {result['lost']}, doubled {result['doubled']}, "
         f"versions published once: {'yes' if result['published_once'] else 'no'}",
         flush=True,

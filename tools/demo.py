@@ -37,16 +37,16 @@ BUDGET = {"max_turns": 3, "max_tokens_per_turn": 32, "max_total_tokens": 128}
 LORA_LR = 1e-3
 
 FULL = {
-    "cold_start_steps": 1000, "n_train": 256, "n_heldout": 128, "updates": 40, "eval_every": 4,
+    "cold_start_steps": 1000, "n_train": 256, "n_heldout": 128, "max_updates": 40, "eval_every": 4,
     "eval_samples": 4, "batch_size": 32, "seeds": "0,1,2",
 }  # fmt: skip
 QUICK = {
-    "cold_start_steps": 400, "n_train": 128, "n_heldout": 64, "updates": 24, "eval_every": 4,
+    "cold_start_steps": 400, "n_train": 128, "n_heldout": 64, "max_updates": 24, "eval_every": 4,
     "eval_samples": 4, "batch_size": 32, "seeds": "0,1",
 }  # fmt: skip
 # The smallest path through every stage, for the end-to-end test.
 TINY = {
-    "cold_start_steps": 60, "n_train": 32, "n_heldout": 16, "updates": 4, "eval_every": 2,
+    "cold_start_steps": 60, "n_train": 32, "n_heldout": 16, "max_updates": 4, "eval_every": 2,
     "eval_samples": 2, "batch_size": 8, "seeds": "0",
 }  # fmt: skip
 
@@ -70,7 +70,7 @@ def base_config(out: Path, size: dict, wandb: bool) -> dict:
         "heldout": str(out / "data" / "heldout.jsonl"),
         "prior": str(out / "prior.json"),
         "env": "toy-calc",
-        "updates": size["updates"],
+        "max_updates": size["max_updates"],
         "progress_seconds": 10,
         "wandb": wandb,
         "rollout": {"engine": "transformers", "concurrency": 32, "temperature": 1.0, **BUDGET},
@@ -98,14 +98,14 @@ def base_config(out: Path, size: dict, wandb: bool) -> dict:
 
 
 def demo_parser(doc: str, out: str, *, seeds: str, quick: str, data_seed: str) -> argparse.ArgumentParser:
-    """The demos' shared command line: --out, --seeds, --quick, --tiny, --ablate, --updates, --data-seed, --wandb."""
+    """The demos' shared command line: --out, --seeds, --quick, --tiny, --ablate, --max-updates, --data-seed, --wandb."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(out), help="output folder")
     p.add_argument("--seeds", default=None, help=f"run seeds, comma-separated (default {seeds})")
     p.add_argument("--quick", action="store_true", help=quick)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the end-to-end test's size
     p.add_argument("--ablate", action="store_true", help="add SPO++ with trajectory normalization (Table 2)")
-    p.add_argument("--updates", type=int, default=None, help="learner updates per run")
+    p.add_argument("--max-updates", type=int, default=None, help="the budget of each run in learner updates")
     p.add_argument("--data-seed", type=int, default=0, help=data_seed)
     p.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (offline)")
     return p
@@ -120,10 +120,10 @@ def add_cold_start_flag(p: argparse.ArgumentParser) -> None:
 
 
 def demo_size(a: argparse.Namespace, full: dict, quick: dict, tiny: dict) -> tuple[dict, str]:
-    """(the size the flags pick, with --updates applied; the run seeds as "0,1,2")."""
+    """(the size the flags pick, with --max-updates applied; the run seeds as "0,1,2")."""
     size = dict(tiny if a.tiny else quick if a.quick else full)
-    if a.updates is not None:
-        size["updates"] = a.updates
+    if a.max_updates is not None:
+        size["max_updates"] = a.max_updates
     # `make demo SEEDS="3 4 5"` or --seeds 3,4,5
     return size, ",".join((a.seeds or size["seeds"]).replace(",", " ").split())
 
@@ -148,11 +148,11 @@ def make_prior(out: Path, *, env: str, rollouts: int, concurrency: int, seed: in
           *[f"--{k.replace('_', '-')}={v}" for k, v in budget.items()]])  # fmt: skip
 
 
-def run_and_report(out: Path, config: dict, *, seeds: str, ablate: bool, updates: int) -> int:
+def run_and_report(out: Path, config: dict, *, seeds: str, ablate: bool, max_updates: int) -> int:
     """Stages 4 and 5: `spopp ablate` over the arms and seeds with `config`, then the learning check."""
     arms = "spo,spopp-trajnorm,spopp" if ablate else "spo,spopp"
     n_runs = len(arms.split(",")) * len(seeds.split(","))
-    _say(f"4/5 runs: {n_runs} runs ({arms} x seeds {seeds}), {updates} updates each")
+    _say(f"4/5 runs: {n_runs} runs ({arms} x seeds {seeds}), {max_updates} updates each")
     path = out / "launch.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     code = subprocess.run([sys.executable, "-m", "services.cli", "ablate", str(path), "--seeds", seeds,
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.lora:
         _say(f"LoRA: rank {a.lora} adapters on every linear layer, alpha {2 * a.lora}, lr {LORA_LR}")
         config["learner"].update(lora_rank=a.lora, lora_alpha=2.0 * a.lora, lr=LORA_LR)
-    code = run_and_report(out, config, seeds=seeds, ablate=a.ablate, updates=size["updates"])
+    code = run_and_report(out, config, seeds=seeds, ablate=a.ablate, max_updates=size["max_updates"])
     if code == 0:
         finish(out, t0)
     return code

@@ -12,7 +12,7 @@
                              on a pilot seed, the first family of CANDIDATES whose version-0 success
                              lies in [20 %, 60 %]; then its version-0 success on held-out tasks of
                              another seed, and one update's costs on this CPU (`spopp launch`,
-                             updates: 1, LoRA)
+                             max_updates: 1, LoRA)
 
 Every stage writes into --out and is skipped when its output is there. Numbers go to
 summary.json; the closing lines print both curves.
@@ -170,11 +170,11 @@ def smollm_pilot(out: Path) -> dict:
     rate = asyncio.run(_success(model, load_tasks(heldout), HELDOUT_SEED))
     _say(f"{name}: version-0 success {rate:.3f} on {HELDOUT_TASKS} held-out tasks (seed {HELDOUT_SEED})")
     result["chosen"] = {"family": name, "options": options, "heldout_success_v0": rate}
-    # One update's costs: spopp launch with updates 1 (LoRA rank 8, batch 8).
+    # One update's costs: spopp launch with max_updates 1 (LoRA rank 8, batch 8).
     run_dir = out / "smollm2-one-update"
     config = {
         "model": str(model), "tasks": str(train), "env": "reasoning-gym", "env_options": RG_OPTIONS,
-        "updates": 1, "run_dir": str(run_dir),
+        "max_updates": 1, "run_dir": str(run_dir),
         "progress_seconds": 30,
         "rollout": {"engine": "transformers", "concurrency": 8, **SMOLLM_BUDGET},
         "learner": {"batch_size": 8, "mini_batches": 1, "micro_batch_size": 4, "lr": 1e-4, "lora_rank": 8,
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
     prepare(out, size, a.data_seed, cold_start=a.cold_start)
     config = base_config(out, size, wandb=False)
-    _say(f"built-in toy-calc: SPO++ x seeds {seeds}, {size['updates']} updates each")
+    _say(f"built-in toy-calc: SPO++ x seeds {seeds}, {size['max_updates']} updates each")
     built_in = run_arm(out / "built-in", config, seeds)
     _say(f"toy-calc as an agent ({AGENT}): SPO++ x seeds {seeds}, the same budget")
     agent_config = {**config, "env": AGENT, "env_options": {"max_calls": BUDGET["max_turns"]}}

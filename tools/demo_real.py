@@ -53,9 +53,9 @@ LORA_RANK = 8
 # ~200 prompt tokens that every episode shares are most of the learner's work); a held-out
 # evaluation of 640 episodes about 9 minutes. So 20 updates of 16 and three evaluations (v0, v10,
 # v20) fit in 45 minutes. The learning rate is the demo's LoRA rate (tools/demo.py), not tuned here.
-FULL = {"n_train": 512, "updates": 8, "eval_every": 4, "batch_size": 16, "lr": 1e-3}
+FULL = {"n_train": 512, "max_updates": 8, "eval_every": 4, "batch_size": 16, "lr": 1e-3}
 # The smallest path through every stage, to check the wiring.
-TINY = {"n_train": 16, "updates": 2, "eval_every": 2, "batch_size": 4, "lr": 5e-4, "n_heldout": 8}
+TINY = {"n_train": 16, "max_updates": 2, "eval_every": 2, "batch_size": 4, "lr": 5e-4, "n_heldout": 8}
 
 
 def launch_config(out: Path, model: Path, size: dict, arm: str, device: str) -> dict:
@@ -75,7 +75,7 @@ def launch_config(out: Path, model: Path, size: dict, arm: str, device: str) -> 
         "heldout": str(out / "data" / "heldout.jsonl"),
         "env": "toy-calc",
         "env_options": ENV_OPTIONS,
-        "updates": size["updates"],
+        "max_updates": size["max_updates"],
         "progress_seconds": 30,
         "rollout": {
             "engine": engine,
@@ -235,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--paired", action="store_true", help="also run SPO on the same model, tasks and budget")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the tasks (the pilot uses its own)")
-    p.add_argument("--updates", type=int, default=None, help="learner updates per run")
+    p.add_argument("--max-updates", type=int, default=None, help="the budget of each run in learner updates")
     p.add_argument("--pilot", action="store_true", help="only measure version-0 success on the pilot's seed")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the wiring check's size
     p.add_argument("--summary", type=Path, default=None, metavar="RUN_DIR",
@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         return 0
     size = dict(TINY if a.tiny else FULL)
-    if a.updates is not None:
-        size["updates"] = a.updates
+    if a.max_updates is not None:
+        size["max_updates"] = a.max_updates
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         config = launch_config(out, model, size, arm, a.device)
         path = out / f"launch.{arm}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        _say(f"3/4 run {arm}: {size['updates']} updates of {size['batch_size']} episodes, LoRA rank {LORA_RANK}, "
+        _say(f"3/4 run {arm}: {size['max_updates']} updates of {size['batch_size']} episodes, LoRA rank {LORA_RANK}, "
              f"held-out evaluation every {size['eval_every']} versions")  # fmt: skip
         _run([sys.executable, "-m", "services.cli", "launch", str(path)])
         summaries[arm], lines = summarize(Path(config["run_dir"]))

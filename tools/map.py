@@ -41,13 +41,13 @@ from tools.demo import FULL, TINY, _say, add_cold_start_flag, base_config, prepa
 MAP_BUDGET = {"max_turns": 6, "max_tokens_per_turn": 32, "max_total_tokens": 256}
 # The end-to-end test's size: the demo's tiny one, with a cold start long enough to succeed about
 # a third of the time (60 steps never do, and without successes no length can co-vary with them).
-MAP_TINY = {**TINY, "cold_start_steps": 250, "updates": 3, "eval_every": 1}
+MAP_TINY = {**TINY, "cold_start_steps": 250, "max_updates": 3, "eval_every": 1}
 # The map's run: the demo's cold start, data and batch, 8 updates with evaluations of the 128
 # held-out tasks x 2 samples at versions 0, 2, 4, 6, 8. Sized for the budget: the pilot (SPO and
 # SPO++, 2 seeds) and at least 3 main seeds of 4 arms in 6 cells are 96 runs, and a run is about
 # 25 s of start-up (four processes) plus its updates and evaluations; the earlier map's 16 updates
 # with 128 x 3 at every 4th version took 60 to 110 s a run, 160 minutes for these 96.
-MAP_SIZE = {**FULL, "updates": 8, "eval_every": 2, "eval_samples": 2}
+MAP_SIZE = {**FULL, "max_updates": 8, "eval_every": 2, "eval_samples": 2}
 # The pilot's seeds: never a main seed (those start at 0).
 PILOT_SEEDS = "1000,1001"
 # What `make map` may take on 2 cores, cold start, pilot and main runs together.
@@ -88,7 +88,9 @@ def parser() -> argparse.ArgumentParser:
         help="the uncoupled side waits out the coupled side's padding, so that coupling changes lengths and not "
         "the order outcomes arrive in (default on; --no-time-neutral: the padded side also arrives later)",
     )  # fmt: skip
-    p.add_argument("--updates", type=int, default=None, help="learner updates per run (default 8)")
+    p.add_argument(
+        "--max-updates", type=int, default=None, help="the budget of each run in learner updates (default 8)"
+    )
     p.add_argument("--eval-every", type=int, default=None, help="versions between evaluations (default 2)")
     p.add_argument("--eval-samples", type=int, default=None, help="samples per held-out task (default 2)")
     p.add_argument(
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return _light(a)
     size = dict(MAP_TINY if a.tiny else MAP_SIZE)
     for key, value in (
-        ("updates", a.updates),
+        ("max_updates", a.max_updates),
         ("eval_every", a.eval_every),
         ("eval_samples", a.eval_samples),
     ):

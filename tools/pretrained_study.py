@@ -81,7 +81,7 @@ class Family:
 
 # The families the study can run; the pilot (tools/pretrained_pilot.py, docs/results/pretrained-study/
 # PILOT.md) chose toy-calc-shots2, the only candidate in 20-60 % at version 0 with a skill to learn
-# (0.516 ± 0.063); it reaches 0.98 by version 8, so the updates (--updates) must stop short of that.
+# (0.516 ± 0.063); it reaches 0.98 by version 8, so the budget (--max-updates) must stop short of that.
 FAMILIES: dict[str, Family] = {
     "toy-calc-shots2": Family(
         "toy-calc", dict(demo_real.ENV_OPTIONS), _toy_calc,
@@ -101,10 +101,10 @@ FAMILIES: dict[str, Family] = {
 N_HELDOUT = 256
 # A fifth of the demo's learning rate over half its updates: 8 optimizer steps at 2e-4 add up to less
 # than the 2 at 1e-3 that took the stopped pilot run's training batch from 0.50 to 0.81.
-FULL = {**demo_real.FULL, "n_heldout": N_HELDOUT, "updates": 4, "eval_every": 2, "lr": 2e-4}
+FULL = {**demo_real.FULL, "n_heldout": N_HELDOUT, "max_updates": 4, "eval_every": 2, "lr": 2e-4}
 # The wiring check's size: the repository's tiny model (random weights, tools/tiny_model.py) on the
 # transformers engine, two updates of four episodes, evaluations at versions 0 and 2 on 8 tasks.
-TINY = {**demo_real.TINY, "updates": 2, "eval_every": 2, "batch_size": 4, "n_heldout": 8}
+TINY = {**demo_real.TINY, "max_updates": 2, "eval_every": 2, "batch_size": 4, "n_heldout": 8}
 
 ARMS = "spo,spopp"
 PILOT_ARMS = ["spo", "spopp"]  # the design aims at their difference, as the map's pilot does
@@ -150,6 +150,16 @@ def grid(family: str, arms: list[str], size: dict, data_seed: int) -> dict:
     f = FAMILIES[family]
     return {"family": family, "env": f.env, "env_options": f.env_options, "task_options": f.task_options,
             "arms": arms, "size": size, "data_seed": data_seed}  # fmt: skip
+
+
+def upgraded(protocol: dict) -> dict:
+    """`protocol` with its size's budget named max_updates, as the launch file names it: a study
+    decided before the rename says "updates" in its protocol.json (and the study.json copying it)."""
+    size = (protocol.get("grid") or {}).get("size")
+    if not isinstance(size, dict) or "updates" not in size:
+        return protocol
+    size = {("max_updates" if k == "updates" else k): v for k, v in size.items()}
+    return {**protocol, "grid": {**protocol["grid"], "size": size}}
 
 
 def check_resume(protocol: dict, want: dict, pilot_seeds: list[int], path: Path) -> None:
@@ -264,7 +274,8 @@ def _f(x: float | None, spec: str) -> str:
 def render(study: dict) -> str:
     """The study's page (Markdown) from study.json alone."""
 
-    p, g = study["protocol"], study["protocol"]["grid"]
+    p = upgraded(study["protocol"])
+    g = p["grid"]
     seeds = p["seeds"][g["family"]]
     size = g["size"]
     pilot = p["pilot"]
@@ -274,7 +285,7 @@ def render(study: dict) -> str:
         f"Family `{g['family']}`: env `{g['env']}`, env_options `{json.dumps(g['env_options'])}`"
         + (f", tasks `{json.dumps(g['task_options'])}`" if g["task_options"] else "")
         + f", data seed {g['data_seed']}; {size['n_train']} training and {size['n_heldout']} held-out tasks."
-        f" Each run: {size['updates']} updates of {size['batch_size']} episodes, LoRA rank {demo_real.LORA_RANK},"
+        f" Each run: {size['max_updates']} updates of {size['batch_size']} episodes, LoRA rank {demo_real.LORA_RANK},"
         f" lr {size['lr']}; held-out success (one episode per task at T = 1) every {size['eval_every']} versions."
         " Arms of one seed draw common random numbers (one study). Area = trapezoid area of the held-out"
         " curve; Δ in area points (x100).",
@@ -424,7 +435,7 @@ def study(a: argparse.Namespace) -> int:
     size.update(
         {
             k: v
-            for k, v in (("updates", a.updates), ("eval_every", a.eval_every), ("lr", a.lr))
+            for k, v in (("max_updates", a.max_updates), ("eval_every", a.eval_every), ("lr", a.lr))
             if v is not None
         }
     )
@@ -445,7 +456,7 @@ def study(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     want = grid(a.family, arms, size, a.data_seed)
-    protocol = map_protocol.read(out) if (out / PROTOCOL).is_file() else None
+    protocol = upgraded(map_protocol.read(out)) if (out / PROTOCOL).is_file() else None
     if protocol is not None:  # before anything runs: a changed study is refused at once
         try:
             check_resume(protocol, want, pilot_seeds, out / PROTOCOL)
@@ -555,7 +566,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n-min", type=int, default=N_MIN, help=f"main seeds at least (default {N_MIN})")
     p.add_argument("--budget-minutes", type=float, default=BUDGET_MINUTES,
                    help=f"pilot and main runs together (default {BUDGET_MINUTES:.0f}); 0: no cap")  # fmt: skip
-    p.add_argument("--updates", type=int, default=None, help=f"updates per run (default {FULL['updates']})")
+    p.add_argument(
+        "--max-updates",
+        type=int,
+        default=None,
+        help=f"the budget of each run in learner updates (default {FULL['max_updates']})",
+    )
     p.add_argument("--eval-every", type=int, default=None, help=f"versions between evaluations (default {FULL['eval_every']})")  # fmt: skip
     p.add_argument(
         "--lr", type=float, default=None, help=f"the learner's learning rate (default {FULL['lr']:g})"

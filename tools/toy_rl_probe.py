@@ -83,7 +83,7 @@ def run_probe(
     batch_size: int = 32,
     lr: float = 3e-4,
     mini_batches: int = 2,
-    updates: int = 60,
+    max_updates: int = 60,
     eval_every: int = 5,
     eval_tasks: int = 128,
     n_train: int = 256,
@@ -99,9 +99,9 @@ def run_probe(
     log(
         f"[{recipe} B={batch_size} lr={lr:g} seed={seed}] update 0: sampled {evals[0]['sampled']:.3f} greedy {evals[0]['greedy']:.3f}"
     )
-    for k in range(1, updates + 1):
+    for k in range(1, max_updates + 1):
         probe.update(k, retention, mini_batches)
-        if k % eval_every == 0 or k == updates:
+        if k % eval_every == 0 or k == max_updates:
             ev = probe.score(k)
             evals.append(ev)
             log(
@@ -111,7 +111,7 @@ def run_probe(
             )
     asyncio.run(probe.engine.close())
     run = {"recipe": recipe, "batch_size": batch_size, "lr": lr, "mini_batches": mini_batches, "seed": seed,
-           "updates": updates}  # fmt: skip
+           "max_updates": max_updates}  # fmt: skip
     return {**run, **_summary(evals, rise), **probe.timings(), "evals": evals, "train_reward": probe.rewards,
             "stats": probe.stats_log}  # fmt: skip
 
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--lrs", nargs="+", type=float, default=[1e-4, 3e-4])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--mini-batches", type=int, default=2)
-    p.add_argument("--updates", type=int, default=60)
+    p.add_argument("--max-updates", type=int, default=60, help="the budget of each probe in updates")
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--eval-tasks", type=int, default=128)
     a = p.parse_args(argv)
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for seed in a.seeds:
                     r = run_probe(
                         a.model, recipe=recipe, batch_size=bs, lr=lr, mini_batches=a.mini_batches,
-                        updates=a.updates, eval_every=a.eval_every, eval_tasks=a.eval_tasks, seed=seed,
+                        max_updates=a.max_updates, eval_every=a.eval_every, eval_tasks=a.eval_tasks, seed=seed,
                     )  # fmt: skip
                     results.append(r)
                     if a.out:

@@ -13,13 +13,15 @@ replica (identity: the task and the tracker's request id), the evaluator (the ta
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
+
+# The environments' seed of one episode's stream lives beside the engine's sampling seed (spopp.streams:
+# one module holds every stream of a run that is not the method's); environments import it from here.
+from spopp.streams import episode_seed
 
 
 @dataclass(frozen=True)
@@ -49,15 +51,6 @@ def reward_verdict(value: Any) -> tuple[float, str | None]:
     if not 0.0 <= value <= 1.0:
         return 0.0, "out_of_range"
     return float(value), None
-
-
-def episode_seed(seed: int, *identity: str | int) -> int:
-    """A 64-bit seed for one episode's stream, from the run's `seed` and the episode's identity.
-
-    SHA-256 of the JSON of [seed, *identity]: the same in every process (unlike hash(), salted per
-    process), and streams of different identities are unrelated (unlike seed + i)."""
-    text = json.dumps([seed, *identity], separators=(",", ":"))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
 # The stream of an episode nobody seeded (tools, tests, `prompts_over_budget`'s probes): fixed, so

@@ -23,6 +23,7 @@ import traceback
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from ..agent import Budget, Episode, prompts_over_budget, run_episode, within_context
@@ -110,6 +111,18 @@ async def check_environment(
     rewrites = _template_rewrites(renderer)
     report.add("template", rewrites is None, rewrites or "earlier turns stay as they were")
     budget = within_context(budget, engine)
+    _check_prompts(report, tasks, make_env, renderer, budget)
+    sampling = SamplingConfig(max_tokens=budget.max_tokens_per_turn, seed=seed)
+    play = partial(_play, engine, make_env, budget=budget, seed=seed)
+    first = await _play_episodes(report, play, tasks, episodes, sampling)
+    _check_rewards(report)
+    _check_ends(report, budget)
+    if first is not None:
+        await _check_deterministic(report, play, tasks[0], first, sampling)
+    return report
+
+
+def _check_prompts(report: Report, tasks: Sequence[Task], make_env, renderer, budget: Budget) -> None:
     try:
         too_long = prompts_over_budget(tasks, make_env, renderer, budget)
         report.add(
@@ -119,13 +132,18 @@ async def check_environment(
         )
     except Exception as e:  # noqa: BLE001
         report.add("prompts", False, f"opening a task raised {type(e).__name__}: {e}")
-    sampling = SamplingConfig(max_tokens=budget.max_tokens_per_turn, seed=seed)
+
+
+async def _play_episodes(
+    report: Report, play, tasks: Sequence[Task], episodes: int, sampling: SamplingConfig
+) -> Episode | None:
+    """Play `episodes` episodes into the report, with the `exceptions` row; episode 0, for the replay."""
     failures: list[str] = []
-    first: Episode | None = None  # episode 0, replayed below
+    first: Episode | None = None
     for i in range(episodes):
         task = tasks[i % len(tasks)]
         try:
-            ep = await _play(engine, make_env, task, budget, replace(sampling, seed=seed + i), seed)
+            ep = await play(task, sampling=replace(sampling, seed=sampling.seed + i))
         except Exception as e:  # noqa: BLE001 - listed with its episode
             where = traceback.extract_tb(e.__traceback__)[-1]
             failures.append(
@@ -135,6 +153,10 @@ async def check_environment(
         report.episodes.append((task.task_id, ep))
         first = ep if i == 0 else first
     report.add("exceptions", not failures, "; ".join(failures[:3]) or f"{episodes} episodes played")
+    return first
+
+
+def _check_rewards(report: Report) -> None:
     # A reward outside [0, 1] (or NaN, or no number) was scored 0 by the agent loop, which says why in
     # info["answer_check"], as does a reward function or answer check that failed.
     checks = Counter(str(ep.info["answer_check"]) for _, ep in report.episodes if ep.info.get("answer_check"))
@@ -142,6 +164,9 @@ async def check_environment(
     rewards = [ep.reward for _, ep in report.episodes]
     mean = f"mean {sum(rewards) / len(rewards):.3f} over {len(rewards)}" if rewards else "no episode ended"
     report.add("rewards", not checks, detail or f"all in [0, 1], {mean}")
+
+
+def _check_ends(report: Report, budget: Budget) -> None:
     endless = [tid for tid, ep in report.episodes if ep.finish_reason == "max_turns"]
     finishes = Counter(ep.finish_reason for _, ep in report.episodes)
     report.add(
@@ -149,21 +174,23 @@ async def check_environment(
         f"{len(endless)} episodes hit max_turns={budget.max_turns}: {', '.join(endless[:3])}" if endless
         else ", ".join(f"{k} {v}" for k, v in sorted(finishes.items())),
     )  # fmt: skip
-    if first is not None:
-        # Episode 0 played tasks[0] with `sampling` (seed + 0): once more with the same seed.
-        task, a = tasks[0], first
-        try:
-            b = await _play(engine, make_env, task, budget, sampling, seed)
-            same = a.token_ids == b.token_ids and a.reward == b.reward
-            report.add(
-                "deterministic", same,
-                "one seed, the same tokens and reward" if same
-                else f"task {task.task_id}: two plays with one seed differ ({len(a.token_ids)} vs "
-                f"{len(b.token_ids)} tokens, rewards {a.reward} vs {b.reward})",
-            )  # fmt: skip
-        except Exception as e:  # noqa: BLE001
-            report.add("deterministic", False, f"replay raised {type(e).__name__}: {e}")
-    return report
+
+
+async def _check_deterministic(
+    report: Report, play, task: Task, a: Episode, sampling: SamplingConfig
+) -> None:
+    # `a` is episode 0: `task` played with `sampling` (seed + 0); play it once more with that seed.
+    try:
+        b = await play(task, sampling=sampling)
+        same = a.token_ids == b.token_ids and a.reward == b.reward
+        report.add(
+            "deterministic", same,
+            "one seed, the same tokens and reward" if same
+            else f"task {task.task_id}: two plays with one seed differ ({len(a.token_ids)} vs "
+            f"{len(b.token_ids)} tokens, rewards {a.reward} vs {b.reward})",
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        report.add("deterministic", False, f"replay raised {type(e).__name__}: {e}")
 
 
 def run_check(

@@ -9,7 +9,7 @@
     prior: data/prior.json   # `spopp prior`'s file; unset: a flat Jeffreys prior per task
     heldout: data/heldout.jsonl  # the evaluator's tasks; unset: no evaluator
     env: toy-calc
-    updates: 40              # the budget: learner updates
+    max_updates: 40          # the budget: learner updates
     max_staleness: 0         # k: trajectories up to k policy versions old train (0: the paper's protocol)
     run_config: {retention: 0.875, lease_seconds: 900}   # the tracker run's other fields
     tracker:   {...}         # TrackerSettings fields
@@ -26,7 +26,7 @@ that a section can never point a service at something other than this run. A wro
 unknown key is refused with `rollout.concurrency: ...` when the file is read. The recipe sets its own defaults
 (normalization token and Dual-Clip 2 for spopp, trajectory and 10 for spo); a section may still
 override them, which is how `spopp ablate` builds SPO++ with trajectory normalization.
-`plan()` turns the file into the exact settings each child process will be started with, so
+`process_plan()` turns the file into the exact settings each child process will be started with, so
 every error of every service's settings is found before anything starts.
 """
 
@@ -75,13 +75,14 @@ _HELP = {
     "learner": "learner run",
     "evaluator": "evaluator run",
 }
-# Launch-file fields a service's setting is named otherwise.
-_TOP_LEVEL_AS = {("learner", "max_updates"): "updates", ("evaluator", "tasks"): "heldout"}
+# The one service setting the launch file sets under another top-level key: the evaluator's tasks
+# are `heldout`, since the top-level `tasks` are the training tasks (every replica's).
+_TOP_LEVEL_KEY_OF = {("evaluator", "tasks"): "heldout"}
 
 
 def _set_by_launch(section: str, key: str) -> str:
     """Why a service's setting outside its tuning model (its section) is the launcher's."""
-    top = _TOP_LEVEL_AS.get((section, key), key)
+    top = _TOP_LEVEL_KEY_OF.get((section, key), key)
     if top in LaunchSettings.model_fields:
         return f"use the top-level {top}: every process of the run shares it"
     return "the run's wiring: URLs, ports, names and folders under run_dir are the launcher's"
@@ -93,7 +94,7 @@ class Section(BaseModel):
     the service checks them.
 
     Only what the file gives is kept (`given()`, and what a dump writes back), so that the recipe's
-    defaults and the launcher's values fill the rest in `plan()`, where the service's own model
+    defaults and the launcher's values fill the rest in `process_plan()`, where the service's own model
     checks the whole. A setting of the service outside its tuning model is refused by name.
     """
 
@@ -149,6 +150,7 @@ class EvaluatorSection(Section, EvaluatorTuning):
 
 class LaunchSettings(Settings):
     env_prefix: ClassVar[str] = "SPOPP_LAUNCH_"
+    renamed: ClassVar[dict[str, str]] = {"updates": "max_updates (the run's budget in learner updates)"}
 
     run: RunId | None = Field(None, description="run name at the tracker; unset: <recipe>-s<seed>")
     run_dir: Path | None = Field(None, description="folder of everything the run writes; unset: runs/<run>")
@@ -171,7 +173,7 @@ class LaunchSettings(Settings):
         default_factory=dict,
         description="the environment's arguments for every replica, the evaluator and the prior, a mapping: {max_steps: 50, action_format: tag} (alfworld)",
     )
-    updates: int = Field(100, ge=1, le=10_000_000, description="budget: learner updates")
+    max_updates: int = Field(100, ge=1, le=10_000_000, description="budget: learner updates")
     max_staleness: MaxStaleness = Field(
         0,
         description="k: train on trajectories up to k policy versions old (the tracker run's and the "
@@ -238,8 +240,9 @@ class LaunchSettings(Settings):
 
 
 @dataclass
-class Plan:
-    """What will be started: every child's settings, already validated."""
+class ProcessPlan:
+    """The processes of one run, what will be started: every child's settings, already validated
+    (not the learner's memory plan, services/learner/memory_plan.py)."""
 
     launch: LaunchSettings
     run_config: RunConfig
@@ -268,7 +271,7 @@ class Plan:
             "prior": str(Path(s.prior).resolve()) if s.prior else None,
             "env": s.env,
             # As the tracker compares it: a run launched before max_staleness existed still resumes.
-            # The budget is left out: `spopp launch` changes it (updates), the run stays the same.
+            # The budget is left out: `spopp launch` changes it (max_updates), the run stays the same.
             "run_config": {k: v for k, v in self.run_config.canonical().items() if k != "max_updates"},
             # Only when set, so that runs launched before env_options existed still resume.
             **({"env_options": s.env_options} if s.env_options else {}),
@@ -312,7 +315,7 @@ def _run_config(s: LaunchSettings) -> RunConfig:
                 "study": s.study,
                 "base_snapshot": base,
                 "max_staleness": s.max_staleness,
-                "max_updates": s.updates,  # the run's budget, fixed at creation, changed by a launch
+                "max_updates": s.max_updates,  # the run's budget, fixed at creation, changed by a launch
             }  # fmt: skip
         )
     except ValidationError as exc:
@@ -347,9 +350,9 @@ def _learner(s: LaunchSettings, run_dir: Path, binding: RunBinding, port: int) -
         raise SettingsError(
             f"learner.nproc {nproc} needs {nproc} devices but gpus.learner gives {len(s.gpus.learner)}"
         )
-    if s.updates % learner.updates_per_publish:
+    if s.max_updates % learner.updates_per_publish:
         raise SettingsError(
-            f"updates {s.updates} must be a multiple of learner.updates_per_publish "
+            f"max_updates {s.max_updates} must be a multiple of learner.updates_per_publish "
             f"{learner.updates_per_publish}: the run ends on a published version"
         )
     return learner, nproc
@@ -414,13 +417,13 @@ def _evaluator(
     evaluator = _build(EvaluatorSettings, "evaluator", values)
     if final_version % evaluator.every:
         raise SettingsError(
-            f"the last version {final_version} (updates / updates_per_publish) must be a multiple of "
+            f"the last version {final_version} (max_updates / learner.updates_per_publish) must be a multiple of "
             f"evaluator.every {evaluator.every}, so that the curve ends at the end of the run"
         )
     return evaluator
 
 
-def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
+def process_plan(s: LaunchSettings, ports: dict[str, int]) -> ProcessPlan:
     """Every child's settings for a run of `s`, with the ports in `ports` (tracker, learner,
     evaluator, rollout-<i>, and redis for the tracker's embedded Redis). Raises SettingsError
     naming the section and field of every problem."""
@@ -430,10 +433,10 @@ def plan(s: LaunchSettings, ports: dict[str, int]) -> Plan:
     # Launch's run name and token are validated narrower than the binding's, so this cannot fail.
     binding = RunBinding(run=s.run, tracker=f"http://127.0.0.1:{tracker.port}", api_token=s.api_token)
     learner, nproc = _learner(s, run_dir, binding, ports["learner"])
-    final_version = s.updates // learner.updates_per_publish
+    final_version = s.max_updates // learner.updates_per_publish
     rollouts = _rollouts(s, binding, f"http://127.0.0.1:{learner.port}", ports)
     evaluator = _evaluator(s, run_dir, binding, final_version, ports["evaluator"])
-    return Plan(s, run_config, binding, tracker, rollouts, learner, nproc, evaluator, final_version)
+    return ProcessPlan(s, run_config, binding, tracker, rollouts, learner, nproc, evaluator, final_version)
 
 
 def port_requests(s: LaunchSettings) -> dict[str, int]:

@@ -91,7 +91,7 @@ class Progress:
         step = int(m.get("step", 0))
         if self.first_step is None:
             self.first_step = step
-        parts = [f"[{s.run}] update {step}/{s.updates}"]
+        parts = [f"[{s.run}] update {step}/{s.max_updates}"]
         if "reward_mean" in m:
             parts.append(f"reward {m['reward_mean']:.3f}")
         points = eval_points(p.run_dir / "eval" / "evals.jsonl")
@@ -114,8 +114,8 @@ class Progress:
         clock = format_seconds(elapsed)
         if waiting:
             clock += f", {waiting}"
-        elif done > 0 and step < s.updates:
-            clock += f", ~{format_seconds(elapsed / done * (s.updates - step))} left"
+        elif done > 0 and step < s.max_updates:
+            clock += f", ~{format_seconds(elapsed / done * (s.max_updates - step))} left"
         parts.append(clock)
         return " | ".join(parts)
 
@@ -143,7 +143,7 @@ class WandbMirror:
             project=plan.launch.wandb_project,
             name=plan.launch.run,
             dir=str(plan.run_dir),
-            config=plan.identity() | {"arm": plan.arm(), "updates": plan.launch.updates},
+            config=plan.identity() | {"arm": plan.arm(), "max_updates": plan.launch.max_updates},
             resume="allow",
             id=plan.launch.run.replace(":", "_"),
         )

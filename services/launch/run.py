@@ -36,7 +36,7 @@ from spopp.registration import RegistrationError, register, task_bodies
 from spopp.settings import SettingsError
 
 from . import gpus as gpu
-from .config import LaunchSettings, Plan, plan, port_requests
+from .config import LaunchSettings, ProcessPlan, port_requests, process_plan
 from .metrics import LaunchMetrics
 from .progress import Progress, eval_points
 from .run_folder import RunFolder, RunFolderError
@@ -101,7 +101,7 @@ def _check_model(folder: Path) -> None:
         raise LaunchError(f"model {folder} has no tokenizer (tokenizer.json or tokenizer_config.json)")
 
 
-def _check_tasks(s: LaunchSettings, p: Plan) -> list[dict]:
+def _check_tasks(s: LaunchSettings, p: ProcessPlan) -> list[dict]:
     """The training tasks' bodies with their prior; held-out tasks must not be training tasks."""
     train_ids = _task_ids(s.tasks, "tasks")
     if s.heldout is not None and p.evaluator is not None:
@@ -141,7 +141,7 @@ class Launcher:
     def __init__(self, s: LaunchSettings, echo=print) -> None:
         self.s = s
         self.echo = echo
-        self.plan: Plan | None = None
+        self.plan: ProcessPlan | None = None
         self.bodies: list[dict] = []
         self.tracker_finished = False  # the tracker said the run is finished (it stays so)
         self.folder = RunFolder(s)
@@ -163,10 +163,10 @@ class Launcher:
         return self.sup.restarts
 
     # -- before anything starts ------------------------------------------------------------------
-    def prepare(self) -> Plan:
+    def prepare(self) -> ProcessPlan:
         s = self.s
         try:
-            p = plan(s, _resolve_ports(s))
+            p = process_plan(s, _resolve_ports(s))
         except SettingsError as exc:
             raise LaunchError(str(exc)) from None
         _check_model(s.model)
@@ -196,7 +196,7 @@ class Launcher:
         return (
             self.record is not None
             and self.record.status == "finished"
-            and self.folder.finished_updates(p) >= self.s.updates
+            and self.folder.finished_updates(p) >= self.s.max_updates
         )
 
     def run(self) -> int:
@@ -205,8 +205,8 @@ class Launcher:
         done = self.folder.finished_updates(p)
         if self.finished_already():
             self.echo(
-                f"run {self.s.run} in {p.run_dir} finished already ({done} updates of {self.s.updates}); "
-                "nothing to do. Raise `updates` to train further, or use another run_dir."
+                f"run {self.s.run} in {p.run_dir} finished already ({done} updates of {self.s.max_updates}); "
+                "nothing to do. Raise `max_updates` to train further, or use another run_dir."
             )
             return 0
         resuming = self.record is not None
@@ -223,7 +223,7 @@ class Launcher:
                 f"{'resuming' if resuming else 'starting'} run {self.s.run} ({p.arm()}, seed {self.s.seed}) "
                 f"in {p.run_dir}: {len(p.rollouts)} replica(s), learner x{p.nproc}"
                 + (", evaluator" if p.evaluator else "")
-                + f", budget {self.s.updates} updates"
+                + f", budget {self.s.max_updates} updates"
                 + (f", from update {done}" if resuming and done else "")
             )
             self._start(p)
@@ -261,7 +261,7 @@ class Launcher:
         elif code.get("why"):
             self.echo(f"note: run.json records no commit: {code['why']}")
 
-    def _start(self, p: Plan) -> None:
+    def _start(self, p: ProcessPlan) -> None:
         tracker = self.sup.spawn(p, "tracker", "tracker", "serve")
         tracker.wait_http(health_url(p, "tracker"), self.s.start_seconds)
         self._register(p)
@@ -280,7 +280,7 @@ class Launcher:
             time.sleep(0.2)
         self.echo(f"every process is up: {', '.join(f'{n} (pid {c.pid})' for n, c in self.children.items())}")
 
-    def _run_finished(self, p: Plan) -> bool:
+    def _run_finished(self, p: ProcessPlan) -> bool:
         """Whether the tracker says the run is finished (remembered once it does: it stays so)."""
         if not self.tracker_finished:
             with self._client(p) as c:
@@ -290,20 +290,20 @@ class Launcher:
                 self.tracker_finished = True
         return self.tracker_finished
 
-    def _restarted(self, p: Plan, name: str) -> None:
+    def _restarted(self, p: ProcessPlan, name: str) -> None:
         self.metrics.restarts.labels(process=name).inc()
         self.folder.update(p, restarts=dict(self.restarts))
 
-    def _client(self, p: Plan, retry_seconds: float = 30) -> TrackerClient:
+    def _client(self, p: ProcessPlan, retry_seconds: float = 30) -> TrackerClient:
         return TrackerClient(
             f"http://127.0.0.1:{p.tracker.port}", token=self.s.api_token, retry_seconds=retry_seconds
         )
 
-    def _register(self, p: Plan) -> None:
+    def _register(self, p: ProcessPlan) -> None:
         """Create the run (or find it unchanged) and load its tasks with their prior."""
         with self._client(p) as c:
             try:
-                # A launch is the explicit operator: its `updates` becomes the run's budget, either way.
+                # A launch is the explicit operator: its `max_updates` becomes the run's budget, either way.
                 register(
                     c,
                     self.s.run,
@@ -323,7 +323,7 @@ class Launcher:
                     f"budget's last version {p.final_version}"
                 )
 
-    def _watch(self, p: Plan) -> None:
+    def _watch(self, p: ProcessPlan) -> None:
         progress = Progress(
             p, self._client(p, retry_seconds=0), self.echo, self.restarts,
             tracker_up=lambda: not self.sup.recovering("tracker"),
@@ -350,7 +350,7 @@ class Launcher:
         finally:
             progress.close()
 
-    def _summary(self, p: Plan, status: str) -> None:
+    def _summary(self, p: ProcessPlan, status: str) -> None:
         points = eval_points(p.run_dir / "eval" / "evals.jsonl")
         if points:
             first, last = points[0], points[-1]

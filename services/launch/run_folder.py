@@ -21,7 +21,7 @@ from spopp.client import TrackerClient
 from spopp.jsonfile import read_model, write_text
 from spopp.records import RunRecord
 
-from .config import LaunchSettings, Plan
+from .config import LaunchSettings, ProcessPlan
 from .progress import last_line
 
 
@@ -44,7 +44,7 @@ def _write_record(path: Path, record: RunRecord) -> None:
     write_text(path, record.to_text(str(path)))
 
 
-def child_settings(p: Plan) -> dict[str, Any]:
+def child_settings(p: ProcessPlan) -> dict[str, Any]:
     """Every child's settings by its name (tracker, learner, rollout-N, evaluator)."""
     out: dict[str, Any] = {"tracker": p.tracker, "learner": p.learner}
     for r in p.rollouts:
@@ -61,7 +61,7 @@ class RunFolder:
         self.s = s
         self.record: RunRecord | None = None
 
-    def resume(self, p: Plan) -> RunRecord | None:
+    def resume(self, p: ProcessPlan) -> RunRecord | None:
         """The record of the run the folder holds (None: a new folder); RunFolderError when it
         is another run."""
         record = _read_record(p.run_dir / "run.json")
@@ -79,11 +79,11 @@ class RunFolder:
         self.record = record
         return record
 
-    def finished_updates(self, p: Plan) -> int:
+    def finished_updates(self, p: ProcessPlan) -> int:
         line = last_line(p.run_dir / "learner" / "metrics.jsonl")
         return int(line.get("step", 0)) if line else 0
 
-    def write(self, p: Plan, metrics_url: str) -> None:
+    def write(self, p: ProcessPlan, metrics_url: str) -> None:
         """launch.yaml (secrets left out), each child's config, and run.json: running, with the code
         and the machine of this launch (spopp/provenance.py; a resume on other code keeps the earlier
         launch's in `code.earlier_launches`)."""
@@ -101,7 +101,7 @@ class RunFolder:
         self.record = RunRecord.model_validate({
             **(old.model_dump(exclude_unset=True) if old else {}),
             "run": self.s.run, "arm": p.arm(), "recipe": self.s.recipe,
-            "normalization": p.learner.normalization, "seed": self.s.seed, "updates": self.s.updates,
+            "normalization": p.learner.normalization, "seed": self.s.seed, "max_updates": self.s.max_updates,
             "final_version": p.final_version, "identity": p.identity(), "status": "running",
             "env": self.s.env, "env_options": resolved_env_options(self.s.env, self.s.env_options),
             "started": old.started if old and old.started is not None else now,
@@ -113,19 +113,19 @@ class RunFolder:
         })  # fmt: skip
         _write_record(p.run_dir / "run.json", self.record)
 
-    def set_status(self, p: Plan, status: str) -> None:
+    def set_status(self, p: ProcessPlan, status: str) -> None:
         update: dict[str, Any] = {"status": status, "updates_done": self.finished_updates(p)}
         if status == "finished":
             update["finished"] = time.time()
         self.update(p, **update)
 
-    def update(self, p: Plan, **changes: Any) -> None:
+    def update(self, p: ProcessPlan, **changes: Any) -> None:
         """run.json with `changes`, validated again (model_copy would not): the record on disk is
         always one that reads back."""
         self.record = RunRecord.model_validate({**self.record.model_dump(exclude_unset=True), **changes})
         _write_record(p.run_dir / "run.json", self.record)
 
-    def export(self, p: Plan, client: TrackerClient) -> None:
+    def export(self, p: ProcessPlan, client: TrackerClient) -> None:
         """The tracker's per-task evidence, and its run counts and per-worker counts in run.json
         (what a reader checks a run against once its tracker is gone: every dispatch ended as one
         outcome, release, expiry or lease still in flight)."""

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from spopp.net import free_port
 
-from .config import LaunchSettings, Plan, rollout_settings
+from .config import LaunchSettings, ProcessPlan, rollout_settings
 
 # `spopp scale` writes the wanted replica count here; the running launcher reads it each tick.
 SCALE_FILE = "replicas"
@@ -35,7 +35,7 @@ class Replicas(Protocol):
 
     done: set[str]
 
-    def spawn(self, p: Plan, name: str, service: str, command: str) -> Any: ...
+    def spawn(self, p: ProcessPlan, name: str, service: str, command: str) -> Any: ...
 
     def wait_started(self, names: list[str]) -> None: ...
 
@@ -53,7 +53,7 @@ class Scaler:
         self.echo = echo
         self.seen: int | None = None  # the scale file's mtime last read
 
-    def forget_earlier(self, p: Plan) -> None:
+    def forget_earlier(self, p: ProcessPlan) -> None:
         """Remove a scale file an earlier launch of this folder left."""
         stale = p.run_dir / SCALE_FILE
         if stale.is_file():
@@ -63,7 +63,7 @@ class Scaler:
                 f"removed {stale} of an earlier launch: replicas start at rollout.replicas ({len(p.rollouts)})"
             )
 
-    def rescale(self, p: Plan) -> None:
+    def rescale(self, p: ProcessPlan) -> None:
         """Apply a new count from <run_dir>/replicas: start rollout-N.. or stop the highest ones
         (SIGTERM: a replica drains and gives back its leases). A bad file changes nothing."""
         path = p.run_dir / SCALE_FILE
@@ -88,7 +88,7 @@ class Scaler:
             self.echo(f"replicas {have} -> {want} ({path})")
         self.record(p, replicas=want)
 
-    def _add_replica(self, p: Plan, i: int) -> None:
+    def _add_replica(self, p: ProcessPlan, i: int) -> None:
         taken = {p.tracker.port, p.learner.port, *(r.port for r in p.rollouts)}
         if p.evaluator is not None:
             taken.add(p.evaluator.port)

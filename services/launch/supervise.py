@@ -41,7 +41,7 @@ from .children import child_env, launch_child
 from .supervision_settings import SupervisionSettings
 
 if TYPE_CHECKING:
-    from .config import LaunchSettings, Plan
+    from .config import LaunchSettings, ProcessPlan
 
 
 def describe_exit(code: int | None) -> str:
@@ -79,7 +79,7 @@ class RestartBudget:
         return backoff(self.s.backoff_seconds, self.s.max_backoff_seconds, window.count - 1)
 
 
-def health_url(p: Plan, name: str) -> str:
+def health_url(p: ProcessPlan, name: str) -> str:
     """The route that says a child is up: the tracker's /readyz (Redis answers), /healthz of
     the others (the learner's once rank 0 has the model and serves the intake)."""
     if name == "tracker":
@@ -120,8 +120,8 @@ class Supervisor:
         self,
         s: LaunchSettings,
         echo,
-        run_finished: Callable[[Plan], bool],
-        on_restart: Callable[[Plan, str], None],
+        run_finished: Callable[[ProcessPlan], bool],
+        on_restart: Callable[[ProcessPlan, str], None],
     ) -> None:
         self.s = s
         self.echo = echo
@@ -138,7 +138,9 @@ class Supervisor:
         self.down_since: dict[str, float] = {}  # when a child being restarted was found dead
         self.budget = RestartBudget(s.supervision)
 
-    def spawn(self, p: Plan, name: str, service: str, command: str, extra: tuple[str, ...] = ()) -> Child:
+    def spawn(
+        self, p: ProcessPlan, name: str, service: str, command: str, extra: tuple[str, ...] = ()
+    ) -> Child:
         devices = gpu.assignment(self.s.gpus, len(p.rollouts)).get(name, [])
         config = str(p.run_dir / "config" / f"{name}.yaml")
         child = launch_child(
@@ -176,7 +178,7 @@ class Supervisor:
             if child is not None:
                 child.stop(self.s.stop_seconds)
 
-    def tend(self, p: Plan) -> bool:
+    def tend(self, p: ProcessPlan) -> bool:
         """One look at every child: start what is due for a restart, see who came up, decide on
         who exited. Answers whether the learner has finished (exit 0: training is over)."""
         now = time.monotonic()
@@ -202,7 +204,7 @@ class Supervisor:
                 self._died(name, code, now)
         return "learner" in self.done
 
-    def _normal_exit(self, p: Plan, name: str, code: int) -> bool:
+    def _normal_exit(self, p: ProcessPlan, name: str, code: int) -> bool:
         """An exit that is no failure: the evaluator's 0 (it scored up to the end), a replica's 0
         once the run is finished at the tracker (the learner marks it so after its last update,
         and replicas then stop). A replica's 0 on a running run is a failure all the same."""
@@ -210,7 +212,7 @@ class Supervisor:
             return False
         return name == "evaluator" or (name.startswith("rollout") and self.run_finished(p))
 
-    def _check_started(self, p: Plan, name: str, now: float) -> None:
+    def _check_started(self, p: ProcessPlan, name: str, now: float) -> None:
         url = health_url(p, name)
         if _answers(url):
             del self.starting[name]
@@ -239,7 +241,7 @@ class Supervisor:
         self.pending[name] = now + delay
         self.down_since.setdefault(name, now)
 
-    def _restart(self, p: Plan, name: str) -> None:
+    def _restart(self, p: ProcessPlan, name: str) -> None:
         old = self.children[name]
         old.stop(0)  # dead already: this closes its log
         if name == "tracker":
@@ -251,7 +253,7 @@ class Supervisor:
         self.wait_started([name])
         self.echo(f"restarted {name} (pid {child.pid}; restart {self.restarts[name]} of it in this run)")
 
-    def _wait_for_old_redis(self, p: Plan) -> None:
+    def _wait_for_old_redis(self, p: ProcessPlan) -> None:
         """A tracker's embedded Redis gets SIGTERM when the tracker dies and flushes its append-only
         file as it exits; the new tracker's Redis must not open that file before then. Its pid
         is in <data_dir>/redis.pid until it exits. Past stop_seconds it is killed by that pid."""

@@ -43,11 +43,21 @@ _SLOW = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 class LearnerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # Registration order is the order of the /metrics page: keep these calls in this order.
+        self._register_training(r)
+        self._register_intake(r)
+        self._register_buffer(r)
+        self._register_update_stats(r)
+        self._register_timings(r)
+
+    def _register_training(self, r: CollectorRegistry) -> None:
         self.updates = Counter("spopp_learner_updates", "updates done", registry=r)
         self.trained_tokens = Counter("spopp_learner_trained_tokens", "action tokens trained on", registry=r)
         self.tokens_per_s = Gauge(
             "spopp_learner_tokens_per_second", "action tokens per second of the last update", registry=r
         )
+
+    def _register_intake(self, r: CollectorRegistry) -> None:
         self.accepted = Counter(
             "spopp_learner_trajectories_accepted",
             "trajectories buffered (a repeated request once)",
@@ -61,6 +71,9 @@ class LearnerMetrics:
         )
         for reason in REFUSAL_REASONS:
             self.refused.labels(reason)
+
+    def _register_buffer(self, r: CollectorRegistry) -> None:
+        # Values come from the buffer at scrape time (`watch`), not from set() calls.
         self.buffer_filled = Gauge(
             "spopp_learner_buffer_trajectories",
             "trajectories accepted for the current policy version (trained or waiting)",
@@ -75,6 +88,8 @@ class LearnerMetrics:
         self.policy_version = Gauge(
             "spopp_learner_policy_version", "policy version the intake accepts", registry=r
         )
+
+    def _register_update_stats(self, r: CollectorRegistry) -> None:
         self.staleness = Histogram(
             "spopp_learner_trajectory_staleness",
             "policy versions between a trained trajectory's dispatch and the version trained",
@@ -104,6 +119,8 @@ class LearnerMetrics:
             "share of the last update's stale tokens whose weight passed behaviour_cap",
             registry=r,
         )
+
+    def _register_timings(self, r: CollectorRegistry) -> None:
         self.publish_seconds = Histogram(
             "spopp_learner_publish_seconds", "snapshot + tracker publish time", registry=r, buckets=_SLOW
         )

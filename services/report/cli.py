@@ -66,10 +66,11 @@ DEFAULT_TITLE = "SPO++ vs SPO: held-out evaluation reward"
     help="normalized area under the curve: trapezoid rule, or step mean (rectangles)",
 )
 @click.option(
-    "--budget",
+    "--points",
     type=click.IntRange(min=1),
     default=None,
-    help="compare every pair at exactly N points; pairs with fewer common points are left out "
+    metavar="N",
+    help="compare every pair at exactly N curve points; pairs with fewer common points are left out "
     "(Table 1 only; default: each pair at its common length)",
 )
 @click.option("--title", default=DEFAULT_TITLE, show_default=True, help="title of report.md and curves.png")
@@ -100,7 +101,7 @@ def command(
     fmt: str,
     metric: str,
     kind: str,
-    budget: int | None,
+    points: int | None,
     title: str,
     x_axis: str,
     mixed_code: str,
@@ -123,7 +124,7 @@ def command(
         code = check({run.label: run.code for run in runs}, mixed_code, "spopp report")
     except (RunError, MixedCode) as exc:
         raise click.ClickException(str(exc)) from None
-    report = build(runs, metric, kind, budget, title, warnings, code)
+    report = build(runs, metric, kind, points, title, warnings, code)
     text_json, text_md = to_json(report), to_markdown(report)
     click.echo(text_json if fmt == "json" else text_md, nl=fmt == "json")
     if out is None:

@@ -4,7 +4,7 @@ wall-clock time).
 
 Runs pair by seed across arms. Each pair is cut to its common number of points before anything
 is computed, so that a run that stopped early is not scored against the other's longer, usually
-better, tail; `--budget N` instead compares every pair at exactly N points and leaves out those
+better, tail; `--points N` instead compares every pair at exactly N curve points and leaves out those
 that have fewer. The report is one JSON-ready dict holding the curves as well as the results, so
 that anyone can recompute the table from `report.json` alone; the markdown renders that dict.
 """
@@ -94,7 +94,7 @@ def _by_seed(runs: list[Run]) -> dict[int, dict[str, Run]]:
     return seeds
 
 
-def pair_results(runs: list[Run], kind: str, budget: int | None, warnings: list[str]) -> list[dict[str, Any]]:
+def pair_results(runs: list[Run], kind: str, points: int | None, warnings: list[str]) -> list[dict[str, Any]]:
     """One entry per seed that has both an SPO and an SPO++ run, in seed order."""
     pairs = []
     for seed, arms in sorted(_by_seed(runs).items()):
@@ -110,25 +110,25 @@ def pair_results(runs: list[Run], kind: str, budget: int | None, warnings: list[
         spo, spopp = arms[SPO], arms[SPOPP]
         a, b = len(spo.rewards), len(spopp.rewards)
         common = min(a, b)
-        if budget is not None and common < budget:
+        if points is not None and common < points:
             warnings.append(
-                f"pair seed {seed}: left out, {common} common points is below the budget of {budget} "
+                f"pair seed {seed}: left out, {common} common points is below --points {points} "
                 f"(spo has {a}, spopp has {b})"
             )
             continue
-        points = budget if budget is not None else common
+        cut = points if points is not None else common
         if a != b:
             warnings.append(
-                f"pair seed {seed}: truncated to {points} common points (spo has {a}, spopp has {b})"
+                f"pair seed {seed}: truncated to {cut} common points (spo has {a}, spopp has {b})"
             )
         arms_out = {}
         for arm, run in ((SPO, spo), (SPOPP, spopp)):
-            curve = run.rewards[:points]
+            curve = run.rewards[:cut]
             arms_out[arm] = {"area": area(curve, kind), "end": end_reward(curve)}
         pairs.append(
             {
                 "seed": seed,
-                "points": points,
+                "points": cut,
                 SPO: arms_out[SPO],
                 SPOPP: arms_out[SPOPP],
                 "d_area": POINTS * (arms_out[SPOPP]["area"] - arms_out[SPO]["area"]),
@@ -232,7 +232,7 @@ def build(
     runs: list[Run],
     metric: str,
     kind: str,
-    budget: int | None,
+    points: int | None,
     title: str,
     warnings: list[str],
     code: dict[str, Any] | None = None,
@@ -247,11 +247,11 @@ def build(
     # A comparison of staleness arms only (spopp against spopp-k1, no SPO run) is not missing its
     # SPO runs: Table 1's absence is said in its section, not warned about run by run.
     staleness_only = not any(run.arm == SPO for run in runs) and any(staleness_arm(r.arm) for r in runs)
-    pairs = pair_results(runs, kind, budget, [] if staleness_only else warnings)
+    pairs = pair_results(runs, kind, points, [] if staleness_only else warnings)
     if not pairs and not staleness_only:
         paired = any(SPO in arms and SPOPP in arms for arms in _by_seed(runs).values())
         why = (
-            f"every pair has fewer than {budget} common points"
+            f"every pair has fewer than {points} common points"
             if paired
             else "no seed has both an spo and an spopp run"
         )
@@ -260,7 +260,7 @@ def build(
         "title": title,
         "metric": metric,
         "area": kind,
-        "budget": budget,
+        "points": points,
         "runs": [run.as_dict() for run in runs],
         "pairs": pairs,
         "table": main_table(pairs),
@@ -302,9 +302,10 @@ def _finite(value: Any) -> Any:
 def to_markdown(report: dict[str, Any]) -> str:
     """Table 1, the per-pair numbers, Table 2 when there is an ablation, then the warnings."""
     area_rule = "trapezoid area" if report["area"] == "trapezoid" else "step mean"
-    budget = f", budget {report['budget']} points" if report["budget"] is not None else ""
+    points = _points(report)
+    at = f", every pair at {points} points" if points is not None else ""
     out = [f"# {_cell(report['title'])}", ""]
-    out.append(f"Metric `{report['metric']}`, {area_rule}{budget}; {len(report['runs'])} runs.")
+    out.append(f"Metric `{report['metric']}`, {area_rule}{at}; {len(report['runs'])} runs.")
     out.append("")
     out += _code_lines(report)
     out += _table1_lines(report)
@@ -314,6 +315,11 @@ def to_markdown(report: dict[str, Any]) -> str:
         out += ["", "## Warnings", ""]
         out += [f"- {_cell(w)}" for w in report["warnings"]]
     return "\n".join(out) + "\n"
+
+
+def _points(report: dict[str, Any]) -> int | None:
+    """`--points N` of the report; a report.json written before the rename says "budget"."""
+    return report.get("points", report.get("budget"))
 
 
 def _code_lines(report: dict[str, Any]) -> list[str]:
@@ -375,7 +381,7 @@ def _table2_lines(report: dict[str, Any]) -> list[str]:
         f"{what}, each seed's three runs cut to "
         "their common length; Δ in percentage points, mean ± sample s.d. over "
         f"{len(ablation_['seeds'])} seeds ({', '.join(str(s) for s in ablation_['seeds'])})."
-        + (" The budget applies to Table 1 only." if report["budget"] is not None else "")
+        + (" --points applies to Table 1 only." if _points(report) is not None else "")
     )
     out.append("")
     unit = "(points)" if label == "C10" else "in percentage points"

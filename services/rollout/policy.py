@@ -28,7 +28,7 @@ from .swap import VersionedEngine
 log = logging.getLogger("spopp.rollout")
 
 
-class Policy:
+class PolicyFollower:
     """The policy `engine` generates with (`version`, from `snapshot`), kept in step with the tracker;
     `max_staleness` is the run's k."""
 

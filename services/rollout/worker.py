@@ -43,7 +43,7 @@ from .config import RolloutSettings
 from .episodes import Episodes, token_versions
 from .leases import Leases, default_prefetch
 from .metrics import RolloutMetrics
-from .policy import Policy
+from .policy import PolicyFollower
 from .startup import read_run, release_previous_life, run_finished, wait_for_learner
 from .swap import VersionedEngine
 
@@ -92,7 +92,7 @@ class Worker:
             stream=stream_key(settings.run, run.config.study),
             counted=(mine.trajectories, mine.episodes) if mine is not None else (0, 0),
         )  # fmt: skip
-        self.policy = Policy(
+        self.policy = PolicyFollower(
             settings, run.config.max_staleness, self.engine, self.tracker, (self.leases, self.episodes),
             self.metrics, self.stopping,
         )  # fmt: skip

@@ -89,7 +89,7 @@ def launch_config(demo: dict, kind: str) -> Path:
     cfg = {
         "run": f"gpu-{kind}", "run_dir": str(demo["root"] / "runs" / kind),
         "model": str(demo["model"]), "tasks": str(demo["train"]), "heldout": str(demo["heldout"]),
-        "env": "toy-calc", "updates": UPDATES[kind], "progress_seconds": 10,
+        "env": "toy-calc", "max_updates": UPDATES[kind], "progress_seconds": 10,
         "rollout": {"engine": "transformers", "engine_options": cuda, "concurrency": 32, "temperature": 1.0,
                     **BUDGET},
         "learner": learner,

@@ -1,0 +1,97 @@
+"""tools/check_layout.py holds the code against layout.toml: each rule is broken once in a small tree
+and named in the answer, and this checkout keeps its own layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools import check_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYOUT = """
+[limits]
+function_code_lines = 5
+engine_class_lines = 6
+
+[packages.spopp]
+role = "the library"
+
+[packages."services.launch"]
+role = "one run"
+max_lines = 40
+max_floors = 2
+"""
+
+
+def _tree(tmp_path: Path, files: dict[str, str], layout: str = LAYOUT) -> Path:
+    (tmp_path / "layout.toml").write_text(layout)
+    for name, text in {"spopp/__init__.py": "", "services/launch/__init__.py": "", **files}.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_a_tree_that_keeps_its_layout_passes(tmp_path):
+    root = _tree(tmp_path, {"services/launch/a.py": "X = 1\n", "services/launch/b.py": "from .a import X\n"})
+    assert check_layout.check(root) == []
+    assert check_layout.main(["--root", str(root)]) == 0
+
+
+def test_unlisted_and_vanished_packages_are_named(tmp_path):
+    layout = LAYOUT + '\n[packages."runtime.gone"]\nrole = "was here"\n'
+    root = _tree(tmp_path, {"services/extra/__init__.py": ""}, layout)
+    problems = check_layout.check(root)
+    assert "services.extra: a package that layout.toml does not list: add it with its role" in problems
+    assert "runtime.gone: listed in layout.toml but not in the code" in problems
+    assert check_layout.main(["--root", str(root)]) == 1
+
+
+def test_floors_count_every_spelling_of_a_sibling_import(tmp_path):
+    # c -> b -> a is three floors, over the bound of 2, whichever way the import is written.
+    for spell in (
+        "from .b import Y",
+        "from services.launch.b import Y",
+        "from . import b",
+        "import services.launch.b",
+    ):
+        root = _tree(tmp_path, {
+            "services/launch/a.py": "X = 1\n",
+            "services/launch/b.py": "from services.launch import a\nY = a.X\n",
+            "services/launch/c.py": f"def f():\n    {spell}\n",
+        })  # fmt: skip
+        assert check_layout.check(root) == [
+            "services.launch: 3 floors (at most 2; c.py stands on floor 3)"
+        ], spell
+
+
+def test_a_circle_is_named_and_lines_are_bounded(tmp_path):
+    root = _tree(tmp_path, {
+        "services/launch/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import Y\n",
+        "services/launch/b.py": "from .a import X\n" + "Z = 0\n" * 40,
+    })  # fmt: skip
+    problems = check_layout.check(root)
+    assert "services.launch: modules import each other round a circle: a, b" in problems
+    assert "services.launch: 44 lines in its modules (at most 40)" in problems
+
+
+def test_long_functions_and_engine_classes_are_named(tmp_path):
+    body = "    x = 1\n" * 6
+    doc = '    """A docstring\n    of two lines is not code."""\n'
+    root = _tree(tmp_path, {
+        "spopp/ok.py": "def short():\n" + doc + "    # a comment is not code\n\n" + "    x = 1\n" * 5,
+        "spopp/long.py": "def long():\n" + body,
+        "runtime/__init__.py": "",
+        "runtime/engines/__init__.py": "",
+        "runtime/engines/big.py": "class Engine:\n" + "    a = 1\n" * 6,
+        "runtime/other.py": "class NotAnEngine:\n" + "    a = 1\n" * 20,
+    }, LAYOUT + '\n[packages.runtime]\nrole = "r"\n[packages."runtime.engines"]\nrole = "e"\n')  # fmt: skip
+    assert check_layout.check(root) == [
+        "spopp/long.py:1: long has 6 code lines (at most 5)",
+        "runtime/engines/big.py:1: engine class Engine has 7 lines (at most 6)",
+    ]
+
+
+def test_this_checkout_keeps_its_layout():
+    assert check_layout.check(ROOT) == []
