@@ -235,8 +235,26 @@ def test_the_light_copy_goes_and_comes_back(tmp_path):
                     "main/runs/spo-s0/run.json", "protocol.json", "study.json"]  # fmt: skip
     assert ps.main(["--out", str(back), "--unpack", str(copy)]) == 0
     assert (back / "main/runs/spo-s0/run.json").read_text() == (run / "run.json").read_text()
-    with pytest.raises(SystemExit, match="no protocol.json"):
+    with pytest.raises(SystemExit, match="no protocol.json, no finished pilot run"):
         ps.main(["--out", str(back), "--unpack", str(tmp_path / "nothing")])
+
+
+def test_a_pilot_longer_than_a_session_packs_its_finished_runs(tmp_path):
+    # Before the protocol exists, a pilot's finished runs are the light copy (the unfinished one is
+    # run again on resume); an OUT with neither is refused, naming both.
+    out, copy, back = tmp_path / "out", tmp_path / "copy", tmp_path / "back"
+    with pytest.raises(SystemExit, match="no protocol.json, no finished pilot run"):
+        ps.main(["--out", str(out), "--pack", str(copy)])
+    for name, status in (("spo-s1000", "finished"), ("spopp-s1000", "running")):
+        run = out / "pilot" / "runs" / name
+        run.mkdir(parents=True)
+        (run / "run.json").write_text(json.dumps({"status": status}))
+    (out / "launch.yaml").write_text("seed: 0\n")
+    assert ps.main(["--out", str(out), "--pack", str(copy)]) == 0
+    held = sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file())
+    assert held == ["launch.yaml", "pilot/runs/spo-s1000/run.json"]
+    assert ps.main(["--out", str(back), "--unpack", str(copy)]) == 0
+    assert json.loads((back / "pilot/runs/spo-s1000/run.json").read_text())["status"] == "finished"
 
 
 # The study's own limit; the test's a minute more, so that a slow machine fails with its output.

@@ -537,12 +537,19 @@ EXTRA = (
 )
 
 
-def pack(out: Path, dest: Path) -> int:
-    """Files copied from the study's OUT into its light copy `dest`."""
+def _finished_runs(folder: Path) -> list[Path]:
     from tools import map_pack
 
-    if not (out / PROTOCOL).is_file():
-        raise map_pack.PackError(f"{out} holds no study (no {PROTOCOL})")
+    return [p for p in sorted(folder.glob(f"{PILOT}/runs/*/run.json")) if map_pack._finished(p)]
+
+
+def pack(out: Path, dest: Path) -> int:
+    """Files copied from the study's OUT into its light copy `dest`: a decided study, or a pilot
+    with a finished run (a pilot longer than a session resumes from its finished runs too)."""
+    from tools import map_pack
+
+    if not (out / PROTOCOL).is_file() and not _finished_runs(out):
+        raise map_pack.PackError(f"{out} holds no study (no {PROTOCOL}, no finished pilot run)")
     files = map_pack.light_files(out) + [Path(x) for x in EXTRA if (out / x).is_file()]
     return map_pack._copy(sorted(set(files)), out, dest)
 
@@ -551,8 +558,8 @@ def unpack(src: Path, out: Path) -> int:
     """Files copied from the light copy `src` back into the study's OUT."""
     from tools import map_pack
 
-    if not (src / PROTOCOL).is_file():
-        raise map_pack.PackError(f"{src} is not a study's light copy (no {PROTOCOL})")
+    if not (src / PROTOCOL).is_file() and not _finished_runs(src):
+        raise map_pack.PackError(f"{src} is not a study's light copy (no {PROTOCOL}, no finished pilot run)")
     return map_pack._copy(sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file()), src, out)
 
 
