@@ -25,8 +25,10 @@ from fixtures_model import (  # noqa: F401  (session fixtures)
     model_limits,
     perturbed_model,
     reference,
+    runner,
     smollm2,
     smollm2_truncated,
+    tiny_engine,
     tiny_model,
 )
 

@@ -8,6 +8,7 @@ when the builder's source or the transformers version does.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
@@ -168,3 +169,20 @@ def smollm2_truncated(smollm2) -> Path:
         AutoTokenizer.from_pretrained(smollm2).save_pretrained(folder)
 
     return built_once(smollm2.with_name(smollm2.name + "-2-layers"), cut)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    """One event loop per test module, for the fixtures and tests that drive an async engine."""
+    with asyncio.Runner() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model, runner):
+    """The transformers engine on the tiny model, one per test module, closed after it."""
+    from runtime.engines.hf import TransformersEngine
+
+    engine = TransformersEngine(tiny_model)
+    yield engine
+    runner.run(engine.close())

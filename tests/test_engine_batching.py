@@ -30,12 +30,6 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def runner():
-    with asyncio.Runner() as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
 def noisy_model(tiny_model, tmp_path_factory):
     """The tiny model with its weights drowned in noise: it seldom ends a turn, so rows run long
     (the trained tiny model answers in a few tokens)."""

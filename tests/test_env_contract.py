@@ -18,7 +18,6 @@ engine in this process: `workers: 0`) run in the default tier.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import sys
 import textwrap
@@ -118,18 +117,8 @@ def plugins(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runner():
-    with asyncio.Runner() as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model, runner):
-    from runtime.engines.hf import TransformersEngine
-
-    engine = TransformersEngine(tiny_model)
-    yield engine
-    runner.run(engine.close())
+def engine(tiny_engine):
+    return tiny_engine
 
 
 # -- each built-in's options and tasks: (options, tasks) from a scratch folder -----------------------

@@ -22,11 +22,17 @@ from runtime.engines.hf.sequence import Request, Row
 from tools.tiny_model import random_adapter
 
 CPU = torch.device("cpu")
-# float32 log-softmax over a few hundred logits of magnitude ~10 against float64: the rounding of
-# the log-sum-exp is ~1e-6; 1e-5 leaves room, and any wrong temperature or mask is off by > 1e-2.
+# float32 log-softmax against float64 over V = 397 logits of magnitude <= 10: the log-sum-exp's sum
+# of V terms errs by at most V * u = 397 * 6e-8 = 2.4e-5 relative in the worst case (u: float32's
+# unit roundoff), sqrt(V) * u = 1.2e-6 typically, and the subtraction adds about u * 10 = 6e-7.
+# 1e-5 sits between typical and worst case; a wrong temperature or mask is off by > 1e-2. It does
+# not depend on the CPU's vector width (checked under ATEN_CPU_CAPABILITY=default and avx2).
 LOGP_TOL = 1e-5
-# Logits of one row computed in a padded batch (cached, merged, trimmed) against the same row alone
-# in one plain forward pass: both float32, differing only in reduction shapes, so ~1e-6 apart.
+# One row's logits in a padded, cached, merged or trimmed batch against the same row alone: both
+# float32, the same products summed in another order. The tiny model's reductions are K <= 256 terms
+# (hidden 128, MLP 256) over 2 layers; a reordered sum of K terms of magnitude ~10 differs by at most
+# K * u * 10 = 1.5e-4 per reduction, typically sqrt(K) * u * 10 = 1e-5. 1e-4 is between; a wrong
+# cache position or mask moves logits by > 1e-1.
 LOGIT_TOL = 1e-4
 
 

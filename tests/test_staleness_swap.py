@@ -12,7 +12,6 @@ from records import run_record
 
 from runtime.agent import Budget, run_episode
 from runtime.engines.base import SamplingConfig
-from runtime.engines.hf import TransformersEngine
 from runtime.envs.base import Environment, StepResult, Task
 from services.rollout.swap import VersionedEngine
 from services.rollout.worker import token_versions
@@ -24,16 +23,8 @@ LONG = SamplingConfig(max_tokens=48, temperature=1.0, seed=3)
 
 
 @pytest.fixture(scope="module")
-def runner():
-    with asyncio.Runner() as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model, runner):
-    eng = TransformersEngine(tiny_model)
-    yield eng
-    runner.run(eng.close())
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def test_a_swap_waits_for_running_generations_and_holds_new_ones(engine, tiny_model, runner):
