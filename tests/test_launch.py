@@ -154,16 +154,17 @@ def test_task_and_prior_files_are_checked(toy, tmp_path):
     _refused(toy, tmp_path, "prior:", prior=str(tmp_path / "broken.json"))
 
 
-def test_check_prints_the_plan_and_starts_nothing(toy, tmp_path):
+def test_check_prints_the_plan_renders_the_first_task_with_the_models_template_and_starts_nothing(
+    toy, tmp_path
+):
+    """One passing --check shows both (a --check renders the task and plays an episode, each in a child
+    that imports transformers: one is enough): the plan of every process, then the first task as the
+    model's template renders it. A budget the prompt fills and a model without a chat template are
+    refused at the render. Nothing is started."""
     r = launch(str(config(toy, tmp_path)), "--check", "--set", "rollout.replicas=2")
     assert r.returncode == 0, r.stderr
     assert "rollout-1 port" in r.stdout and "evaluator port" in r.stdout
     assert not (tmp_path / "run").exists()
-
-
-def test_check_renders_the_first_task_with_the_models_template(toy, tmp_path):
-    r = launch(str(config(toy, tmp_path)), "--check")
-    assert r.returncode == 0, r.stderr
     first = json.loads(Path(toy["train"]).read_text().splitlines()[0])
     assert f"task {first['task_id']} opens with" in r.stdout and "(episode budget 128)" in r.stdout
     assert first["prompt"] in r.stdout  # the rendered prompt itself is shown
@@ -683,23 +684,6 @@ def _wandb_history(run_file: Path) -> list[dict]:
     return rows
 
 
-def test_wandb_offline_mirrors_the_learner_and_evaluator_records(toy, tmp_path):
-    path = config(toy, tmp_path, max_updates=2, wandb=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOPP_", "WANDB_"))}
-    r = subprocess.run(cli("launch", str(path)), capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    rows = _wandb_history(run_file)
-    learner = [
-        json.loads(x) for x in (tmp_path / "run" / "learner" / "metrics.jsonl").read_text().splitlines()
-    ]
-    train = [row for row in rows if "train/reward_mean" in row]
-    assert [row["update"] for row in train] == [1, 2]
-    assert [row["train/reward_mean"] for row in train] == [x["reward_mean"] for x in learner]
-    evals = [row for row in rows if "eval/sampled/reward_mean" in row]
-    assert [row["policy_version"] for row in evals] == [0, 2]
-
-
 # -- a user's own environment, reward function and agent, from a package outside the repository -------
 USER_PACKAGE = {
     "envs.py": """
@@ -740,29 +724,77 @@ async def calc(client, task):
 }
 
 
-@pytest.mark.parametrize("spec", ["calcpkg.envs:MyCalc", "calcpkg.rewards:exact", "calcpkg.agents:calc"])
-def test_a_users_package_is_trained_without_touching_spopp(toy, tmp_path, spec):
-    """The package lives in the test's folder, on PYTHONPATH only: spopp launch checks it (one
-    episode), then trains on it, and its evaluator scores it."""
-    pkg = tmp_path / "site" / "calcpkg"
-    pkg.mkdir(parents=True)
+@pytest.fixture(scope="module")
+def user_site(tmp_path_factory) -> Path:
+    """A folder that holds the user's package calcpkg, put on PYTHONPATH only (never installed)."""
+    site = tmp_path_factory.mktemp("site")
+    pkg = site / "calcpkg"
+    pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     for name, text in USER_PACKAGE.items():
         (pkg / name).write_text(text)
-    env = {**environ_without_settings(), "PYTHONPATH": str(tmp_path / "site")}
+    return site
+
+
+def _with_user_site(site: Path) -> dict[str, str]:
+    return {**environ_without_settings(), "PYTHONPATH": str(site)}
+
+
+@pytest.mark.parametrize("spec", ["calcpkg.envs:MyCalc", "calcpkg.rewards:exact", "calcpkg.agents:calc"])
+def test_a_users_environment_reward_or_agent_passes_the_check(toy, user_site, tmp_path, spec):
+    """Each kind a spec may name is loaded and played its own way (runtime/envs/registry.py: the
+    class itself, a reward function called in SingleTurnEnv's worker processes, an async agent that
+    drives its episode through a chat endpoint): spopp launch --check imports it from the package,
+    which is on PYTHONPATH only, and plays one episode of it (spopp env check, a child of the
+    launcher)."""
     path = config(toy, tmp_path, env=spec, max_updates=2)
     check = subprocess.run(
-        cli("launch", str(path), "--check"), capture_output=True, text=True, timeout=240, env=env
-    )
+        cli("launch", str(path), "--check"), capture_output=True, text=True, timeout=240,
+        env=_with_user_site(user_site),
+    )  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr
     assert f"environment {spec}: the contract holds" in check.stdout
+
+
+USER_AGENT = "calcpkg.agents:calc"
+
+
+@pytest.fixture(scope="module")
+def users_agent_run(toy, user_site, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One full launch for the two tests below (a launch is the costly part of each): 2 updates on
+    the user's agent, the kind that reaches furthest into a run (its episodes are driven through
+    the replica's OpenAI-compatible endpoint, in the replica and the evaluator), mirrored to W&B
+    offline. Answers the finished launch and its run folder."""
+    tmp = tmp_path_factory.mktemp("users-agent")
+    path = config(toy, tmp, env=USER_AGENT, max_updates=2, wandb=True)
+    env = {k: v for k, v in _with_user_site(user_site).items() if not k.startswith("WANDB_")}
     r = subprocess.run(cli("launch", str(path)), capture_output=True, text=True, timeout=300, env=env)
+    return r, tmp / "run"
+
+
+def test_a_users_agent_is_trained_without_touching_spopp(users_agent_run):
+    """The package is on PYTHONPATH only: spopp launch trains on its agent (the checks above load
+    the other two kinds; every process imports a spec the same way), and its evaluator scores it."""
+    r, run = users_agent_run
     assert r.returncode == 0, r.stdout + r.stderr
-    learner = [
-        json.loads(x) for x in (tmp_path / "run" / "learner" / "metrics.jsonl").read_text().splitlines()
-    ]
+    learner = [json.loads(x) for x in (run / "learner" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in learner] == [1, 2]
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["env"] == spec
+    assert json.loads((run / "run.json").read_text())["env"] == USER_AGENT
+    evals = [json.loads(x) for x in (run / "eval" / "evals.jsonl").read_text().splitlines()]
+    assert [row["policy_version"] for row in evals] == [0, 2]
+
+
+def test_wandb_offline_mirrors_the_learner_and_evaluator_records(users_agent_run):
+    r, run = users_agent_run
+    assert r.returncode == 0, r.stdout + r.stderr
+    (run_file,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = _wandb_history(run_file)
+    learner = [json.loads(x) for x in (run / "learner" / "metrics.jsonl").read_text().splitlines()]
+    train = [row for row in rows if "train/reward_mean" in row]
+    assert [row["update"] for row in train] == [1, 2]
+    assert [row["train/reward_mean"] for row in train] == [x["reward_mean"] for x in learner]
+    evals = [row for row in rows if "eval/sampled/reward_mean" in row]
+    assert [row["policy_version"] for row in evals] == [0, 2]
 
 
 if __name__ == "__main__":
