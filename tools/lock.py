@@ -160,9 +160,12 @@ def resolve_flavour(requirements_: list[str], flavour: str, constraints: Path) -
     with tempfile.TemporaryDirectory() as tmp:
         req = Path(tmp) / "requirements.in"
         req.write_text("\n".join(requirements_) + "\n")
-        cmd = [uv(), "pip", "compile", "-q", "--no-header", "--no-annotate", "--python-version",
-               FLAVOURS[flavour], "--python-platform", PLATFORM, "--constraint", str(constraints),
-               *pip_indexes(), str(req)]  # fmt: skip
+        # The flavour's Python is only the markers' (--python-version). Without --no-python-downloads
+        # uv tries to download that CPython for every resolution; where it cannot, that is 6 to 10 s
+        # of retries before it resolves with an interpreter it found, as it now does at once.
+        cmd = [uv(), "pip", "compile", "-q", "--no-python-downloads", "--no-header", "--no-annotate",
+               "--python-version", FLAVOURS[flavour], "--python-platform", PLATFORM,
+               "--constraint", str(constraints), *pip_indexes(), str(req)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise ResolveError(done.stderr.strip()[-3000:])
