@@ -31,6 +31,7 @@ from fixtures_model import (  # noqa: F401  (session fixtures)
     tiny_engine,
     tiny_model,
 )
+from procs import oom_kills, uptime
 
 from services.tracker.embedded import EmbeddedRedis
 from spopp.client import TrackerClient
@@ -216,3 +217,25 @@ def pytest_collection_modifyitems(config, items):
         return (2 if item.get_closest_marker("process") else 3, 0)
 
     items.sort(key=rank)  # stable: the order within each rank is collection order
+
+
+_started_at_uptime = 0.0
+
+
+def pytest_sessionstart(session):
+    global _started_at_uptime
+    _started_at_uptime = uptime()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Processes the kernel's OOM killer ended during the run, at the end of the report (the part
+    CI keeps): a service that died of it otherwise shows only as a refused connection."""
+    if hasattr(terminalreporter.config, "workerinput"):  # an xdist worker: the controller reports
+        return
+    kills = oom_kills(since=_started_at_uptime)
+    if kills:
+        terminalreporter.write_sep(
+            "=", f"the kernel's OOM killer ended {len(kills)} process(es) during the run"
+        )
+        for line in kills:
+            terminalreporter.write_line(line)

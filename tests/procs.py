@@ -4,6 +4,7 @@ killed by its own pid if still running at the end."""
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import subprocess
 import sys
@@ -47,13 +48,52 @@ def running(args: list[str], log_path, env: dict | None = None):
         code = proc.poll()
         state = "still running" if code is None else f"exited with {code}"
         last = "\n".join(tail.splitlines()[-12:])
-        exc.add_note(f"{' '.join(args[3:5])} (pid {proc.pid}) {state}; its last lines:\n{last}")
+        exc.add_note(
+            f"{' '.join(args[3:5])} (pid {proc.pid}) {state}{_oom_kill(proc.pid)}; its last lines:\n{last}"
+        )
         raise
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+def oom_kills(since: float = 0.0) -> list[str]:
+    """The kernel log's OOM-killer lines ("Killed process PID (name) ...") stamped after `since`
+    seconds of uptime; [] where dmesg cannot be read (nothing is claimed then)."""
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = []
+    for line in log.splitlines():
+        m = re.match(r"\[\s*([0-9.]+)\]\s*(.*Killed process \d+ .*)", line)
+        if m and float(m[1]) >= since:
+            found.append(m[2].strip())
+    return found
+
+
+def uptime() -> float:
+    """Seconds since boot: the clock of the kernel log's stamps."""
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def _oom_kill(pid: int) -> str:
+    hits = [x for x in oom_kills() if f"Killed process {pid} " in x]
+    return f", killed by the kernel's OOM killer ({hits[-1]})" if hits else ""
+
+
+def kill_unless_reused(processes: list) -> None:
+    """SIGKILL each `psutil.Process` that is still the process it was when taken. psutil compares
+    start times, so a pid the kernel has since handed to another process is left alone: pid_max
+    is 32768 on these machines and a suite starts tens of thousands of processes and threads, so a
+    cleanup by bare pid of a process that already ended can kill another test's service."""
+    import psutil
+
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def learner_config(tmp: Path, tracker_url: str, model, run: str, **settings) -> tuple[Path, int]:

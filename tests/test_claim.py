@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
-from procs import cli, running
+from procs import cli, kill_unless_reused, running
 
 from runtime.tasks import generate_arithmetic_tasks
 from services.evaluator.config import EvaluatorSettings
@@ -61,7 +62,7 @@ class Holders:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
-        self.extra_pids: list[int] = []
+        self.extra: list = []  # psutil processes taken while alive: killed unless their pid was reused
 
     def start(self, directory: Path, **args) -> subprocess.Popen:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -91,9 +92,7 @@ class Holders:
                 proc.kill()
                 proc.wait(10)
             proc.stdout.close()
-        for pid in self.extra_pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_unless_reused(self.extra)
 
 
 @pytest.fixture
@@ -179,7 +178,7 @@ def test_a_replica_and_an_evaluator_never_share_a_device(holders, tmp_path):
 def test_no_child_keeps_the_claim_after_its_parent_dies(holders, tmp_path):
     parent = holders.start(tmp_path, children=True)
     got = holders.answer(parent)
-    holders.extra_pids += [got["exec_child"], got["fork_child"]]
+    holders.extra += [psutil.Process(got["exec_child"]), psutil.Process(got["fork_child"])]
     holders.kill(parent)
     for pid in (got["exec_child"], got["fork_child"]):
         os.kill(pid, 0)  # both children still live

@@ -1,7 +1,6 @@
 """Children that must not outlive a SIGKILLed parent: the guard_children watchdog, and vLLM's engine
 core under it (which otherwise survives the replica or learner that started it, memory and all)."""
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -11,6 +10,7 @@ import time
 
 import psutil
 import pytest
+from procs import kill_unless_reused
 
 from spopp.lifetime import guard_children
 
@@ -33,14 +33,9 @@ def _gone(pids: list[int], within: float) -> bool:
     return False
 
 
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _parent(script: str) -> tuple[subprocess.Popen, list[int]]:
-    """A python parent running `script`, which prints the pids to guard then READY."""
+def _parent(script: str) -> tuple[subprocess.Popen, list[int], list[psutil.Process]]:
+    """A python parent running `script`, which prints the pids to guard then READY; answers them
+    also as psutil processes taken while they live (the cleanup kills only those, never a reused pid)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -48,14 +43,14 @@ def _parent(script: str) -> tuple[subprocess.Popen, list[int]]:
     pids = []
     for line in proc.stdout:
         if line.startswith("READY"):
-            return proc, pids
+            return proc, pids, [psutil.Process(p) for p in pids]
         if line.startswith("PID "):
             pids.append(int(line.split()[1]))
     raise AssertionError(f"parent exited early with {proc.wait()}")
 
 
 def test_guarded_children_die_with_a_killed_parent_and_only_then():
-    proc, pids = _parent(
+    proc, pids, taken = _parent(
         """
         import subprocess, time
         from spopp.lifetime import guard_children
@@ -75,7 +70,7 @@ def test_guarded_children_die_with_a_killed_parent_and_only_then():
         proc.wait(10)
         assert _gone(pids, within=5.0), "guarded children outlived the SIGKILLed parent"
     finally:
-        _kill(pids)  # a failed check must not leave them behind
+        kill_unless_reused(taken)  # a failed check must not leave them behind
 
 
 def test_the_watchdog_leaves_when_its_charges_have_ended():
@@ -88,7 +83,7 @@ def test_the_watchdog_leaves_when_its_charges_have_ended():
 
 @pytest.mark.slow
 def test_vllm_engine_core_dies_with_a_killed_owner(tiny_model):
-    proc, pids = _parent(
+    proc, pids, taken = _parent(
         f"""
         import asyncio, psutil
         from runtime.engines.factory import make_engine
@@ -112,4 +107,4 @@ def test_vllm_engine_core_dies_with_a_killed_owner(tiny_model):
         proc.wait(10)
         assert _gone(pids, within=10.0), f"vLLM processes outlived their owner: {names}"
     finally:
-        _kill(pids)  # a failed check must not leave them behind
+        kill_unless_reused(taken)  # a failed check must not leave them behind
