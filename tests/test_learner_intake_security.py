@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from learner_worker import make_batch
+from learner_worker import dist_env_restored, make_batch
 from procs import cli, learner_config, running, wait_learner
 from prometheus_client.parser import text_string_to_metric_families
 from test_learner_ingest import traj
@@ -390,3 +390,39 @@ def test_real_learner_keeps_training_through_hostile_trajectories(
     records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["tokens"] == sum(t.action_tokens for t in trajs) for r in records)
+
+
+_dist_env = pytest.fixture(dist_env_restored)
+
+
+@pytest.mark.process
+def test_a_learner_whose_intake_stopped_says_so_instead_of_waiting(
+    tiny_model, tmp_path, tracker, make_run, _dist_env
+):
+    """The intake's server runs in a thread beside training. If that thread ends (an exception out
+    of uvicorn's loop), clients are refused while the learner would wait for a batch forever: it
+    stops at its next wait, naming the intake, and nothing was trained."""
+    from services.learner.config import LearnerSettings
+    from services.learner.trainer import Learner
+
+    cfg = LearnerSettings(
+        run=make_run(), tracker=tracker.url, model=tiny_model, port=0, batch_size=2, mini_batches=1,
+        micro_batch_size=2, snapshots=tmp_path / "snapshots", checkpoints=tmp_path / "ckpt",
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    learner = Learner(cfg)
+    try:
+        url = learner.serve()
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+        # The loop ends as a crashed one would: the thread is gone and the socket closed.
+        learner.server.server.should_exit = True
+        learner.server.thread.join(10)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/healthz", timeout=10)
+        with pytest.raises(RuntimeError, match=f"intake on {url} stopped serving"):
+            learner.update_once()
+        assert learner.step == 0 and learner.version == 0
+    finally:
+        learner.close()
+        if hasattr(learner.engine, "destroy"):
+            learner.engine.destroy()

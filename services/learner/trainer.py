@@ -209,6 +209,7 @@ class Learner:
         while True:
             got = None
             if self.rank == 0:
+                self._intake_serving()
                 batch = self.buffer.take(self.cfg.batch_size, timeout=30.0)
                 if batch is not None:
                     kept, values = self._screen(batch)
@@ -219,6 +220,16 @@ class Learner:
             got = _broadcast(got if got is not None else _WAIT)
             if got != _WAIT:
                 return *got, time.perf_counter() - t0
+
+    def _intake_serving(self) -> None:
+        """Rank 0, before each wait for trajectories: with the intake's server gone nothing can
+        arrive, and waiting would hang the run without a word; stop loudly instead (the
+        supervisor restarts the learner from its checkpoint)."""
+        if self.server is not None and not self.server.serving():
+            raise RuntimeError(
+                f"the trajectory intake on {self.server.url} stopped serving (its HTTP server's "
+                "thread ended): no trajectory can arrive, so the learner stops rather than wait"
+            )
 
     def _screen(self, batch: list) -> tuple[list, list[float] | None]:
         """Rank 0: drop what the intake could not judge alone, so that no trajectory stops the

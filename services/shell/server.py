@@ -216,6 +216,12 @@ class ThreadedServer:
             )
         return self.server.started
 
+    def serving(self) -> bool:
+        """Whether it still answers: its thread runs and it was not told to stop. A loop that died
+        (an exception out of uvicorn) closes the socket, so clients get "connection refused"
+        while the process that owns the server goes on."""
+        return self.thread.is_alive() and not self.server.should_exit
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
