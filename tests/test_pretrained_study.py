@@ -161,6 +161,8 @@ def test_the_page_renders_from_a_fake_report(tmp_path):
                                   "n": {"Math-TIR": ps.detect_n(sd, 2.5), "ALFWorld": ps.detect_n(sd, 19.0)}}  # fmt: skip
     page = (tmp_path / "README.md").read_text()
     assert "commit abc123def456" in page and "s.e." in page
+    # The protocol's line, every field rendered (a missing f-prefix once printed its expression).
+    assert "budget n/a minutes (not capped)" in page and "_f(" not in page
     assert f"| spopp − spo | 3 | +3.33 ± {sd / math.sqrt(3):.2f} |" in page
     assert f"[{10 / 3 - half:+.2f}, {10 / 3 + half:+.2f}]" in page
     assert (

@@ -373,6 +373,40 @@ def _crn_deltas() -> tuple[str, ...]:
     )
 
 
+# -- the pretrained-model study (docs/models.md) --------------------------------------------------------
+def _study() -> dict:
+    return _json("pretrained-study/data/study.json")
+
+
+def _study_rise() -> tuple[str, ...]:
+    runs = _study()["runs"]
+    assert all(r["versions"] == [0, 2, 4] for r in runs)  # "at version 0 ... at version 4"
+    assert all(r["rewards"][-1] > r["rewards"][0] for r in runs)  # "both arms learn in every run"
+    v0, v4 = [r["rewards"][0] for r in runs], [r["rewards"][-1] for r in runs]
+    return f(min(v0), ".3f"), f(max(v0), ".3f"), f(min(v4), ".3f"), f(max(v4), ".3f")
+
+
+def _study_diff() -> tuple[str, ...]:
+    [d] = _study()["diffs"]
+    assert (d["arm"], d["against"], d["n"]) == ("spopp", "spo", 3)
+    return signed(d["mean"], 2), f(d["se"], ".2f"), signed(d["lo"], 2), f(d["hi"], "+.2f"), f(d["t_p"], ".3f")
+
+
+def _study_pairs() -> tuple[str, ...]:
+    [d] = _study()["diffs"]
+    assert d["lost"] == d["n"]  # "lost all"
+    behind = [-x for x in d["per_seed"]]
+    assert d["sign_p"] == sign_test(d["n"], 0)  # "the smallest a sign test over 3 pairs can give"
+    return str(d["n"]), f(min(behind), ".2f"), f(max(behind), ".2f"), f(d["sign_p"], ".3f")
+
+
+def _study_outside() -> tuple[str, ...]:
+    [d] = _study()["diffs"]
+    assert d["lo"] < 0 < d["hi"] < 2.5  # "holds both signs", +2.50 "outside the interval"
+    assert min(r["rewards"][-1] for r in _study()["runs"]) >= 0.92  # "at 0.92 or more by version 4"
+    return ("2.50",)
+
+
 CLAIMS: list[tuple[str, str, Callable[[], tuple[str, ...]]]] = [
     (README, "on the toy model no cell's difference survives Holm's correction over the {} cells", _no_cell_survives),
     (README, "rerun on one cell, the paired s.d. of Δ area fell from {} to {} points",
@@ -428,6 +462,11 @@ CLAIMS: list[tuple[str, str, Callable[[], tuple[str, ...]]]] = [
      "and the swap); learner {} and {} tokens/s ({} and {} of them the model's own); the replica generated {} and {} "
      "tokens/s.", _cuda_costs),
     (MODELS, "Version 0 is {} here against {} on the CPU run", _cuda_v0),
+    (MODELS, "held-out success rose from {}–{} at version 0 to {}–{} at version 4", _study_rise),
+    (MODELS, "SPO Δ area is {} ± {} points (mean ± s.e. over the pairs; 95 % t interval [{}, {}], t p = {})",
+     _study_diff),
+    (MODELS, "SPO++ lost all {} pairs, by {} to {} points (sign p = {}, the smallest", _study_pairs),
+    (MODELS, "as large as the paper's Math-TIR effect (+{} points) lies outside the interval", _study_outside),
     (MODELS, "(each arm answers {} of the {} held-out tasks right, {} of them right in both; {} of the {} answers are "
      "the same text)", _cuda_ceiling),
     (BENCH, "({} of {} pairs won on area, by {} to {} points); by the clock it publishes each version about {} times "

@@ -75,3 +75,32 @@ def test_every_page_is_the_rendering_of_the_report_json_files_it_names():
         assert render_page(text, ROOT) == text, (
             f"{page.name} is stale: spopp report --render {page.relative_to(ROOT)}"
         )
+
+
+STUDY = ROOT / "docs" / "results" / "pretrained-study" / "data"
+
+
+def test_the_pretrained_study_page_is_its_runs():
+    """docs/results/pretrained-study/data: README.md is the rendering of study.json, study.json is
+    what the protocol and the main report give, and each report row is its run's own evaluation
+    records (the light copy's evals.jsonl), on the code its run.json names."""
+    from tools import pretrained_study as ps
+
+    study = json.loads((STUDY / "study.json").read_text())
+    assert (STUDY / "README.md").read_text() == ps.render(study), (
+        "the study's page is stale: python -m tools.pretrained_study --render " + str(STUDY.relative_to(ROOT))
+    )
+    protocol = json.loads((STUDY / "protocol.json").read_text())
+    assert ps.build_study(STUDY, protocol) == study
+    report = json.loads((STUDY / "main" / "report.json").read_text())
+    assert {(r["arm"], r["seed"]) for r in report["runs"]} == {
+        (arm, seed)
+        for arm in protocol["grid"]["arms"]
+        for seed in protocol["seeds"][protocol["grid"]["family"]]
+    }
+    for row in report["runs"]:
+        folder = STUDY / "main" / "runs" / row["run"]
+        evals = [json.loads(x) for x in (folder / "eval" / "evals.jsonl").read_text().splitlines()]
+        assert [e["policy_version"] for e in evals] == row["versions"]
+        assert [e["eval/sampled/reward_mean"] for e in evals] == row["rewards"]
+        assert json.loads((folder / "run.json").read_text())["code"] == row["code"]

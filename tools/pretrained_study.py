@@ -301,7 +301,7 @@ def render(study: dict) -> str:
         + f", s.d. {_f(pilot['summary']['sd'], '.2f')}; target s.e. {p['target_se']} area points, n_min"
         f" {p['n_min']}: wanted n = {p['wanted'][g['family']]}; mean pilot run"
         f" {_f(p['run_seconds'], '.0f')} s (first launch to finish: a run resumed in a later session"
-        " counts the time it stood stopped), budget {_f(p['budget_minutes'], 'g')} minutes"
+        f" counts the time it stood stopped), budget {_f(p['budget_minutes'], 'g')} minutes"
         f" ({'capped by the budget' if p['capped'] else 'not capped'}). Main seeds: {', '.join(map(str, seeds))}"
         f" (n = {len(seeds)}), arms {', '.join(g['arms'])}.",
         "",
