@@ -17,25 +17,29 @@ from spopp.lifetime import guard_children
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
 
-def _gone(pids: list[int], within: float) -> bool:
+def _gone(processes: list[psutil.Process], within: float) -> bool:
+    """Whether each process has ended (a zombie counts as ended) within `within` s; a pid the
+    kernel has handed to a new process meanwhile is not mistaken for the old one (is_running
+    compares start times)."""
+
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive:
+        if not any(alive(p) for p in processes):
             return True
         time.sleep(0.1)
     return False
 
 
-def _parent(script: str) -> tuple[subprocess.Popen, list[int], list[psutil.Process]]:
-    """A python parent running `script`, which prints the pids to guard then READY; answers them
-    also as psutil processes taken while they live (the cleanup kills only those, never a reused pid)."""
+def _parent(script: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """A python parent running `script`, which prints the pids to guard then READY; answers those
+    processes, taken while they live (so neither the checks nor the cleanup can mistake a reused
+    pid for them)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -43,14 +47,14 @@ def _parent(script: str) -> tuple[subprocess.Popen, list[int], list[psutil.Proce
     pids = []
     for line in proc.stdout:
         if line.startswith("READY"):
-            return proc, pids, [psutil.Process(p) for p in pids]
+            return proc, [psutil.Process(p) for p in pids]
         if line.startswith("PID "):
             pids.append(int(line.split()[1]))
     raise AssertionError(f"parent exited early with {proc.wait()}")
 
 
 def test_guarded_children_die_with_a_killed_parent_and_only_then():
-    proc, pids, taken = _parent(
+    proc, kids = _parent(
         """
         import subprocess, time
         from spopp.lifetime import guard_children
@@ -64,13 +68,13 @@ def test_guarded_children_die_with_a_killed_parent_and_only_then():
         """
     )
     try:
-        assert len(pids) == 2
-        assert not _gone(pids, within=1.0)  # the parent lives: the children are left alone
+        assert len(kids) == 2
+        assert not _gone(kids, within=1.0)  # the parent lives: the children are left alone
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        assert _gone(pids, within=5.0), "guarded children outlived the SIGKILLed parent"
+        assert _gone(kids, within=5.0), "guarded children outlived the SIGKILLed parent"
     finally:
-        kill_unless_reused(taken)  # a failed check must not leave them behind
+        kill_unless_reused(kids)  # a failed check must not leave them behind
 
 
 def test_the_watchdog_leaves_when_its_charges_have_ended():
@@ -83,7 +87,7 @@ def test_the_watchdog_leaves_when_its_charges_have_ended():
 
 @pytest.mark.slow
 def test_vllm_engine_core_dies_with_a_killed_owner(tiny_model):
-    proc, pids, taken = _parent(
+    proc, kids = _parent(
         f"""
         import asyncio, psutil
         from runtime.engines.factory import make_engine
@@ -101,10 +105,10 @@ def test_vllm_engine_core_dies_with_a_killed_owner(tiny_model):
         """
     )
     try:
-        names = [psutil.Process(p).name() for p in pids]
+        names = [p.name() for p in kids]
         assert any("EngineCore" in n for n in names), names
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        assert _gone(pids, within=10.0), f"vLLM processes outlived their owner: {names}"
+        assert _gone(kids, within=10.0), f"vLLM processes outlived their owner: {names}"
     finally:
-        kill_unless_reused(taken)  # a failed check must not leave them behind
+        kill_unless_reused(kids)  # a failed check must not leave them behind
