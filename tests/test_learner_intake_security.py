@@ -414,9 +414,11 @@ def test_a_learner_whose_intake_stopped_says_so_instead_of_waiting(
     try:
         url = learner.serve()
         assert httpx.get(url + "/healthz", timeout=10).status_code == 200
-        # The loop ends as a crashed one would: the thread is gone and the socket closed.
+        # End the loop, then leave the server as a crashed loop would: its thread gone and its
+        # socket closed, but no stop ever asked (should_exit unset), so only the thread tells.
         learner.server.server.should_exit = True
         learner.server.thread.join(10)
+        learner.server.server.should_exit = False
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/healthz", timeout=10)
         with pytest.raises(RuntimeError, match=f"intake on {url} stopped serving"):
