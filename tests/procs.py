@@ -40,17 +40,15 @@ def running(args: list[str], log_path, env: dict | None = None):
         yield proc
     except BaseException as exc:
         log.seek(0)
-        tail = log.read()[-5000:]
-        print(f"{' '.join(args[3:5])} output (tail):\n" + tail)
+        tail, name = log.read()[-5000:], " ".join(args[3:5])
+        print(f"{name} output (tail):\n" + tail)
         # Also on the exception itself: CI keeps the traceback and cuts captured output, and "the
         # process had exited with -9" (a SIGKILL: the OOM killer, a stray kill) or its last log
         # lines are what tells a crash from a slow answer.
         code = proc.poll()
         state = "still running" if code is None else f"exited with {code}"
         last = "\n".join(tail.splitlines()[-12:])
-        exc.add_note(
-            f"{' '.join(args[3:5])} (pid {proc.pid}) {state}{_oom_kill(proc.pid)}; its last lines:\n{last}"
-        )
+        exc.add_note(f"{name} (pid {proc.pid}) {state}{_oom_kill(proc.pid)}; its last lines:\n{last}")
         raise
     finally:
         if proc.poll() is None:
