@@ -351,12 +351,18 @@ def test_real_learner_keeps_training_through_hostile_trajectories(
         ]
 
     def send(version):
-        for i, (status, body, headers) in enumerate(hostile(version)):
+        # Hostile and good trajectories interleave, the good ones on the last B turns, so that the
+        # one completing the batch is the last request: at the last version the learner trains,
+        # publishes and exits as soon as it has that one, and a request after it would find the
+        # port closed (as one could on a loaded machine when the good ones went first).
+        bad = hostile(version)
+        for i, (status, body, headers) in enumerate(bad):
             r = httpx.post(f"{url}/v1/trajectories", json=body, headers=headers)
             assert r.status_code == status, r.text
-            if i < B:
-                r = httpx.post(f"{url}/v1/trajectories", json=good(i, version), headers=AUTH)
-                assert r.status_code == 200 and r.json()["position"] == i, r.text
+            k = i - (len(bad) - B)
+            if k >= 0:
+                r = httpx.post(f"{url}/v1/trajectories", json=good(k, version), headers=AUTH)
+                assert r.status_code == 200 and r.json()["position"] == k, r.text
 
     env = {
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext")),
