@@ -328,17 +328,23 @@ def _release(setup: Setup) -> None:
         torch.cuda.empty_cache()
 
 
-def plan_total(config: dict, setup: Setup, zero: int, ckpt: bool, gpu_gib: float) -> tuple[float, bool]:
-    """`spopp learner plan`'s per-GPU total for the case (bytes), and whether it fits the card."""
+def plan_total(
+    config: dict, setup: Setup, zero: int, ckpt: bool, gpu_gib: float, liger: str = "off"
+) -> tuple[float, bool]:
+    """`spopp learner plan`'s per-GPU total for the case (bytes), and whether it fits the card;
+    with liger's kernels where the case asks for them on a GPU (kernels.enable decides the same)."""
     from services.learner import memory_plan
+    from services.learner.kernels import FAMILIES
 
+    shape = memory_plan.model_shape(config)
     rows = memory_plan.plan(
-        memory_plan.model_shape(config),
+        shape,
         gpus=1,
         gpu_memory_gib=gpu_gib,
         tokens=setup.budget,
         dtype=setup.dtype,
         zero=zero,
+        liger=liger != "off" and setup.device == "cuda" and shape.model_type in FAMILIES,
     )
     row = next(r for r in rows if r.checkpointing == ckpt and r.offload == "none")
     return row.total, row.fits
@@ -374,7 +380,7 @@ def run(setup: Setup, models: dict[str, dict], budget_s: float, log, profile: bo
         for ckpt, zero, packing, liger, persist in setup.cases:
             layout = "packed" if packing else "padded"
             head = f"learner gpu: {label} zero {zero}{' persistent' if persist else ''} ckpt {'on' if ckpt else 'off'} {layout} liger {liger}"
-            predicted, fits = plan_total(config, setup, zero, ckpt, gpu_gib)
+            predicted, fits = plan_total(config, setup, zero, ckpt, gpu_gib, liger)
             case = {
                 "zero": f"{zero}{' persistent' if persist else ''}", "ckpt": ckpt, "predicted": predicted,
                 "layout": layout, "liger": liger,

@@ -89,9 +89,13 @@ group.add_command(
     "--gpu-memory", type=click.FloatRange(1, 10_000), default=80.0, show_default=True, help="GiB per GPU"
 )
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option(
+    "--liger", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+    help="plan for liger-kernel's kernels (the learner's setting liger; auto: where the model's family is one it patches)",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 def plan_command(model: str, gpus: int, zero: int | None, micro_batch_tokens: int, gpu_memory: float, dtype: str,
-                 as_json: bool) -> None:  # fmt: skip
+                 liger: str, as_json: bool) -> None:  # fmt: skip
     """Per-GPU memory of training MODEL on GPUS (weights, gradients, optimizer states, activations),
     with and without checkpointing and offload, and which settings fit. Reads config.json only."""
     from . import memory_plan
@@ -104,10 +108,28 @@ def plan_command(model: str, gpus: int, zero: int | None, micro_batch_tokens: in
         shape = memory_plan.model_shape(memory_plan.read_config(model))
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    from .kernels import FAMILIES
+
+    # The learner on a GPU applies liger where its image has it (the GPU learner image does) and
+    # the family is one it patches (kernels.why_not); the plan has no device to ask.
+    fused = liger != "off" and shape.model_type in FAMILIES
+    if liger == "on" and not fused:
+        raise click.BadParameter(
+            f"liger has no patch for model_type {shape.model_type!r} (it has {', '.join(sorted(FAMILIES))})",
+            param_hint="--liger",
+        )
     rows = memory_plan.plan(
-        shape, gpus=gpus, gpu_memory_gib=gpu_memory, tokens=micro_batch_tokens, dtype=dtype, zero=zero
+        shape,
+        gpus=gpus,
+        gpu_memory_gib=gpu_memory,
+        tokens=micro_batch_tokens,
+        dtype=dtype,
+        zero=zero,
+        liger=fused,
     )
-    settings = {"gpus": gpus, "gpu_memory_gib": gpu_memory, "tokens": micro_batch_tokens, "dtype": dtype}
+    settings = {
+        "gpus": gpus, "gpu_memory_gib": gpu_memory, "tokens": micro_batch_tokens, "dtype": dtype, "liger": fused,
+    }  # fmt: skip
     click.echo(
         memory_plan.as_json(shape, rows, **settings)
         if as_json

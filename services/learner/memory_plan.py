@@ -41,8 +41,20 @@ models with autograd's saved-tensor hooks (`saved_bytes`), and tests/test_learne
 the formula against that measurement on several shapes.
 
 T is what the forward computes: the real tokens of a packed micro-batch (the learner's default),
-rows x the longest row of a padded one. The figures are for transformers' own kernels; liger-kernel's
-fused RMSNorm and SwiGLU (services/learner/kernels.py, on CUDA) keep less, so there the plan errs high.
+rows x the longest row of a padded one.
+
+With liger-kernel (services/learner/kernels.py: on CUDA, for the families it patches) the layers keep
+less. What its autograd functions save, read from liger-kernel 0.8.5's source: RMSNorm keeps its
+input in the model's dtype and an fp32 rstd per row (LigerRMSNormFunction: X, W, RSTD), where
+transformers' keeps an fp32 copy of the input and the normalised output, so 4H less per norm (the
+scaled output is the next matmul's input in both); SwiGLU keeps gate and up and recomputes SiLU in
+backward (LigerSiLUMulFunction: a, b), bI less; rotary keeps cos and sin in both; Qwen3's q/k norms
+keep b(q + kv) and their rstd. Per token and layer, 8H + bI less, and 4H less once (the final
+norm). Below ZeRO-3 the output layer's log-probs are liger's fused linear cross-entropy, whose
+backward re-runs its forward with the per-token gradient: a gradient of the states (bTH), the
+weight's gradient accumulated in fp32 and cast to the model's dtype ((4 + b)VH), and about three
+[C', V] tensors in the model's dtype for its own chunk C' = min(T, next power of 2 of T / ceil(V / H)),
+in place of HEAD_TRANSIENT's chunks (`liger_head_transient`).
 
 A plan fits when its total stays under the GPU's memory less a reserve (10%: the CUDA context,
 NCCL's buffers, the allocator's fragmentation).
@@ -134,10 +146,20 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     )
 
 
-def saved_per_token(shape: ModelShape, dtype: str = "bf16") -> tuple[float, float]:
-    """(bytes autograd keeps per token per layer, bytes per token once for the whole model)."""
+def saved_per_token(shape: ModelShape, dtype: str = "bf16", liger: bool = False) -> tuple[float, float]:
+    """(bytes autograd keeps per token per layer, bytes per token once for the whole model);
+    `liger`: with liger-kernel's RMSNorm and SwiGLU (the module's docstring)."""
     b = 2 if dtype == "bf16" else 4
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    if liger:
+        # Two norms of 2bH (their input and, as the next matmul's input, their output) and their
+        # rstd, the attention's inputs and outputs as below, SwiGLU's gate and up and its product.
+        layer = b * (4 * shape.hidden + 2 * q + 2 * kv + 3 * shape.intermediate) + 4 * (2 + shape.heads)
+        if shape.qk_norm:
+            # Each q/k norm's input in the model's dtype and its fp32 rstd per head.
+            layer += b * (q + kv) + 4 * (shape.heads + shape.kv_heads)
+        # The final norm's input bH, the log-probs' copy bH, ids, targets, indices, rstd, log-prob.
+        return layer, 2 * b * shape.hidden + 40
     # Two RMSNorms of 4H + 2bH each, the attention's inputs and outputs, the MLP's, sdpa's logsumexp.
     layer = (
         8 * shape.hidden
@@ -153,21 +175,38 @@ def saved_per_token(shape: ModelShape, dtype: str = "bf16") -> tuple[float, floa
     return layer, once
 
 
+def liger_head_transient(shape: ModelShape, tokens: int, dtype: str = "bf16") -> float:
+    """Bytes the backward of liger's fused linear cross-entropy holds at once (the module's
+    docstring): the states' gradient, the weight's fp32 accumulator and its cast, and its chunk's
+    logits, their gradient and that scaled by the per-token gradient."""
+    b = 2 if dtype == "bf16" else 4
+    inc = -(-shape.vocab // shape.hidden)
+    chunk = min(tokens, 1 << max(0, (-(-tokens // inc) - 1).bit_length()))
+    return b * tokens * shape.hidden + (4 + b) * shape.vocab * shape.hidden + 3 * b * chunk * shape.vocab
+
+
 def activation_bytes(
     shape: ModelShape,
     tokens: int,
     dtype: str = "bf16",
     checkpointing: bool = False,
     chunk_tokens: int | None = None,
+    liger: bool = False,
+    fused_head: bool = False,
 ) -> dict[str, float]:
     """Activations of one micro-batch of `tokens` padded tokens: what backward keeps (`saved`)
     and the peak while backward recomputes a chunk of the log-probs or a layer (`peak`).
-    `chunk_tokens`: the log-probs' chunk (default: the learner's, logprobs.CHUNK_TOKENS)."""
+    `chunk_tokens`: the log-probs' chunk (default: the learner's, logprobs.CHUNK_TOKENS).
+    `liger`: liger-kernel's layers; `fused_head`: its fused linear cross-entropy for the log-probs
+    (the learner uses it with liger below ZeRO-3)."""
     if chunk_tokens is None:
         from .logprobs import CHUNK_TOKENS as chunk_tokens
     b = 2 if dtype == "bf16" else 4
-    layer, once = saved_per_token(shape, dtype)
-    head = HEAD_TRANSIENT * min(tokens, chunk_tokens) * shape.vocab
+    layer, once = saved_per_token(shape, dtype, liger)
+    if fused_head:
+        head = liger_head_transient(shape, tokens, dtype)
+    else:
+        head = HEAD_TRANSIENT * min(tokens, chunk_tokens) * shape.vocab
     if checkpointing:
         saved = tokens * (shape.layers * b * shape.hidden + once)
         # The chunks' backward is over before the last layer is recomputed: one or the other.
@@ -253,8 +292,10 @@ def plan(
     tokens: int,
     dtype: str = "bf16",
     zero: int | None = None,
+    liger: bool = False,
 ) -> list[PlanRow]:
-    """Every setting worth trying (ZeRO stage, checkpointing, offload), with its per-GPU memory."""
+    """Every setting worth trying (ZeRO stage, checkpointing, offload), with its per-GPU memory;
+    `liger`: with liger-kernel's kernels, as the learner applies them (kernels.py)."""
     if gpus < 1 or tokens < 1 or gpu_memory_gib <= 0:
         raise ValueError("gpus, micro-batch tokens and GPU memory must be positive")
     usable = gpu_memory_gib * GIB * (1 - RESERVE)
@@ -266,7 +307,9 @@ def plan(
             for off in offloads:
                 opt_off, par_off = off != "none", off == "optimizer+params"
                 st = state_bytes(shape, gpus, z, dtype, opt_off, par_off)
-                act = activation_bytes(shape, tokens, dtype, ckpt)["peak"]
+                # The learner fuses the output layer with liger below ZeRO-3 only (kernels.enable).
+                fused = liger and z < 3
+                act = activation_bytes(shape, tokens, dtype, ckpt, liger=liger, fused_head=fused)["peak"]
                 total = st["weights"] + st["gradients"] + st["optimizer"] + act
                 rows.append(PlanRow(
                     zero=z, checkpointing=ckpt, offload=off, weights=st["weights"], gradients=st["gradients"],
@@ -278,7 +321,14 @@ def plan(
 
 
 def render(
-    shape: ModelShape, rows: list[PlanRow], *, gpus: int, gpu_memory_gib: float, tokens: int, dtype: str
+    shape: ModelShape,
+    rows: list[PlanRow],
+    *,
+    gpus: int,
+    gpu_memory_gib: float,
+    tokens: int,
+    dtype: str,
+    liger: bool = False,
 ) -> str:
     gib = lambda x: f"{x / GIB:7.1f}"  # noqa: E731
     out = [
@@ -287,6 +337,12 @@ def render(
         f"intermediate {shape.intermediate}, heads {shape.heads}/{shape.kv_heads} kv, vocabulary {shape.vocab}",
         f"plan: {gpus} GPU(s) x {gpu_memory_gib:g} GiB ({gpu_memory_gib * (1 - RESERVE):.1f} usable), {dtype}, "
         f"micro-batches of {tokens} tokens",
+        "kernels: "
+        + (
+            "liger-kernel's RMSNorm, SwiGLU and rotary; its fused linear cross-entropy below ZeRO-3"
+            if liger
+            else "transformers' own"
+        ),
         "",
         "per GPU, GiB    ckpt  offload            weights  grads  optim  activ.   total   CPU/node  DeepSpeed  fits",
     ]

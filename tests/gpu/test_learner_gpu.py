@@ -114,6 +114,38 @@ def test_the_process_group_is_nccl_on_cuda():
     assert torch.equal(x.cpu(), torch.full((4,), float(dist.get_world_size())))
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_liger_keeps_what_the_plan_says_on_cuda(dtype, monkeypatch):
+    """The plan's liger figures (services/learner/memory_plan.py) against the bytes liger's own
+    kernels keep for backward, as tests/test_learner_memory_plan.py checks its stand-ins on the
+    CPU: within 10%."""
+    from test_learner_memory_plan import _small
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from services.learner import kernels, memory_plan
+    from services.learner.logprobs import token_logprobs
+
+    assert kernels.liger_module() is not None, "liger-kernel must be installed for the GPU tier (.whl)"
+    # liger patches the family's classes too: put them back for the tests after this one.
+    for name in ("Qwen3RMSNorm", "Qwen3MLP", "apply_rotary_pos_emb"):
+        monkeypatch.setattr(modeling_qwen3, name, getattr(modeling_qwen3, name))
+    config = _small({"model_type": "qwen3", "head_dim": 32, "hidden_size": 256})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(**config), attn_implementation="sdpa",
+        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+    ).cuda()  # fmt: skip
+    model.train()
+    assert kernels.enable(model, "on", "cuda", zero_stage=1)
+    ids = torch.randint(1, 300, (2, 96), device="cuda")
+    measured = memory_plan.saved_bytes(
+        lambda: token_logprobs(model, ids, torch.ones_like(ids)).sum(), exclude=list(model.parameters())
+    )
+    predicted = memory_plan.activation_bytes(memory_plan.model_shape(config), ids.numel(), dtype, liger=True)
+    assert predicted["saved"] == pytest.approx(measured, rel=0.10)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp32_update_on_cuda_matches_the_reference(
     tiny_model, batch, reference, cuda_reference, initial, stage, gpu_report
