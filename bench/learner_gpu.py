@@ -334,7 +334,7 @@ def plan_total(
     """`spopp learner plan`'s per-GPU total for the case (bytes), and whether it fits the card;
     with liger's kernels where the case asks for them on a GPU (kernels.enable decides the same)."""
     from services.learner import memory_plan
-    from services.learner.kernels import FAMILIES
+    from services.learner.kernels import family_not_patched
 
     shape = memory_plan.model_shape(config)
     rows = memory_plan.plan(
@@ -344,7 +344,7 @@ def plan_total(
         tokens=setup.budget,
         dtype=setup.dtype,
         zero=zero,
-        liger=liger != "off" and setup.device == "cuda" and shape.model_type in FAMILIES,
+        liger=liger != "off" and setup.device == "cuda" and family_not_patched(shape.model_type) is None,
     )
     row = next(r for r in rows if r.checkpointing == ckpt and r.offload == "none")
     return row.total, row.fits

@@ -108,28 +108,18 @@ def plan_command(model: str, gpus: int, zero: int | None, micro_batch_tokens: in
         shape = memory_plan.model_shape(memory_plan.read_config(model))
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    from .kernels import FAMILIES
+    from .kernels import family_not_patched
 
     # The learner on a GPU applies liger where its image has it (the GPU learner image does) and
     # the family is one it patches (kernels.why_not); the plan has no device to ask.
-    fused = liger != "off" and shape.model_type in FAMILIES
-    if liger == "on" and not fused:
-        raise click.BadParameter(
-            f"liger has no patch for model_type {shape.model_type!r} (it has {', '.join(sorted(FAMILIES))})",
-            param_hint="--liger",
-        )
-    rows = memory_plan.plan(
-        shape,
-        gpus=gpus,
-        gpu_memory_gib=gpu_memory,
-        tokens=micro_batch_tokens,
-        dtype=dtype,
-        zero=zero,
-        liger=fused,
-    )
+    reason = family_not_patched(shape.model_type)
+    if liger == "on" and reason is not None:
+        raise click.BadParameter(reason, param_hint="--liger")
     settings = {
-        "gpus": gpus, "gpu_memory_gib": gpu_memory, "tokens": micro_batch_tokens, "dtype": dtype, "liger": fused,
+        "gpus": gpus, "gpu_memory_gib": gpu_memory, "tokens": micro_batch_tokens, "dtype": dtype,
+        "liger": liger != "off" and reason is None,
     }  # fmt: skip
+    rows = memory_plan.plan(shape, zero=zero, **settings)
     click.echo(
         memory_plan.as_json(shape, rows, **settings)
         if as_json

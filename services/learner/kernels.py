@@ -43,13 +43,21 @@ def liger_module() -> Any | None:
         return None
 
 
+def family_not_patched(model_type: str | None) -> str | None:
+    """Why liger does not apply to a model of `model_type`, or None where it has its patch
+    (`spopp learner plan` asks this without a model or a device)."""
+    if model_type not in FAMILIES:
+        return f"liger has no patch for model_type {model_type!r} (it has {', '.join(sorted(FAMILIES))})"
+    return None
+
+
 def why_not(model: Any, device: torch.device | str) -> str | None:
     """Why liger cannot apply to `model` on `device`, or None where it can."""
     if torch.device(device).type != "cuda":
         return f"the device is {torch.device(device).type}, and liger's kernels are Triton (CUDA) programs"
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in FAMILIES:
-        return f"liger has no patch for model_type {model_type!r} (it has {', '.join(sorted(FAMILIES))})"
+    reason = family_not_patched(getattr(getattr(model, "config", None), "model_type", None))
+    if reason is not None:
+        return reason
     if liger_module() is None:
         return "liger-kernel does not import here (pip install liger-kernel; it needs triton)"
     return None
