@@ -119,7 +119,6 @@ def test_liger_keeps_what_the_plan_says_on_cuda(dtype, monkeypatch):
     """The plan's liger figures (services/learner/memory_plan.py) against the bytes liger's own
     kernels keep for backward, as tests/test_learner_memory_plan.py checks its stand-ins on the
     CPU: within 10%."""
-    from test_learner_memory_plan import _small
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.qwen3 import modeling_qwen3
 
@@ -130,7 +129,13 @@ def test_liger_keeps_what_the_plan_says_on_cuda(dtype, monkeypatch):
     # liger patches the family's classes too: put them back for the tests after this one.
     for name in ("Qwen3RMSNorm", "Qwen3MLP", "apply_rotary_pos_emb"):
         monkeypatch.setattr(modeling_qwen3, name, getattr(modeling_qwen3, name))
-    config = _small({"model_type": "qwen3", "head_dim": 32, "hidden_size": 256})
+    # One of tests/test_learner_memory_plan.py's shapes (that module needs click, which the GPU
+    # machine may lack).
+    config = {
+        "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 400,
+        "max_position_embeddings": 1024,
+    }  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(**config), attn_implementation="sdpa",
