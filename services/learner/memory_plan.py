@@ -151,15 +151,6 @@ def saved_per_token(shape: ModelShape, dtype: str = "bf16", liger: bool = False)
     `liger`: with liger-kernel's RMSNorm and SwiGLU (the module's docstring)."""
     b = 2 if dtype == "bf16" else 4
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    if liger:
-        # Two norms of 2bH (their input and, as the next matmul's input, their output) and their
-        # rstd, the attention's inputs and outputs as below, SwiGLU's gate and up and its product.
-        layer = b * (4 * shape.hidden + 2 * q + 2 * kv + 3 * shape.intermediate) + 4 * (2 + shape.heads)
-        if shape.qk_norm:
-            # Each q/k norm's input in the model's dtype and its fp32 rstd per head.
-            layer += b * (q + kv) + 4 * (shape.heads + shape.kv_heads)
-        # The final norm's input bH, the log-probs' copy bH, ids, targets, indices, rstd, log-prob.
-        return layer, 2 * b * shape.hidden + 40
     # Two RMSNorms of 4H + 2bH each, the attention's inputs and outputs, the MLP's, sdpa's logsumexp.
     layer = (
         8 * shape.hidden
@@ -172,6 +163,14 @@ def saved_per_token(shape: ModelShape, dtype: str = "bf16", liger: bool = False)
     # The final norm (4 + b)H, the log-probs' copy of the hidden states bH; the token ids, targets and
     # the chunks' indices (int64, 8 bytes each: 32), the norm's rsqrt and the log-prob (fp32: 8).
     once = (4 + 2 * b) * shape.hidden + 40
+    if liger:
+        # Each norm keeps its input in the model's dtype, not an fp32 copy and the normalised
+        # output (4H less), SwiGLU recomputes SiLU (bI less); a q/k norm keeps b(q + kv) and an
+        # fp32 rstd per head, where transformers' keeps (4 + b)(q + kv); the final norm 4H less.
+        layer -= 8 * shape.hidden + b * shape.intermediate
+        if shape.qk_norm:
+            layer -= 4 * (q + kv) - 4 * (shape.heads + shape.kv_heads)
+        once -= 4 * shape.hidden
     return layer, once
 
 
