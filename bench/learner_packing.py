@@ -252,7 +252,7 @@ def section(res: dict, att: dict, repeats: int, quick: bool) -> str:
     ]
     how = {"demo": "16 trajectories", "demo-real": "8 trajectories", "alfworld": "4 x 640 tokens"}
     for name, r in res.items():
-        share = 1 - r["real"] / r["forward_padded"]
+        share = _padding_share(r)
         lo, mid, hi = r["lengths"]
         fill = (
             f"; first-fit decreasing fills {r['forward_fill']:.0%} of the budget"
@@ -292,13 +292,18 @@ def _real_step(res: dict) -> list[str]:
     if "demo-real" not in res:
         return []
     r = res["demo-real"]
-    share = 1 - r["real"] / r["forward_padded"]
+    share = _padding_share(r)
     return [
         f"The real-model demo's learner step: padded {r['padded_s']:.1f} s, packed {r['packed_s']:.1f} s, "
         f"{r['padded_s'] / r['packed_s']:.2f}x measured against {1 / (1 - share):.2f}x predicted by its padding "
         f"share ({share:.0%}) and {_matmul_ratio(r):.2f}x by the matmuls.",
         "",
     ]
+
+
+def _padding_share(r: dict) -> float:
+    """The share of the padded layout's forward tokens that were padding."""
+    return 1 - r["real"] / r["forward_padded"]
 
 
 def _matmul_ratio(r: dict) -> float:
