@@ -6,10 +6,12 @@
   run.json, learner metrics and evaluation records; tools/map_pack.py).
 - Report tables: every page's report sections (services/report/published.py) are the rendering
   of the report.json each names.
+- The pretrained-model study's page and the demo's padding measurement: their runs' own records.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -104,3 +106,17 @@ def test_the_pretrained_study_page_is_its_runs():
         assert [e["policy_version"] for e in evals] == row["versions"]
         assert [e["eval/sampled/reward_mean"] for e in evals] == row["rewards"]
         assert json.loads((folder / "run.json").read_text())["code"] == row["code"]
+
+
+DEMO_PADDING = ROOT / "docs" / "results" / "demo-padding"
+
+
+def test_the_demo_padding_runs_are_what_their_page_says():
+    """The runs were made by the committed diff (its hash is in each run.json) with packing off."""
+    diff = (DEMO_PADDING / "packing-off.diff").read_bytes()
+    assert b'"packing": False' in diff
+    for run in ("spo-s0", "spopp-s0"):
+        record = json.loads((DEMO_PADDING / run / "run.json").read_text())
+        assert record["code"]["diff_sha256"] == hashlib.sha256(diff).hexdigest()
+        assert record["code"]["dirty_files"] == ["tools/demo.py"]
+        assert "packing: false" in (DEMO_PADDING / run / "launch.yaml").read_text()
