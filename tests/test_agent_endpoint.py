@@ -455,6 +455,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(engine):
     assert kept.endswith("</code>") and kept == dropped + "</code>"
 
 
+@pytest.mark.process  # the model's first import runs pip (tests/fixtures_model.py), as test_real_*.py
 def test_on_smollm2_an_agent_records_what_the_agent_loop_records(smollm2_truncated):
     """SmolLM2's real tokenizer and chat template (its first two layers: the same ids and template,
     a fifteenth of the compute): the agent and the built-in twin give one trajectory."""

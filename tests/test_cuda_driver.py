@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,8 +83,12 @@ def fake_node(tmp_path: Path, smi: str | None, torch_cuda: str | None) -> dict:
     torch is a package with only version.py, built for `torch_cuda`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("python3", "sh", "cat"):  # the entrypoint's needs and the fake's, nothing else of PATH
+    for tool in ("sh", "cat"):  # the entrypoint's needs and the fake's, nothing else of PATH
         (bin_dir / tool).symlink_to(subprocess.check_output(["which", tool], text=True).strip())
+    # `python3` is the interpreter running the suite, not PATH's: that may be a shim (pyenv's is a
+    # bash script, and bash is not on this PATH), and a link to a venv's python would lose the venv.
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
     if smi is not None:
         (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
         (bin_dir / "nvidia-smi").chmod(0o755)
