@@ -45,6 +45,7 @@ class Outcome:
     value: Any = None
     reason: str | None = None  # None: the check ran and returned `value`
     detail: str = ""
+    where: str = ""  # a check that raised: file:line it raised from (runtime.faults.site)
 
     @property
     def ok(self) -> bool:
@@ -275,7 +276,7 @@ class CheckPool:
             self._release(worker)
             if "error" in reply:
                 reason = "memory" if reply["error"] == "memory" else "error"
-                return self._failed(reason, str(reply["error"]))
+                return self._failed(reason, str(reply["error"]), str(reply.get("where", "")))
             with self._cond:
                 self.checks += 1
             return Outcome(value=reply.get("value"))
@@ -284,11 +285,11 @@ class CheckPool:
                 worker.kill()
                 self._release(None)
 
-    def _failed(self, reason: str, detail: str = "") -> Outcome:
+    def _failed(self, reason: str, detail: str = "", where: str = "") -> Outcome:
         with self._cond:
             self.checks += 1
             self.failures[reason] += 1
-        return Outcome(reason=reason, detail=detail)
+        return Outcome(reason=reason, detail=detail, where=where)
 
     def close(self) -> None:
         with self._cond:

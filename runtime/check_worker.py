@@ -28,6 +28,8 @@ import resource
 import sys
 from collections.abc import Callable
 
+from runtime.faults import site
+
 
 def _cap_memory(memory_bytes: int) -> None:
     if memory_bytes > 0:
@@ -70,6 +72,9 @@ def _answer(line: bytes) -> dict:
         reply["error"] = "memory"
     except Exception as e:  # noqa: BLE001 - sympy and math-verify raise all sorts: a failed check
         reply["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        # Where it came from: a user's reward function that raised is the user's bug, and
+        # `spopp env check` names its file and line (runtime/faults.py).
+        reply["where"] = site(e)
     return reply
 
 

@@ -19,6 +19,8 @@ engine in this process: `workers: 0`) run in the default tier.
 from __future__ import annotations
 
 import importlib
+import logging
+import re
 import sys
 import textwrap
 import tomllib
@@ -55,6 +57,38 @@ PLUGINS = textwrap.dedent("""
             model="policy", messages=[{"role": "user", "content": task.prompt}]
         )
         return float((reply.choices[0].message.content or "").strip() == task.answer)
+""")
+# ... the same paths broken in the user's code: an agent that raises after one call, one that never
+# returns, a reward function that raises, and a verifiers reward written as a plain `def` (verifiers
+# awaits it) ...
+BROKEN_PLUGINS = textwrap.dedent("""
+    import asyncio
+
+    async def divides(client, task):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.prompt}])
+        return 1 / 0
+
+    async def stalls(client, task):
+        await asyncio.sleep(3600)
+
+    def raising_reward(answer_text, task):
+        return {"a": 1}[answer_text]
+""")
+BROKEN_TASKSET = textwrap.dedent("""
+    import verifiers.v1 as vf
+
+    class SumData(vf.TaskData):
+        a: int
+
+    class SumTask(vf.Task[SumData]):
+        @vf.reward
+        def correct(self, task, trace) -> float:
+            return 1.0
+
+    class PlainDefTaskset(vf.Taskset[SumTask]):
+        def load(self):
+            for i in range(2):
+                yield SumTask(SumData(prompt=f"What is {i}+1?", a=i), self.config.task)
 """)
 # ... a verifiers taskset (two sums, one reward) ...
 TASKSET = textwrap.dedent("""
@@ -102,17 +136,26 @@ BROKEN = textwrap.dedent("""
 """)
 
 
+MODULES = {
+    "contract_plugins": PLUGINS,
+    "contract_vf": TASKSET,
+    "contract_broken": BROKEN,
+    "contract_broken_plugins": BROKEN_PLUGINS,
+    "contract_broken_vf": BROKEN_TASKSET,
+}
+
+
 @pytest.fixture(scope="module")
 def plugins(tmp_path_factory):
     """The folder of the modules above, on the path (the reward workers inherit it)."""
     folder = tmp_path_factory.mktemp("contract-plugins")
-    for name, text in (("contract_plugins", PLUGINS), ("contract_vf", TASKSET), ("contract_broken", BROKEN)):
+    for name, text in MODULES.items():
         (folder / f"{name}.py").write_text(text)
     sys.path.insert(0, str(folder))
     importlib.invalidate_caches()
     yield folder
     sys.path.remove(str(folder))
-    for name in ("contract_plugins", "contract_vf", "contract_broken"):
+    for name in MODULES:
         sys.modules.pop(name, None)
 
 
@@ -214,3 +257,113 @@ def test_the_contract_fails_an_environment_that_breaks_it(fault, row, runner, en
     report = check(runner, engine, "contract_broken:BrokenCalc", {"fault": fault}, tasks)
     assert not report.ok
     assert [f.check for f in report.findings if not f.ok] == [row], report.table()
+
+
+def _line_of(module: str, text: str) -> str:
+    """`module.py:N`, N the line of `text` in the module's source as the fixture writes it."""
+    lines = MODULES[module].splitlines()
+    return f"{module}.py:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+
+
+def _reasoning_gym_on_foreign_tasks(tmp: Path) -> tuple[dict, list[Task]]:
+    """reasoning-gym given tasks that are not its own (no rg_dataset in their meta): its scorer raises."""
+    return {}, probe_tasks(TASKS)
+
+
+def _broken_verifiers(tmp: Path) -> tuple[dict, list[Task]]:
+    from runtime.envs.verifiers_env import load_taskset, task_records
+
+    spec = "contract_broken_vf:PlainDefTaskset"
+    return {"taskset": spec}, list(task_records(load_taskset(spec), limit=TASKS))
+
+
+# Each path that plays episodes, broken in the user's code: (spec, options, tasks, what the
+# `exceptions` row must name: the exception and the user's file and line, or None where the line
+# raising is not the user's), and whether a reward check failed too (the `rewards` row).
+BROKEN_TWINS = {
+    "agent raises": (
+        "agent",
+        lambda t: ({"agent": "contract_broken_plugins:divides"}, probe_tasks(TASKS)),
+        [
+            "agent contract_broken_plugins:divides",
+            "ZeroDivisionError: division by zero",
+            _line_of("contract_broken_plugins", "1 / 0"),
+        ],
+        False,
+    ),
+    "agent never returns": (
+        "agent",
+        lambda t: ({"agent": "contract_broken_plugins:stalls", "max_wall_s": 0.5}, probe_tasks(TASKS)),
+        [
+            "TimeoutError: the agent did not return within max_wall_s=0.5 s",
+            _line_of("contract_broken_plugins", "asyncio.sleep(3600)"),
+        ],
+        False,
+    ),
+    "reward function raises": (
+        "single-turn",
+        lambda t: ({"reward": "contract_broken_plugins:raising_reward"}, probe_tasks(TASKS)),
+        [
+            "reward function contract_broken_plugins:raising_reward",
+            "KeyError",
+            _line_of("contract_broken_plugins", '{"a": 1}[answer_text]'),
+        ],
+        True,
+    ),
+    "reasoning-gym on tasks not its own": (
+        "reasoning-gym",
+        _reasoning_gym_on_foreign_tasks,
+        ["reasoning-gym's scorer", "ValueError: task check-0 is not a reasoning-gym task"],
+        True,
+    ),
+    "verifiers reward as a plain def": (
+        "verifiers",
+        _broken_verifiers,
+        ["verifiers taskset contract_broken_vf:PlainDefTaskset", "TypeError", "awaitable"],
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(k, marks=[pytest.mark.process] if v[0] in STARTS_PROCESSES else [])
+        for k, v in BROKEN_TWINS.items()
+    ],
+)
+def test_a_broken_user_code_fails_the_exceptions_row_naming_it(case, runner, engine, plugins, tmp_path):
+    """Every path that plays episodes, with the user's code broken: each episode still ends (reward
+    0), but the `exceptions` row fails, naming the episode, the exception and where it was raised;
+    a reward check that raised fails the `rewards` row too, naming the same exception. Before, an
+    agent failing every episode passed with `ends ok agent_error 8`."""
+    spec, setup, expected, reward_row = BROKEN_TWINS[case]
+    options, tasks = setup(tmp_path)
+    report = check(runner, engine, spec, options, list(tasks))
+    rows = {f.check: f for f in report.findings}
+    assert not report.ok and not rows["exceptions"].ok, report.table()
+    detail = rows["exceptions"].detail
+    # Episode 0 reaches the user's code (a turn cut at the token budget never reaches a scorer,
+    # so a later episode may end before it).
+    assert re.match(rf"[12] episodes? of {EPISODES} failed: episode 0 \(", detail), detail
+    for text in expected:
+        assert text in detail, (text, detail)
+    failed = sorted(f.check for f in report.findings if not f.ok)
+    assert failed == sorted(["exceptions", "rewards"] if reward_row else ["exceptions"]), report.table()
+    if reward_row:
+        assert expected[1] in rows["rewards"].detail, rows["rewards"].detail
+    assert all(ep.reward == 0.0 for _, ep in report.episodes)
+
+
+def test_a_check_at_info_logging_prints_no_line_per_model_call(runner, engine, plugins, caplog):
+    """A user's code that sets logging to INFO (verifiers' does) got one httpx block per in-process
+    model call of every episode; those lines are dropped, other httpx requests are not."""
+    caplog.set_level(logging.INFO)
+    report = check(runner, engine, "agent", {"agent": "contract_plugins:ask_once"}, probe_tasks(TASKS))
+    assert report.ok, report.table()
+    assert not [r for r in caplog.records if r.name == "httpx"], [r.getMessage() for r in caplog.records]
+
+    other = logging.LogRecord(
+        "httpx", logging.INFO, __file__, 1, "HTTP Request: %s %s", ("GET", "http://other/"), None
+    )
+    assert logging.getLogger("httpx").filter(other), "a request of the user's own is still logged"

@@ -27,6 +27,7 @@ import inspect
 import time
 from typing import Any
 
+from ..faults import Fault, site
 from .base import Environment, StepResult, Task, reward_verdict
 from .registry import import_object, is_import_path
 
@@ -79,6 +80,11 @@ class AgentEnv(Environment):
         return fn
 
     @property
+    def author(self) -> str:
+        """Whose code plays the episode, as a failure names it."""
+        return f"agent {self.agent}"
+
+    @property
     def function(self) -> Any:
         if self._fn is None:
             self._fn = self.function_of(self.agent)
@@ -89,6 +95,37 @@ class AgentEnv(Environment):
 
     def step(self, action: str) -> StepResult:
         raise TypeError("an agent drives its own episode: play it with runtime.envs.agent.run_agent_episode")
+
+
+# After max_wall_s the agent is cancelled; one that swallows the cancellation is left behind (its
+# episode ends regardless) once it has had this long to unwind.
+CANCEL_GRACE_S = 5.0
+
+
+async def _run_agent(env: AgentEnv, client, task: Task) -> tuple[Any, Fault | None, str]:
+    """The agent's return value, or the fault that ended it: what it raised, or where it was when
+    `max_wall_s` ran out (the frame it was awaiting in, from its cancellation); and the finish."""
+    running = asyncio.ensure_future(env.function(client, task))
+    try:
+        done, _ = await asyncio.wait({running}, timeout=env.max_wall_s)
+    finally:
+        if not running.done():  # our own caller was cancelled, or the agent ran out of time
+            running.cancel()
+    if not done:
+        await asyncio.wait({running}, timeout=CANCEL_GRACE_S)
+        where = ""
+        if running.done() and running.cancelled():
+            try:
+                running.result()
+            except asyncio.CancelledError as e:
+                where = site(e)
+        elif running.done() and running.exception() is not None:
+            where = site(running.exception())
+        message = f"the agent did not return within max_wall_s={env.max_wall_s:g} s"
+        return 0.0, Fault(env.author, "TimeoutError", message, where), "agent_timeout"
+    if running.exception() is not None:
+        return 0.0, Fault.of(env.author, running.exception()), "agent_error"
+    return running.result(), None, "agent"
 
 
 async def run_agent_episode(
@@ -111,20 +148,14 @@ async def run_agent_episode(
     client = episode_client(endpoint.app, session, timeout_s=env.max_wall_s)
     info: dict[str, Any] = {}
     t0 = time.perf_counter()
-    value: Any = 0.0
-    finish = "agent"
     try:
-        value = await asyncio.wait_for(env.function(client, task), env.max_wall_s)
-    except TimeoutError:
-        finish, value = "agent_timeout", 0.0
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's agent failed: the episode earns 0, says why
-        finish, value = "agent_error", 0.0
-        info["agent_error"] = f"{type(e).__name__}: {e}"[:300]
+        value, fault, finish = await _run_agent(env, client, task)
     finally:
         record = endpoint.sessions.close(session)
         await client.close()
+    if fault is not None:  # the user's agent failed: the episode earns 0 and says where
+        info["agent_error"] = f"{fault.type}: {fault.message}"
+        info["fault"] = fault.as_info()
     reward, why = reward_verdict(value)
     if why is not None and finish == "agent":
         info["answer_check"] = why

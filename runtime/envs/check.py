@@ -7,7 +7,9 @@ What is checked, each a row of the table (`Finding`):
 * `template`: the model's chat template does not rewrite earlier turns when a message is added
   (the incremental rendering of runtime/chat.py refuses such a template mid-episode);
 * `prompts`: no task's opening fills the token budget or the model's context;
-* `exceptions`: no episode raised (each failure is listed with its task);
+* `exceptions`: no episode raised, and none ended because the user's code failed (an agent that
+  raised or timed out, a taskset's setup or scoring error, a reward function that raised): each
+  is listed with its episode, task, exception and the line of the user's file (runtime/faults.py);
 * `rewards`: every reward is a finite number in [0, 1], and no reward check or reward function
   failed (killed at its limit, raised, or returned something else: `info["answer_check"]`);
 * `ends`: every episode ended within the turn budget (finish `max_turns` means it never would);
@@ -19,7 +21,6 @@ Exit 0 only when every row holds.
 from __future__ import annotations
 
 import asyncio
-import traceback
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -29,6 +30,7 @@ from pathlib import Path
 from ..agent import Budget, Episode, prompts_over_budget, run_episode, within_context
 from ..chat import ChatRenderer
 from ..engines.base import SamplingConfig
+from ..faults import Fault
 from .base import Task, episode_seed
 
 
@@ -125,42 +127,68 @@ async def check_environment(
 def _check_prompts(report: Report, tasks: Sequence[Task], make_env, renderer, budget: Budget) -> None:
     try:
         too_long = prompts_over_budget(tasks, make_env, renderer, budget)
-        report.add(
-            "prompts",
-            not too_long,
-            ", ".join(too_long[:3]) or f"every opening under {budget.max_total_tokens} tokens",
-        )
+        probe = make_env()
+        probe.close()
+        fine = (
+            f"every opening under {budget.max_total_tokens} tokens" if probe.cheap_reset
+            else f"not probed: {type(probe).__name__} writes its own openings (budget {budget.max_total_tokens} tokens)"
+        )  # fmt: skip
+        report.add("prompts", not too_long, ", ".join(too_long[:3]) or fine)
     except Exception as e:  # noqa: BLE001
         report.add("prompts", False, f"opening a task raised {type(e).__name__}: {e}")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 async def _play_episodes(
     report: Report, play, tasks: Sequence[Task], episodes: int, sampling: SamplingConfig
 ) -> Episode | None:
-    """Play `episodes` episodes into the report, with the `exceptions` row; episode 0, for the replay."""
-    failures: list[str] = []
+    """Play `episodes` episodes into the report, with the `exceptions` row; episode 0, for the replay.
+
+    The row fails on an episode that raised (an environment class's bug) and on one that ended
+    because the user's code failed without stopping the loop: an agent that raised or ran out of
+    time, a taskset's setup or scoring error, a reward function that raised (`info["fault"]`).
+    Each earns 0 in a run, so only this row can tell a broken agent from one that is never right."""
+    failures: dict[str, list[str]] = {}  # what failed -> the episodes it failed, in order
     first: Episode | None = None
     for i in range(episodes):
         task = tasks[i % len(tasks)]
         try:
             ep = await play(task, sampling=replace(sampling, seed=sampling.seed + i))
         except Exception as e:  # noqa: BLE001 - listed with its episode
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            failures.append(
-                f"episode {i} ({task.task_id}): {type(e).__name__}: {e} at {where.filename}:{where.lineno}"
+            failures.setdefault(str(Fault.of("the environment", e)), []).append(
+                f"episode {i} ({task.task_id})"
             )
             continue
+        fault = Fault.from_info(ep.info)
+        if fault is not None:
+            failures.setdefault(str(fault), []).append(f"episode {i} ({task.task_id})")
         report.episodes.append((task.task_id, ep))
         first = ep if i == 0 else first
-    report.add("exceptions", not failures, "; ".join(failures[:3]) or f"{episodes} episodes played")
+    failed = sum(len(where) for where in failures.values())
+    report.add(
+        "exceptions", not failures,
+        f"{_plural(failed, 'episode')} of {episodes} failed: " + "; ".join(
+            f"{', '.join(where[:2])}{f' and {len(where) - 2} more' if len(where) > 2 else ''}: {what}"
+            for what, where in list(failures.items())[:3]
+        ) if failures else f"{_plural(episodes, 'episode')} played",
+    )  # fmt: skip
     return first
 
 
 def _check_rewards(report: Report) -> None:
     # A reward outside [0, 1] (or NaN, or no number) was scored 0 by the agent loop, which says why in
-    # info["answer_check"], as does a reward function or answer check that failed.
-    checks = Counter(str(ep.info["answer_check"]) for _, ep in report.episodes if ep.info.get("answer_check"))
-    detail = "; ".join(f"{n} checks failed: {why}" for why, n in checks.items())
+    # info["answer_check"], as does a reward function or answer check that failed; one that raised
+    # is named with its exception (info["fault"]).
+    checks: Counter[str] = Counter()
+    for _, ep in report.episodes:
+        if ep.info.get("answer_check"):
+            fault = Fault.from_info(ep.info)
+            why = str(ep.info["answer_check"])
+            checks[f"{why} ({fault})" if fault is not None else why] += 1
+    detail = "; ".join(f"{_plural(n, 'check')} failed: {why}" for why, n in checks.items())
     rewards = [ep.reward for _, ep in report.episodes]
     mean = f"mean {sum(rewards) / len(rewards):.3f} over {len(rewards)}" if rewards else "no episode ended"
     report.add("rewards", not checks, detail or f"all in [0, 1], {mean}")

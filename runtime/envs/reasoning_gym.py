@@ -171,6 +171,10 @@ class ReasoningGymEnv(SingleTurnEnv):
         )
         self.shots = shots
 
+    @property
+    def scorer_label(self) -> str:
+        return "reasoning-gym's scorer"
+
     def reset(self, task: Task) -> list[dict]:
         opening = super().reset(task)
         if not self.shots:

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..check_pool import CheckPool
+from ..faults import Fault
 from .base import Environment, StepResult, Task, reward_verdict
 from .registry import import_object, is_import_path
 
@@ -91,6 +92,11 @@ class SingleTurnEnv(Environment):
         self.reward_memory_mb = reward_memory_mb
         self.task: Task | None = None
 
+    @property
+    def scorer_label(self) -> str:
+        """Whose code scores the answer, as a failure names it."""
+        return f"reward function {self.reward}"
+
     @classmethod
     def prepare(cls, options: dict[str, Any]) -> None:
         """The reward function must import here and be a plain function of two arguments; its
@@ -126,6 +132,9 @@ class SingleTurnEnv(Environment):
         if not outcome.ok:
             info["answer_check"] = outcome.reason
             info["answer_check_detail"] = outcome.detail[:200]
+            if outcome.reason == "error":  # it raised: the user's bug, named with its line
+                kind, _, message = outcome.detail.partition(": ")
+                info["fault"] = Fault(self.scorer_label, kind, message, outcome.where).as_info()
             return StepResult([], done=True, reward=0.0, info=info)
         reward, why = reward_verdict(outcome.value)
         if why is not None:

@@ -217,6 +217,10 @@ class VerifiersEnv(AgentEnv):
         return seats[0]
 
     @property
+    def author(self) -> str:
+        return f"verifiers taskset {self.taskset_spec}" + (f" (env {self.env_spec})" if self.env_spec else "")
+
+    @property
     def function(self):
         return self.play
 
