@@ -456,7 +456,8 @@ def _replicas_join_and_leave(proc: subprocess.Popen, log: Path, run_dir: Path) -
     outcomes; a bad count changes nothing and says why; scaled back down, rollout-1 stops (exit 0,
     not a failure) and the run goes on with rollout-0."""
     port = yaml.safe_load((run_dir / "config" / "tracker.yaml").read_text())["port"]
-    tracker = TrackerClient(f"http://127.0.0.1:{port}")
+    # The launch made the run's token (no SPOPP_API_TOKEN here): the tracker asks for it.
+    tracker = TrackerClient(f"http://127.0.0.1:{port}", token=(run_dir / "api-token").read_text().strip())
 
     def outcomes(worker: str) -> int:
         w = tracker.get_run("spopp-s0").workers.get(worker)

@@ -90,6 +90,13 @@ def _launch(
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from None
     if print_config:
+        # As the launch would run: with a token (the user's, the folder's or a new one), masked.
+        from .run_token import RunTokenError, use_run_token
+
+        try:
+            use_run_token(settings)
+        except RunTokenError as exc:
+            _fail(f"{config}: {exc}")
         click.echo(yaml.safe_dump(settings.redacted(), sort_keys=False), nl=False)
         return
     import_package_model(settings, config)

@@ -2,6 +2,7 @@
 
     run_dir/
       run.json              what this run is (arm, recipe, seed, identity) and its status
+      api-token             the services' bearer token when the user sets none (0600; run_token.py)
       launch.yaml           the resolved launch config (secrets left out)
       config/<child>.yaml   the exact settings each process was started with
       logs/<child>.log      every process's output, appended across resumes
@@ -40,6 +41,7 @@ from .config import LaunchSettings, ProcessPlan, port_requests, process_plan
 from .metrics import LaunchMetrics
 from .progress import Progress, eval_points
 from .run_folder import RunFolder, RunFolderError
+from .run_token import RunTokenError, save_run_token, token_path, use_run_token
 from .scale import SCALE_FILE, Scaler, parse_replicas
 from .supervise import Supervisor, health_url
 
@@ -68,8 +70,22 @@ class Interrupted(Exception):
     """SIGINT or SIGTERM reached the launcher."""
 
 
+# The signals taken during this launch's run, kept because the handler's exception can be lost: one
+# raised inside an at-fork handler (logging's lock release while a child is spawned) is printed as
+# "Exception ignored" and dropped, and the Ctrl-C with it. _pause raises it again.
+_signals: list[str] = []
+
+
 def _interrupt(signum, _frame) -> None:
-    raise Interrupted(signal.Signals(signum).name)
+    _signals.append(signal.Signals(signum).name)
+    raise Interrupted(_signals[-1])
+
+
+def _pause(seconds: float) -> None:
+    """time.sleep, then Interrupted for a signal whose first raise was dropped."""
+    time.sleep(seconds)
+    if _signals:
+        raise Interrupted(_signals[-1])
 
 
 def _resolve_ports(s: LaunchSettings) -> dict[str, int]:
@@ -148,6 +164,9 @@ class Launcher:
         self.sup = Supervisor(s, echo, run_finished=self._run_finished, on_restart=self._restarted)
         self.scaler = Scaler(s, self.sup, self.folder.update, echo)
         self.metrics = LaunchMetrics({})
+        # Whose token the services ask for: "yours" (SPOPP_API_TOKEN, api_token), the run folder's
+        # ("kept"), or one made for this run ("made", written to the folder when the run starts).
+        self.token: str | None = None
 
     @property
     def record(self) -> RunRecord | None:
@@ -165,6 +184,11 @@ class Launcher:
     # -- before anything starts ------------------------------------------------------------------
     def prepare(self) -> ProcessPlan:
         s = self.s
+        if self.token is None:  # before the plan: every child's settings carry the token
+            try:
+                self.token = use_run_token(s) or "yours"
+            except RunTokenError as exc:
+                raise LaunchError(str(exc)) from None
         try:
             p = process_plan(s, _resolve_ports(s))
         except SettingsError as exc:
@@ -209,6 +233,13 @@ class Launcher:
                 "nothing to do. Raise `max_updates` to train further, or use another run_dir."
             )
             return 0
+        if self.token == "made":  # kept before any child is given it, so a resume finds it
+            try:
+                save_run_token(p.run_dir, self.s.api_token)
+            except (RunTokenError, OSError) as exc:
+                self.echo(f"run {self.s.run} failed: {exc}")
+                return 1
+            self.token = "kept"
         resuming = self.record is not None
         self.restarts.update(self.record.restarts if resuming else {})
         self.scaler.forget_earlier(p)
@@ -216,6 +247,7 @@ class Launcher:
         server = self.metrics.serve(self.s.metrics_port)
         self.folder.write(p, metrics_url=server.url + "/metrics")
         self._say_code()
+        _signals.clear()  # an earlier launch's in this process (spopp ablate runs them in turn)
         old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         status, code = "failed", 1
         try:
@@ -225,6 +257,12 @@ class Launcher:
                 + (", evaluator" if p.evaluator else "")
                 + f", budget {self.s.max_updates} updates"
                 + (f", from update {done}" if resuming and done else "")
+            )
+            self.echo(
+                "every service asks for your bearer token (SPOPP_API_TOKEN or api_token)"
+                if self.token == "yours"
+                else f"every service asks for the run's bearer token, kept in {token_path(p.run_dir)} "
+                "(readable by you only; set SPOPP_API_TOKEN to use your own)"
             )
             self._start(p)
             self._watch(p)
@@ -277,7 +315,7 @@ class Launcher:
         # restarted like one that dies later. A learner that exits 0 at once found the run
         # finished at the tracker (a launch killed after its last update): nothing to wait for.
         while (self.sup.starting or self.sup.pending) and not self.sup.tend(p):
-            time.sleep(0.2)
+            _pause(0.2)
         self.echo(f"every process is up: {', '.join(f'{n} (pid {c.pid})' for n, c in self.children.items())}")
 
     def _run_finished(self, p: ProcessPlan) -> bool:
@@ -332,7 +370,7 @@ class Launcher:
             while not self.sup.tend(p):
                 self.scaler.rescale(p)
                 progress.tick()
-                time.sleep(0.5)
+                _pause(0.5)
             progress.tick(force=True)
             # Training is over: the replicas' work has nowhere to go. The evaluator goes on.
             for r in p.rollouts:
@@ -341,11 +379,11 @@ class Launcher:
             while "evaluator" in self.children and "evaluator" not in self.sup.done:
                 self.sup.tend(p)
                 progress.tick(waiting="evaluating the last versions")
-                time.sleep(0.5)
+                _pause(0.5)
             # The export after this needs the tracker: one that is coming back is waited for.
             while self.sup.recovering("tracker"):
                 self.sup.tend(p)
-                time.sleep(0.2)
+                _pause(0.2)
             progress.tick(force=True)
         finally:
             progress.close()

@@ -21,6 +21,7 @@ A 422 names the field. Every answer is counted in the learner's Prometheus metri
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,8 @@ from spopp import staleness
 from spopp.trajectory import INTAKE, INTAKE_BATCH, Delivered, Trajectory, TrajectoryBatch
 
 from .metrics import LearnerMetrics
+
+log = logging.getLogger("spopp.learner")
 
 # The refusal code a client reads -> the metric's reason label.
 _REASON = {"stale_policy": "stale", "batch_full": "full", "invalid": "invalid", "unknown_run": "unknown_run"}
@@ -365,6 +368,12 @@ def ingest_app(
 ) -> FastAPI:
     """The intake app; `token` None leaves it open, `limits` None checks the schema only.
     `device`: where the learner trains (cpu, cuda:0), shown by /healthz."""
+    if token is None:
+        # spopp launch always gives the learner a token (the user's or the run's): this one was
+        # started on its own, and whoever reaches the port may post trajectories it trains on.
+        log.warning(
+            "no api_token (SPOPP_API_TOKEN) is set: the intake (POST /v1/trajectories) is open to anyone who reaches it"
+        )
     limits = limits or IntakeLimits()
     metrics = metrics or LearnerMetrics()
     metrics.watch(buffer)

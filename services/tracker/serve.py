@@ -41,6 +41,13 @@ def serve(settings: TrackerSettings) -> None:
             embedded.data_dir / "redis.password",
             embedded.data_dir,
         )
+    if settings.api_token is None:
+        # spopp launch always gives its tracker a token (the user's or the run's): this one was
+        # started on its own, and whoever reaches the port may read and change every run.
+        log.warning(
+            "no api_token (SPOPP_API_TOKEN) is set: every /v1 route on %s:%d is open to anyone who reaches it",
+            settings.host, settings.port,
+        )  # fmt: skip
     try:
         app = create_app(settings, redis_supervisor=embedded)
         if embedded is not None:
