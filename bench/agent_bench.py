@@ -66,7 +66,7 @@ async def _measure(model: Path, rounds: int, warmup: int) -> dict:
                 base_url=server.url + "/v1", api_key=session.token, max_retries=0, http_client=pool
             )
         else:
-            client = episode_client(endpoint.app, session, timeout_s=60)
+            client = episode_client(endpoint, session, timeout_s=60)
         try:
             r = await client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=NEW_TOKENS)
             lengths.add(r.usage.completion_tokens)

@@ -280,7 +280,7 @@ def test_an_agent_that_raises_or_overruns_earns_zero_and_its_token_dies(engine):
 
     async def late_call():
         # The client an agent was given, kept past its episode's end.
-        client = episode_client(endpoint.app, SimpleNamespace(token=tokens[0]), timeout_s=10)
+        client = episode_client(endpoint, SimpleNamespace(token=tokens[0]), timeout_s=10)
         with pytest.raises(openai.AuthenticationError):
             await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
 

@@ -145,7 +145,7 @@ async def run_agent_episode(
     budget = within_context(budget, engine)
     session = AgentSession(engine, renderer, budget, sampling, max_calls=env.max_calls)
     endpoint.sessions.open(session)
-    client = episode_client(endpoint.app, session, timeout_s=env.max_wall_s)
+    client = episode_client(endpoint, session, timeout_s=env.max_wall_s)
     info: dict[str, Any] = {}
     t0 = time.perf_counter()
     try:

@@ -7,7 +7,7 @@ import logging
 
 from fastapi import FastAPI
 
-from runtime.chat_endpoint import MAX_CHAT_BODY_BYTES, add_chat_routes
+from runtime.chat_endpoint import MAX_CHAT_BODY_BYTES, add_chat_routes, served_url
 from runtime.envs import env_factory
 from runtime.envs.base import Task
 from services.shell import server as http
@@ -70,6 +70,7 @@ async def serve(s: RolloutSettings) -> None:
             await http.serve(
                 health_app(worker), s.host, s.port, worker.run(max_episodes=s.max_episodes),
                 on_signal=lambda: asyncio.ensure_future(worker.shutdown()), limits=s.server_limits(),
+                bound=lambda port: worker.serve_agents_at(served_url(s.host, port)),
             )  # fmt: skip
         finally:
             await worker.close()

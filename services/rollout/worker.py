@@ -104,6 +104,11 @@ class Worker:
         its environment is an agent's; None otherwise (no chat routes)."""
         return self.episodes.endpoint.sessions if self.episodes.driven_by_agent else None
 
+    def serve_agents_at(self, url: str) -> None:
+        """The URL of this replica's chat routes: what an agent's child process is handed
+        (`client.subprocess_env`), instead of a second server of its own."""
+        self.episodes.endpoint.base_url = url
+
     @property
     def version(self) -> int | None:
         return self.policy.version

@@ -132,8 +132,11 @@ async def serve(
     on_signal: Callable[[], Any] | None = None,
     log_level: str = "warning",
     limits: ServerLimits | None = None,
+    bound: Callable[[int], Any] | None = None,
 ) -> Any:
     """Serve `app` until `work` ends (answering its result), or without `work` until a signal.
+    `bound(port)` is told the port once it is bound (port 0: the one the OS picked), before `work`
+    starts.
 
     On SIGTERM or SIGINT: `on_signal()` when given (the service winds down and `work` ends by
     itself), else `work` is cancelled (its CancelledError reaches the caller). The server stops
@@ -147,6 +150,8 @@ async def serve(
         if asyncio.iscoroutine(work):
             work.close()  # never started: no "never awaited" warning on the way out
         raise
+    if bound is not None:
+        bound(sock.getsockname()[1])
     server = _Server(_config(app, host, port, log_level, limits))
     watchdog: threading.Timer | None = None
 
