@@ -18,18 +18,35 @@ What the session records is what the engine did, never a re-tokenization:
 Bounds, per episode: calls (`max_calls`), tokens over all segments (`Budget.max_total_tokens`,
 the model's context included), tokens per call (`Budget.max_tokens_per_turn`). A call past a bound
 is refused with a 400 whose code names it, and the episode is cut: its reward is 0 whatever the
-agent returns, as a built-in episode cut by a budget earns nothing. Sampling is the run's (the
+agent returns, as a built-in episode cut by a budget earns nothing, and every later call is
+refused with the same code (nothing it generated could count). Sampling is the run's (the
 learner's importance weights need the behaviour policy): a request may repeat the run's
-temperature and top_p but not change them.
+temperature, top_p and top_k but not change them, and parameters that would change what is sampled
+without the engine being told (seed, logit_bias, penalties, response_format) are refused unless at
+their defaults.
+
+What a request can cost is bounded before the work is done. Every request to the episode counts
+toward `max_calls`, answered or refused, and is counted before its body is read (`begin_call`), so
+an episode's token buys at most `max_calls` bodies read, parsed and checked. The text a call would
+render is measured against the tokens left before anything is rendered: a token stands for at most
+`chars_per_token(tokenizer)` characters of the rendered text (the longest token of the vocabulary,
+times what normalization can fold into one character), so text longer than that many characters
+per token left cannot fit and is refused at the cost of counting it, never tokenized (a 7 MiB
+message was tokenized on the event loop for 9-12 s and 1 GB before the budget refused it). What
+passes is rendered and tokenized in a worker thread (the tokenizer's batch call, which releases
+the GIL), so other episodes' calls and the replica's probes are answered meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
+import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +59,21 @@ MAX_MESSAGES = 4096
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# A call whose text to render is at most this many characters is rendered on the event loop (well
+# under a millisecond of work); a longer one in a worker thread.
+ON_LOOP_CHARS = 16 * 1024
+# OpenAI parameters that change what is sampled, refused unless at these defaults: the engine is
+# not told them, and the learner's importance weights need the policy that did the sampling.
+# (temperature, top_p and top_k may repeat the run's values: parse_options.)
+NEUTRAL = {
+    "seed": (None,),
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class ChatRequestError(Exception):
@@ -152,6 +184,89 @@ def parse_messages(raw: Any) -> list[Message]:
     return out
 
 
+# -- how many characters a token can stand for ----------------------------------------------------
+# Normalizers that never drop a character, with how many characters they can fold into one:
+# canonical composition (NFC, NFKC) joins a base and its marks, at most 4 code points into one (the
+# longest canonical decomposition in Unicode is 4, e.g. U+1F8F); the others only map or add.
+_NORMALIZERS = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+# Pre-tokenizers that split the text without dropping any of it (Whitespace, WhitespaceSplit and
+# BERT's drop whitespace; Split and Punctuation may be told to drop what they split on).
+_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def _folds(normalizer: dict | None) -> int | None:
+    """How many characters a normalizer turns into one at most; None when it may drop text."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers", []):
+            f = _folds(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":  # a literal replaced by a shorter (non-empty) one folds by their ratio
+        literal, content = normalizer.get("pattern", {}).get("String"), normalizer.get("content", "")
+        if not literal or not content:
+            return None
+        return max(1, math.ceil(len(literal) / len(content)))
+    return _NORMALIZERS.get(kind)
+
+
+def _keeps_text(pre: dict | None) -> bool:
+    if pre is None:
+        return True
+    if pre.get("type") == "Sequence":
+        return all(_keeps_text(part) for part in pre.get("pretokenizers", []))
+    return pre.get("type") in _PRE_TOKENIZERS and pre.get("behavior", "Isolated") != "Removed"
+
+
+def _chars_per_token(tokenizer) -> int | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    model = backend.model
+    kind = type(model).__name__
+    # A model that can stand one token for a run of text it does not know (BPE fusing unknown
+    # characters, Unigram's unknown runs, WordPiece's unknown words) has no bound per token.
+    if kind == "BPE":
+        if model.unk_token is not None and model.fuse_unk and not model.byte_fallback:
+            return None
+    elif kind != "Unigram" or not json.loads(model.__getstate__()).get("byte_fallback"):
+        return None
+
+    def spec(part) -> dict | None:
+        return None if part is None else json.loads(part.__getstate__())
+
+    folds = _folds(spec(backend.normalizer))
+    if folds is None or not _keeps_text(spec(backend.pre_tokenizer)):
+        return None
+    # A token's text in the vocabulary is at least as long as the characters it stands for: a
+    # byte-level vocabulary writes one character per byte (and a character is a byte or more), a
+    # SentencePiece one a character per character (a byte-fallback token, <0x41>, six for one).
+    longest = max(len(t) for t in backend.get_vocab(with_added_tokens=True))
+    return longest * folds
+
+
+_RATIOS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_RATIOS_LOCK = threading.Lock()
+
+
+def chars_per_token(tokenizer) -> int | None:
+    """The most characters of rendered text one token of `tokenizer` can stand for; None when it
+    has no such bound (no Rust backend, a normalizer or pre-tokenizer that drops text, a model that
+    stands one token for unknown text of any length): then nothing is refused by length, and the
+    token count decides, off the event loop. Per tokenizer, computed once (the vocabulary is read)."""
+    with _RATIOS_LOCK:
+        size = len(tokenizer)
+        cached = _RATIOS.get(tokenizer)
+        if cached is None or cached[0] != size:
+            cached = _RATIOS[tokenizer] = (size, _chars_per_token(tokenizer))
+        return cached[1]
+
+
 @dataclass
 class CallOptions:
     max_tokens: int | None
@@ -162,13 +277,33 @@ class CallOptions:
     keep_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string stays in the content
 
 
+def _same_number(key: str, value: Any, run_value: float) -> bool:
+    """Whether `value` is the run's: a finite number (not a boolean) equal to it; for top_k, any
+    value that turns it off (0 or below, as vLLM reads it) is the same as the run's off."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return False
+    if key == "top_k":
+        return isinstance(value, int) and (value == run_value or (value <= 0 and run_value <= 0))
+    return abs(float(value) - run_value) <= 1e-9
+
+
 def parse_options(body: dict, sampling: SamplingConfig) -> CallOptions:
-    for key, run_value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
+    run_values = (("temperature", sampling.temperature), ("top_p", sampling.top_p), ("top_k", sampling.top_k))
+    for key, run_value in run_values:
         value = body.get(key)
-        if value is not None and (not isinstance(value, int | float) or abs(float(value) - run_value) > 1e-9):
+        if value is not None and not _same_number(key, value, run_value):  # NaN and true are no run's value
             raise ChatRequestError(
                 400, "sampling_is_the_run's",
                 f"{key} is the run's ({run_value:g}): the learner's importance weights need the policy that sampled",
+                key,
+            )  # fmt: skip
+    for key, neutral in NEUTRAL.items():
+        value = body.get(key)
+        # ==, but type-exact: 0 == False, and False is no penalty of 0.
+        if not any(value == n and type(value) is type(n) for n in neutral):
+            raise ChatRequestError(
+                400, "unsupported_parameter",
+                f"{key} is not supported (the run's sampling decides every token); leave it out",
                 key,
             )  # fmt: skip
     if body.get("n") not in (None, 1):
@@ -237,6 +372,59 @@ class SessionRecord:
     endpoint_s: float = 0.0
 
 
+class _Render:
+    """The ids one call adds to its segment before generating, as a job that may run in a worker
+    thread: its inputs are its own (frozen messages, copies), and the renderer only reads shared
+    state. `render(bound)` answers None, without rendering, when the text to render is longer than
+    `bound` characters (then it cannot fit in the tokens left: see chars_per_token)."""
+
+    def __init__(self, renderer: ChatRenderer, fmt: ToolFormat, messages: list[Message],
+                 tools: list[dict] | None, after: list[int] | None) -> None:  # fmt: skip
+        self.renderer, self.format, self.messages, self.tools = renderer, fmt, messages, tools
+        self.after = after  # extending a segment: the ids last generated, whose turn is closed first
+        # A first, cheap measure (no copies): what decides whether the rendering leaves the loop.
+        self.chars = sum(len(m.content) for m in messages) + sum(
+            len(n) + len(a) for m in messages for n, a in m.tool_calls
+        )
+
+    def _rendered(self) -> tuple[list[dict], list[dict] | None, int]:
+        """The messages as the template gets them, the tools it renders itself, and the characters
+        of text the rendering certainly holds: every content as written or trimmed (ChatRenderer
+        refuses a template that writes them otherwise), and the tools a template renders as JSON,
+        at least as long as their compact form (a template that renders less of them is held to
+        the same bound: a schema that could not fit as JSON is refused)."""
+        rendered = [m.for_template(self.format) for m in self.messages]
+        native = None
+        extra = 0
+        if self.after is None and self.tools:
+            if self.format.native:
+                native = self.tools
+                extra = len(json.dumps(self.tools, ensure_ascii=False, separators=(",", ":")))
+            else:  # the template would drop them: a system message in the Hermes format says them
+                text = preamble(self.tools)
+                if rendered[0]["role"] == "system":
+                    rendered[0] = {**rendered[0], "content": rendered[0]["content"] + "\n\n" + text}
+                else:
+                    rendered.insert(0, {"role": "system", "content": text})
+        chars = sum(len(m["content"].strip()) for m in rendered) + extra
+        return rendered, native, chars
+
+    def render(self, bound: int | None) -> list[int] | None:
+        rendered, native, chars = self._rendered()
+        if bound is not None and chars > bound:
+            return None
+        try:
+            if self.after is not None:
+                return self.renderer.close_turn(self.after) + self.renderer.continuation(rendered)
+            return self.renderer.prompt(rendered, tools=native)
+        except ValueError as e:
+            raise ChatRequestError(400, "template_error", str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages a template refuses
+            raise ChatRequestError(
+                400, "template_error", f"the chat template refused the messages: {e}", "messages"
+            ) from None
+
+
 class AgentSession:
     """The calls of one episode, serialised (a call waits for the previous one to end)."""
 
@@ -256,7 +444,11 @@ class AgentSession:
         self.token = "ep-" + secrets.token_urlsafe(24)
         self.format = tool_format(getattr(engine.tokenizer, "chat_template", None))
         self.segments: list[_Segment] = []
-        self.calls = 0
+        self.calls = 0  # calls answered (the episode's turns)
+        self.requests = 0  # requests taken, answered or refused: what max_calls bounds
+        # Characters of rendered text one token stands for at most (None: no bound, the token
+        # count decides): what lets a call too long for the tokens left be refused unrendered.
+        self.chars_per_token = chars_per_token(engine.tokenizer)
         self.cut: str | None = None
         self.closed = False
         self.generate_s = 0.0
@@ -271,9 +463,48 @@ class AgentSession:
         self.cut = self.cut or code
         return ChatRequestError(400, code, message)
 
+    def _room(self, segment: _Segment) -> int:
+        """Tokens `segment` may still grow by: under the episode's budget (every segment's tokens
+        count against it, each is trained on) and the model's context."""
+        room = self.budget.max_total_tokens - self.tokens()
+        context = getattr(self.engine, "context_tokens", None)
+        if context is not None:
+            room = min(room, context - len(segment.seq.ids))
+        return room
+
+    def _no_room(self) -> ChatRequestError:
+        return self._refuse(
+            "max_total_tokens", f"no room left under the episode's {self.budget.max_total_tokens} tokens"
+        )
+
     # -- a call -------------------------------------------------------------------------------
-    async def complete(self, body: Any) -> dict:
-        """The chat completion (a JSON-ready dict) for one request body; ChatRequestError if refused."""
+    def begin_call(self) -> None:
+        """Count a request toward `max_calls` before anything of it is read; ChatRequestError when
+        the episode takes no more (ended, cut by a bound, or its calls made). Every request counts,
+        answered or refused: a refused one cost its body's reading and checking all the same."""
+        if self.closed:
+            raise ChatRequestError(410, "episode_over", "this episode has ended")
+        if self.cut is not None:
+            raise ChatRequestError(
+                400,
+                self.cut,
+                f"this episode was cut by its {self.cut} bound: it earns 0 and takes no more calls",
+            )
+        if self.requests >= self.max_calls:
+            raise self._refuse("max_calls", f"this episode has made its {self.max_calls} calls")
+        self.requests += 1
+
+    def uncount_call(self) -> None:
+        """Take back begin_call's count for a request the server did not read for its own reasons
+        (busy: the client is told to retry it as it was)."""
+        self.requests = max(0, self.requests - 1)
+
+    async def complete(self, body: Any, counted: bool = False) -> dict:
+        """The chat completion (a JSON-ready dict) for one request body; ChatRequestError if refused.
+        `counted`: begin_call was called for this request already (the route calls it before it
+        reads the body)."""
+        if not counted:
+            self.begin_call()
         if not isinstance(body, dict):
             raise ChatRequestError(400, "invalid_body", "the body must be a JSON object")
         messages = parse_messages(body.get("messages"))
@@ -288,7 +519,7 @@ class AgentSession:
                 self.call_s += time.perf_counter() - started
 
     async def _complete(self, messages: list[Message], options: CallOptions) -> dict:
-        segment, per_call = self._admit(messages, options)
+        segment, per_call = await self._admit(messages, options)
         # The episode's seed is kept for every call, as the agent loop keeps it for every turn: one
         # seed and one conversation sample the same tokens through the endpoint as in the loop.
         sampling = replace(
@@ -300,30 +531,30 @@ class AgentSession:
         segment.history = [*messages, reply]
         return self._response(segment, gen, content, calls, finish, options)
 
-    def _admit(self, messages: list[Message], options: CallOptions) -> tuple[_Segment, int]:
-        """Refuse a call past a bound, else add its prompt ids to its segment: (segment, tokens allowed)."""
-        if self.calls >= self.max_calls:
-            raise self._refuse("max_calls", f"this episode has made its {self.max_calls} calls")
-        segment, new_ids = self._place(messages, options.tools)
-        per_call = self._tokens_allowed(segment, new_ids, options.max_tokens)
+    async def _admit(self, messages: list[Message], options: CallOptions) -> tuple[_Segment, int]:
+        """Refuse a call past a bound, else add its prompt ids to its segment: (segment, tokens allowed).
+        The text to render is measured first and refused if it cannot fit (never rendered); what
+        may fit is rendered off the event loop when it is long."""
+        segment, plan = self._plan(messages, options.tools)
+        room = self._room(segment)
+        # The new ids must leave a token to generate: room - 1 at most. A token stands for at most
+        # chars_per_token characters, so text longer than that times room - 1 needs more tokens.
+        bound = None if self.chars_per_token is None else self.chars_per_token * max(room - 1, 0)
+        if plan.chars <= ON_LOOP_CHARS and not plan.tools:  # a schema's size is known once serialised
+            new_ids = plan.render(bound)
+        else:
+            new_ids = await asyncio.to_thread(plan.render, bound)
+            if self.closed:  # the episode ended while the call was rendered
+                raise ChatRequestError(410, "episode_over", "this episode has ended")
+        if new_ids is None or room - len(new_ids) < 1:
+            raise self._no_room()
+        per_call = min(self.budget.max_tokens_per_turn, room - len(new_ids), options.max_tokens or room)
         if not self.segments or segment is not self.segments[-1]:  # a new segment
             self.segments.append(segment)
         segment.seq.add(new_ids)
         segment.last_generated = None
         self.calls += 1
         return segment, per_call
-
-    def _tokens_allowed(self, segment: _Segment, new_ids: list[int], max_tokens: int | None) -> int:
-        # Every segment's tokens count against the episode's budget (each is trained on).
-        room = self.budget.max_total_tokens - self.tokens() - len(new_ids)
-        context = getattr(self.engine, "context_tokens", None)
-        if context is not None:
-            room = min(room, context - len(segment.seq.ids) - len(new_ids))
-        if room < 1:
-            raise self._refuse(
-                "max_total_tokens", f"no room left under the episode's {self.budget.max_total_tokens} tokens"
-            )
-        return min(self.budget.max_tokens_per_turn, room, max_tokens or room)
 
     async def _generate(self, segment: _Segment, sampling: SamplingConfig) -> Generation:
         s = time.perf_counter()
@@ -380,8 +611,10 @@ class AgentSession:
             },
         }
 
-    def _place(self, messages: list[Message], tools: list[dict] | None) -> tuple[_Segment, list[int]]:
-        """The segment this call continues (or a new one) and the ids to add before generating."""
+    def _plan(self, messages: list[Message], tools: list[dict] | None) -> tuple[_Segment, _Render]:
+        """The segment this call continues (or a new one) and the rendering of the ids to add before
+        generating: decided here, on the event loop (comparisons, no rendering), so that the
+        rendering works on values of its own only."""
         current = self.segments[-1] if self.segments else None
         if (
             current is not None
@@ -389,29 +622,11 @@ class AgentSession:
             and len(messages) > len(current.history)
             and messages[: len(current.history)] == current.history
         ):
-            tail = [m.for_template(self.format) for m in messages[len(current.history) :]]
-            try:
-                more = self.renderer.close_turn(current.last_generated) + self.renderer.continuation(tail)
-            except ValueError as e:
-                raise ChatRequestError(400, "template_error", str(e), "messages") from None
-            return current, more
-        rendered = [m.for_template(self.format) for m in messages]
-        native_tools = tools if (tools and self.format.native) else None
-        if tools and not self.format.native:
-            text = preamble(tools)
-            if rendered[0]["role"] == "system":
-                rendered[0] = {**rendered[0], "content": rendered[0]["content"] + "\n\n" + text}
-            else:
-                rendered.insert(0, {"role": "system", "content": text})
-        try:
-            ids = self.renderer.prompt(rendered, tools=native_tools)
-        except ValueError as e:
-            raise ChatRequestError(400, "template_error", str(e), "messages") from None
-        except Exception as e:  # noqa: BLE001 - jinja raises its own errors for messages a template refuses
-            raise ChatRequestError(
-                400, "template_error", f"the chat template refused the messages: {e}", "messages"
-            ) from None
-        return _Segment(seq=_Sequence(), history=[]), ids
+            tail = messages[len(current.history) :]
+            return current, _Render(self.renderer, self.format, tail, None, list(current.last_generated))
+        return _Segment(seq=_Sequence(), history=[]), _Render(
+            self.renderer, self.format, messages, tools, None
+        )
 
     # -- the end ------------------------------------------------------------------------------
     def close(self) -> SessionRecord:

@@ -224,7 +224,11 @@ class _TextEncoder:
                 )
                 for text, is_template in runs
             ]
-        ids = self.sealed.encode("".join(text for text, _ in runs), add_special_tokens=False).ids
+        # encode_batch of one text: the same ids as encode, but the Rust side releases the GIL while
+        # it works (encode holds it), so a long text tokenized in a worker thread leaves the event
+        # loop running (runtime.agent_session renders long agent calls off the loop).
+        text = "".join(text for text, _ in runs)
+        ids = self.sealed.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.back.get(i, i) for i in ids]
 
     def _by_pieces(self, runs: list[tuple[str, bool]]) -> list[int]:

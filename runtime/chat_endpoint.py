@@ -17,18 +17,26 @@ bound to its episode (`episode_client`), which reaches the same routes in-proces
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from .agent_session import AgentSession, AgentSessions, ChatRequestError
 
 # Bound on a request body (a long agent history): the replica's HTTP server refuses bigger ones
-# before they are read.
+# before they are read, and bounds what all requests in flight hold together
+# (services.shell.middleware.BodyLimit).
 MAX_CHAT_BODY_BYTES = 8 * 1024 * 1024
+# Bodies parsed on the event loop at most (about a millisecond); larger ones in a worker thread.
+ON_LOOP_BODY_BYTES = 64 * 1024
+
+log = logging.getLogger("spopp.agents")
 
 
 def _error(exc: ChatRequestError) -> JSONResponse:
@@ -39,6 +47,33 @@ def _token(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
+def parse_body(raw: bytes) -> object:
+    """A request body as JSON; ChatRequestError when it is none, or when an object in it has a key
+    twice (Python's parser keeps the last one silently: `{"messages": A, "messages": B}` would be
+    read as B here and as A by a parser that keeps the first)."""
+    try:
+        return json.loads(raw, object_pairs_hook=_unique)
+    except _RepeatedKey as exc:
+        key = str(exc)[:64]
+        raise ChatRequestError(
+            400, "duplicate_key", f"JSON key {key!r} appears twice in one object"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
+        raise ChatRequestError(400, "invalid_json", "the body is not JSON") from None
 
 
 def _chunks(result: dict) -> AsyncIterator[bytes]:
@@ -71,16 +106,34 @@ def _chunks(result: dict) -> AsyncIterator[bytes]:
 def add_chat_routes(app: FastAPI, sessions: AgentSessions) -> None:
     @app.post("/v1/chat/completions", tags=["agents"])
     async def chat_completions(request: Request):
+        # The token first, and the request counted toward the episode's calls, before a byte of
+        # the body is read: a caller without a live episode's token, or past its calls, gets its
+        # refusal with nothing of its body read or held.
         try:
             session: AgentSession = sessions.get(_token(request))
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
-                raise ChatRequestError(400, "invalid_json", "the body is not JSON") from None
-            result = await session.complete(body)
+            session.begin_call()
+            # Read as a stream, not request.body(), which keeps the bytes on the request until the
+            # answer: once parsed, the call (its wait for the session, its generation) keeps the
+            # parsed body only.
+            raw = b"".join([chunk async for chunk in request.stream()])
+            body = (
+                parse_body(raw)
+                if len(raw) <= ON_LOOP_BODY_BYTES
+                else await asyncio.to_thread(parse_body, raw)
+            )
+            del raw
+            result = await session.complete(body, counted=True)
         except ChatRequestError as exc:
             return _error(exc)
+        except ClientDisconnect:
+            # The client left mid-body, or the server stopped reading it (its body limit answered
+            # 413, or 503 when the bodies in flight hold the server's budget for them): no one to
+            # answer here, and nothing to log as an error. A 503 is the server's "not now", which
+            # a client retries as it was: that request does not count toward the episode's calls.
+            if request.scope.get("spopp.body_refused") == 503:
+                session.uncount_call()
+            log.debug("a chat call's client left before its body was read")
+            return Response(status_code=400)
         if isinstance(body, dict) and body.get("stream"):
             return StreamingResponse(_chunks(result), media_type="text/event-stream")
         return JSONResponse(result)

@@ -11,6 +11,7 @@ together in the next. What still fails after the retry bound (spopp.retry) is lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -43,6 +44,11 @@ log = logging.getLogger("spopp.rollout")
 # whole batches, so a trajectory can wait longer.
 OUTCOME_LINGER_S = 0.02
 TRAJECTORY_LINGER_S = 0.05
+# Episodes that generate nothing (an agent that returns without a call) take no engine time, so a
+# replica whose every episode is one would dispatch and report as fast as the tracker answers. Once
+# `concurrency` of them end in a row, each further one holds its slot this long before the next
+# episode starts in it (one ending with tokens ends the streak).
+EMPTY_EPISODE_HOLD_S = 1.0
 
 
 class Episodes:
@@ -106,6 +112,7 @@ class Episodes:
         self.accepted = 0
         self.episodes_done = 0
         self.counted = counted
+        self.empty_streak = 0  # episodes that generated nothing, ended in a row
 
     @property
     def driven_by_agent(self) -> bool:
@@ -148,10 +155,15 @@ class Episodes:
             self.stopping.set()
             return
         ep = await self._generate(lease, task)
-        if ep.generated_tokens == 0:  # nothing to learn from and no answer to judge
-            log.error("task %s: no room to generate (%s); releasing", lease.task_id, ep.finish_reason)
-            await self.leases.release(lease)
-            return
+        if ep.generated_tokens == 0:
+            # Nothing generated (an agent that made no call or whose calls were all refused, a
+            # prompt with no room to answer in): no answer of the policy's to judge, so it scores 0,
+            # as an episode cut by a budget does, and its outcome is reported (under SPO++ it counts
+            # for the task's value); there is nothing to train on, so no trajectory is posted.
+            # Released instead, it went back to the pool at once: a replica whose agent returned
+            # 0.0 without a call played 3,811 episodes in 19.7 s and nothing counted anywhere.
+            ep.reward = 0.0
+            self.metrics.untrained.inc()
         self.metrics.observe_episode(ep)
         self.episodes_done += 1
         # The slot is free from here on: the report and the POST go on beside the next episode.
@@ -159,6 +171,15 @@ class Episodes:
         self.reporting.add(report)
         self.metrics.reporting.set(len(self.reporting))
         report.add_done_callback(self._reported)
+        self.empty_streak = self.empty_streak + 1 if ep.generated_tokens == 0 else 0
+        if self.empty_streak >= self.s.concurrency:
+            log.warning(
+                "%d episodes in a row generated nothing (the last: task %s, %s): each scores 0 and "
+                "holds its slot %.0f s; an agent must call the model for its episode to train",
+                self.empty_streak, lease.task_id, ep.finish_reason, EMPTY_EPISODE_HOLD_S,
+            )  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), EMPTY_EPISODE_HOLD_S)
 
     async def _generate(self, lease: Lease, task: Task) -> Episode:
         """The episode itself, its lease renewed meanwhile (released if it fails or is cancelled)."""
@@ -208,6 +229,8 @@ class Episodes:
             self.metrics.lost.labels("outcome").inc()
             log.error("outcome of %s not reported: %s", lease.request_id, exc)
             return
+        if ep.generated_tokens == 0:
+            return  # scored, nothing to train on (play)
         delivery = asyncio.create_task(self._post(lease, ep, result.value, result.advantage))
         self.deliveries.add(delivery)
         delivery.add_done_callback(self.deliveries.discard)

@@ -43,6 +43,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .logs import AccessLog
+from .middleware import error_body
 from .overload import overloaded_bytes
 
 log = logging.getLogger("spopp.http")
@@ -103,8 +104,10 @@ class _Refusal(Exception):
         self.status, self.detail = status, detail
 
 
-def _refusal_reply(status: int, detail: dict) -> bytes:
-    body = json.dumps({"detail": detail}).encode()
+def _refusal_reply(status: int, detail: dict, path: str = "") -> bytes:
+    """The whole reply to a refused request; in OpenAI's error shape on the routes that speak its
+    API (middleware.OPENAI_PATHS: a replica's chat routes, whose clients read no other)."""
+    body = json.dumps(error_body(path, status, detail)).encode()
     phrase = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}[status]
     head = (
         b"HTTP/1.1 " + str(status).encode() + b" " + phrase + b"\r\ncontent-type: application/json\r\n"
@@ -255,7 +258,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             # is told the client left (its reply goes nowhere) and the client gets the refusal.
             cycle.disconnected = True
             cycle.message_event.set()
-        self.transport.write(_refusal_reply(refusal.status, refusal.detail))
+        self.transport.write(_refusal_reply(refusal.status, refusal.detail, self._path()))
         # A lingering close: the reply, then our end shut (the client reads the reply and EOF),
         # while what the client is still sending is read and dropped for up to LINGER seconds.
         # Closed at once, with its bytes unread, the socket would answer them with a reset, and
@@ -264,6 +267,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self.transport.write_eof()
         self._arm(LINGER, "refused request, lingering close over")
         self._waiting_since = 0.0  # the first to go when the connection cap needs room
+
+    def _path(self) -> str:
+        """The path of the request being read, as far as its URL has come (uvicorn gathers it in
+        `self.url` before the headers); "" when there is none yet."""
+        url = getattr(self, "url", b"") or b""
+        return bytes(url).split(b"?", 1)[0].decode("latin-1")
 
     def on_message_begin(self) -> None:
         self._header_count = 0

@@ -31,7 +31,8 @@ Registries = CollectorRegistry | Iterable[CollectorRegistry]
 # UTF-8, an integer of over 4300 digits, arrays nested past the recursion limit).
 HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
 # The body limit of an app with no route that reads a body (a replica's, the evaluator's and the
-# launcher's /healthz and /metrics): anything bigger is refused before it is read.
+# launcher's /healthz and /metrics): a bigger declared length is refused at once (and no body is
+# read by anything: BodyLimit only counts what a route reads).
 NO_BODY_MAX_BYTES = 64 * 1024
 
 
@@ -90,14 +91,19 @@ def service_app(
     metrics: Registries | Callable[[], Any],
     ready: Callable[[], Any] | None = None,
     max_body_bytes: int | None = None,
+    max_body_bytes_in_flight: int | None = None,
 ) -> FastAPI:
     """The app of a service whose only routes are /healthz, /readyz and /metrics (a rollout
     replica, the evaluator, the launcher): no API docs (it has no API), the API's error bodies,
-    and bodies (which no route reads) refused past NO_BODY_MAX_BYTES; a replica that also serves
-    its agents' chat routes gives their bound as `max_body_bytes`."""
+    and bodies (which no route reads, nor anything else) refused past NO_BODY_MAX_BYTES when
+    declared; a replica that also serves its agents' chat routes gives their bound as
+    `max_body_bytes` (and what its requests in flight may hold together as
+    `max_body_bytes_in_flight`, default `middleware.default_in_flight`)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
     add_service_routes(app, health, metrics, ready)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or NO_BODY_MAX_BYTES)
+    app.add_middleware(
+        BodyLimit, max_bytes=max_body_bytes or NO_BODY_MAX_BYTES, in_flight_bytes=max_body_bytes_in_flight
+    )
     return app
 
 
