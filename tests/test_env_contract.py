@@ -367,3 +367,16 @@ def test_a_check_at_info_logging_prints_no_line_per_model_call(runner, engine, p
         "httpx", logging.INFO, __file__, 1, "HTTP Request: %s %s", ("GET", "http://other/"), None
     )
     assert logging.getLogger("httpx").filter(other), "a request of the user's own is still logged"
+
+
+def test_one_episode_is_counted_as_one(runner, engine, plugins):
+    """`1 episode played`, not `1 episodes played`; and an environment that writes its own openings
+    (an agent) is said not to be probed, rather than to fit a budget nobody measured."""
+    _, tasks = _toy_calc(Path())
+    report = runner.run(check_environment("toy-calc", {}, engine, tasks, 1, BUDGET, seed=0))
+    rows = {f.check: f.detail for f in report.findings}
+    assert rows["exceptions"] == "1 episode played", report.table()
+    agent = check(runner, engine, "agent", {"agent": "contract_plugins:ask_once"}, probe_tasks(TASKS))
+    assert {f.check: f.detail for f in agent.findings}["prompts"].startswith("not probed: AgentEnv"), (
+        agent.table()
+    )
