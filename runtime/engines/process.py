@@ -18,8 +18,10 @@ that names its exit code; nothing waits forever.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -30,6 +32,14 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 from .base import Engine, Generation, SamplingConfig, settle_threadsafe
+
+# How long close() waits for the child to end before killing it. Closing takes the child one decode
+# step (cancelled rows are dropped at the next) and its exit. Measured from a stopping replica's
+# last line to the child gone, 2 cores: 0.5 s at load 6, 2.3-2.9 s at load 11 with two busy
+# processes beside; 5-8 s while its exit still ran the interpreter's last full garbage collection
+# (see _child_main). 10 s is over 3 times the loaded figure; a child killed past it loses nothing
+# (its weights are on disk, its requests abandoned).
+CLOSE_TIMEOUT_S = 10.0
 
 
 class EngineProcessError(RuntimeError):
@@ -171,8 +181,12 @@ class EngineProcess(Engine):
         except (OSError, ValueError):
             pass
         try:
-            self._proc.wait(60)
+            self._proc.wait(CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            logging.getLogger("spopp.engine").warning(
+                "%s engine process (pid %d) not gone %.0f s after close: killed",
+                self.kind, self._proc.pid, CLOSE_TIMEOUT_S,
+            )  # fmt: skip
             self._proc.kill()
             self._proc.wait(5)
         self._reader.join(10)
@@ -307,6 +321,10 @@ def _child_main(conn, kind: str, model_dir: str, kwargs: dict) -> None:
         await _CallServer(conn, engine, asyncio.get_running_loop()).serve()
 
     asyncio.run(main())
+    # The engine is closed; the parent waits for this process to end. Leave the imports' objects
+    # (torch, transformers) out of the interpreter's last full collection, which took seconds
+    # under load (services/rollout/cli.py says how many).
+    gc.freeze()
 
 
 if __name__ == "__main__":
