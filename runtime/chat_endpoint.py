@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
+from functools import cache
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -157,30 +159,106 @@ def chat_app(sessions: AgentSessions) -> FastAPI:
     return app
 
 
-def episode_client(app: FastAPI, session: AgentSession, timeout_s: float):
-    """An `openai.AsyncOpenAI` bound to `session`: its requests reach `app` in-process (no socket),
-    with the episode's token; retries off (a refused call is the agent's to handle)."""
+class _QuietEpisodeCalls(logging.Filter):
+    """Drops httpx's INFO line for each in-process model call (`http://episode/...`): a user's code
+    that sets logging to INFO (verifiers' does) would otherwise get one per call of every episode
+    (nine in an 8-episode `spopp env check`). Its other requests are logged as before."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO and _EPISODE_ORIGIN in str(record.args))
+
+
+_EPISODE_ORIGIN = "http://episode/"
+_quiet = _QuietEpisodeCalls()
+
+
+def episode_client(endpoint: Endpoint, session: AgentSession, timeout_s: float):
+    """An `openai.AsyncOpenAI` bound to `session`: its requests reach the endpoint's app in-process
+    (no socket), with the episode's token; retries off (a refused call is the agent's to handle).
+    Its `subprocess_env` is the same binding for a child process, over HTTP (`Endpoint.url`)."""
     import httpx
-    import openai
+
+    logging.getLogger("httpx").addFilter(_quiet)  # once: a filter added twice is kept once
 
     http = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://episode", timeout=timeout_s
+        transport=httpx.ASGITransport(app=endpoint.app), base_url="http://episode", timeout=timeout_s
     )
-    return openai.AsyncOpenAI(
+    client = _client_class()(
         base_url="http://episode/v1",
         api_key=session.token,
         http_client=http,
         max_retries=0,
         timeout=timeout_s,
     )
+    client._spopp_endpoint = endpoint
+    return client
+
+
+# What a child process must not inherit from a service: the run's token reaches the tracker and
+# the learner, which an agent's code has no business calling (docs/security.md).
+_WITHHELD = ("SPOPP_API_TOKEN", "OPENAI_ORG_ID", "OPENAI_PROJECT_ID")
+MODEL_NAME = "policy"
+
+
+@cache
+def _client_class():
+    import openai
+
+    class EpisodeClient(openai.AsyncOpenAI):
+        """openai's client for one episode, in-process; `subprocess_env` hands the episode to a child."""
+
+        _spopp_endpoint: Endpoint
+
+        @property
+        def subprocess_env(self) -> dict[str, str]:
+            """The environment for a child process that plays this episode's model calls: this
+            process's variables less the run's token, plus what the OpenAI SDK and compatible tools
+            read: OPENAI_BASE_URL (this process's chat routes over HTTP, `.../v1`), OPENAI_API_KEY
+            (the episode's token: it reaches this episode's calls and nothing else) and
+            OPENAI_MODEL (the model name to ask for). Pass it whole: `subprocess.run(..., env=...)`.
+            Read it inside the agent: outside a running event loop there is no server to name."""
+            env = {k: v for k, v in os.environ.items() if k not in _WITHHELD}
+            env.update(
+                OPENAI_BASE_URL=self._spopp_endpoint.url(),
+                OPENAI_API_KEY=self.api_key,
+                OPENAI_MODEL=MODEL_NAME,
+            )
+            return env
+
+    return EpisodeClient
 
 
 class Endpoint:
-    """A process's agent sessions and the app that serves their calls."""
+    """A process's agent sessions and the app that serves their calls.
+
+    `base_url`: where the process serves the app over HTTP (a replica or the evaluator sets it to
+    its own port); unset, `url()` starts a loopback server for the app on the running loop."""
 
     def __init__(self) -> None:
         self.sessions = AgentSessions()
         self.app = chat_app(self.sessions)
+        self.base_url: str | None = None
+        self._local = None
+
+    def url(self) -> str:
+        """The chat routes' URL for a child process (`http://host:port/v1`)."""
+        if self.base_url is not None:
+            return self.base_url
+        from .local_server import LocalServer
+
+        loop = asyncio.get_running_loop()
+        if self._local is None or self._local.loop is not loop:  # one server per loop (asyncio.run twice)
+            self._local = LocalServer(self.app, loop, MAX_CHAT_BODY_BYTES)
+        return self._local.url
+
+
+def served_url(host: str, port: int) -> str:
+    """The URL by which a child process on this machine reaches a service listening on host:port."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
 
 _default: Endpoint | None = None
