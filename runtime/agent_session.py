@@ -59,9 +59,11 @@ MAX_MESSAGES = 4096
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# A call whose text to render is at most this many characters is rendered on the event loop (well
-# under a millisecond of work); a longer one in a worker thread.
+# A call of at most this many characters and messages to render is rendered on the event loop (a
+# few milliseconds of work at most); a larger one in a worker thread. Messages count apart: the
+# renderer's cost grows faster than their number (4,096 one-character messages: about 1 s).
 ON_LOOP_CHARS = 16 * 1024
+ON_LOOP_MESSAGES = 64
 # OpenAI parameters that change what is sampled, refused unless at these defaults: the engine is
 # not told them, and the learner's importance weights need the policy that did the sampling.
 # (temperature, top_p and top_k may repeat the run's values: parse_options.)
@@ -382,10 +384,12 @@ class _Render:
                  tools: list[dict] | None, after: list[int] | None) -> None:  # fmt: skip
         self.renderer, self.format, self.messages, self.tools = renderer, fmt, messages, tools
         self.after = after  # extending a segment: the ids last generated, whose turn is closed first
-        # A first, cheap measure (no copies): what decides whether the rendering leaves the loop.
-        self.chars = sum(len(m.content) for m in messages) + sum(
+        # A first, cheap measure (no copies): whether the rendering may stay on the event loop. A
+        # tool schema's size is known only once serialised: any goes to a thread.
+        chars = sum(len(m.content) for m in messages) + sum(
             len(n) + len(a) for m in messages for n, a in m.tool_calls
         )
+        self.small = chars <= ON_LOOP_CHARS and len(messages) <= ON_LOOP_MESSAGES and not tools
 
     def _rendered(self) -> tuple[list[dict], list[dict] | None, int]:
         """The messages as the template gets them, the tools it renders itself, and the characters
@@ -540,7 +544,7 @@ class AgentSession:
         # The new ids must leave a token to generate: room - 1 at most. A token stands for at most
         # chars_per_token characters, so text longer than that times room - 1 needs more tokens.
         bound = None if self.chars_per_token is None else self.chars_per_token * max(room - 1, 0)
-        if plan.chars <= ON_LOOP_CHARS and not plan.tools:  # a schema's size is known once serialised
+        if plan.small:
             new_ids = plan.render(bound)
         else:
             new_ids = await asyncio.to_thread(plan.render, bound)
