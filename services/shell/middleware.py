@@ -175,6 +175,12 @@ class BodyLimit:
                 raise
             # The app's own reaction to a body it was refused (FastAPI turns the disconnect into a
             # 400 of its own, which is dropped): the refusal is the answer.
+            log.debug(
+                "%s %s: the app's end after its body was refused",
+                scope.get("method"),
+                path[:200],
+                exc_info=True,
+            )
         finally:
             self.budget.give(held)
 
@@ -345,3 +351,6 @@ class UniqueJsonKeys:
         except Exception:
             if not guard.refused:
                 raise
+            log.debug(
+                "%s: the app's end after its body was refused", scope.get("path", "")[:200], exc_info=True
+            )
