@@ -29,6 +29,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from spopp.json_keys import RepeatedKey, loads_unique
+
 from .agent_session import AgentSession, AgentSessions, ChatRequestError
 
 # Bound on a request body (a long agent history): the replica's HTTP server refuses bigger ones
@@ -51,25 +53,13 @@ def _token(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-class _RepeatedKey(ValueError):
-    pass
-
-
-def _unique(pairs: list[tuple[str, object]]) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return out
-
-
 def parse_body(raw: bytes) -> object:
     """A request body as JSON; ChatRequestError when it is none, or when an object in it has a key
     twice (Python's parser keeps the last one silently: `{"messages": A, "messages": B}` would be
     read as B here and as A by a parser that keeps the first)."""
     try:
-        return json.loads(raw, object_pairs_hook=_unique)
-    except _RepeatedKey as exc:
+        return loads_unique(raw)
+    except RepeatedKey as exc:
         key = str(exc)[:64]
         raise ChatRequestError(
             400, "duplicate_key", f"JSON key {key!r} appears twice in one object"

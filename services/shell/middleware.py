@@ -17,6 +17,8 @@ import secrets
 
 from starlette.requests import ClientDisconnect
 
+from spopp.json_keys import RepeatedKey, loads_unique
+
 from .overload import RETRY_AFTER_SECONDS
 
 log = logging.getLogger("spopp.http")
@@ -264,25 +266,12 @@ def invalid_detail(errors: list[dict], total: int | None = None) -> dict:
     }
 
 
-class _RepeatedKey(ValueError):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _RepeatedKey(key)
-    return out
-
-
 def repeated_key(body: bytes) -> str | None:
     """The first key that some object of this JSON document has twice; None when there is none or
     the body is no JSON at all (the app's own parser answers that)."""
     try:
-        json.loads(body, object_pairs_hook=_unique_keys)
-    except _RepeatedKey as exc:
+        loads_unique(body)
+    except RepeatedKey as exc:
         return str(exc)
     # Malformed JSON, bad UTF-8, an integer past Python's 4300 digits, arrays nested past the
     # recursion limit ('[' * 100_000 fits any body limit): not this check's to answer; the app's
