@@ -5,8 +5,9 @@ token for token.
 
 The other tool-call tests parse scripted text (tests/test_agent_endpoint.py); this one is the only
 place where the text is the model's own, so it checks the parse on what a small model really writes.
-Greedy decoding makes it deterministic: on this task SmolLM2 calls `calculate` with the task's
-expression and then answers (measured on 64 held-out tasks, docs/results/tool-calls/)."""
+Greedy decoding makes it deterministic: greedy, SmolLM2 called `calculate` with the task's
+expression and then answered right on 64 of 64 held-out tasks (docs/results/tool-calls/), this
+one among them."""
 
 from __future__ import annotations
 
@@ -141,3 +142,12 @@ def test_the_tool_answers_every_call_and_never_raises():
     assert run(call("calculate", '{"expression": "__import__(\\"os\\")"}')).startswith("error: ")
     assert calculator_agent.final_answer("The answer is 23,730.") == 23730
     assert calculator_agent.final_answer("true") is None
+
+
+def test_the_results_page_is_the_rendering_of_its_data():
+    """docs/results/tool-calls/README.md is what tools/tool_calls_study.py renders from the committed
+    episodes and run records: its numbers cannot drift from the data."""
+    from tools.tool_calls_study import render
+
+    folder = Path(__file__).resolve().parents[1] / "docs" / "results" / "tool-calls"
+    assert (folder / "README.md").read_text() == render(folder)

@@ -264,11 +264,12 @@ the row says greedy.
 
 def _measure_rows(out: Path) -> list[str]:
     lines = []
-    for path in sorted(out.glob("measure-T*.json")):
-        meta = json.loads(path.read_text())
+    metas = {path: json.loads(path.read_text()) for path in out.glob("measure-T*.json")}
+    # Fewer examples first, then sampled before greedy.
+    for path, meta in sorted(metas.items(), key=lambda pm: (pm[1]["worked_examples"], -pm[1]["temperature"])):
         c = tally(_episodes(path.with_suffix(".jsonl")))
         how = "greedy" if meta["temperature"] == 0 else f"T = {meta['temperature']:g}"
-        shots = meta.get("worked_examples", 2)
+        shots = meta["worked_examples"]
         label = (f"version 0, {shots} worked example{'s' * (shots != 1)}, {how}, {meta['engine']}, "
                  f"held-out seed {meta['seed']} (`{path.stem}.jsonl`)")  # fmt: skip
         lines.append(_row(label, c))
