@@ -41,9 +41,9 @@ def _serve(settings: RolloutSettings) -> None:
 
     asyncio.run(serve(settings))
     # Stopped cleanly. The interpreter's exit would still run a last full garbage collection over
-    # every object its imports made (torch, transformers, sympy: some 380k), which took 2.7 s on
-    # idle cores and 6 s on 2 loaded ones, after the replica's last line; frozen objects are left
-    # out of it (0.25-0.6 s), and the OS reclaims their memory anyway.
+    # every object its imports made (torch, transformers, sympy: some 380k), which took 2.7-6 s on
+    # 2 cores at load 8-9, after the replica's last line; frozen objects are left out of it (the
+    # exit then took 0.25-0.8 s), and the OS reclaims their memory anyway.
     gc.freeze()
 
 
