@@ -316,10 +316,14 @@ def test_export_of_state_written_before_the_bounds_is_still_json(tracker, client
 # -- 2. the embedded Redis is supervised ------------------------------------------------------
 
 
+# Seconds a step of a redis restart may take on a loaded machine (see the test that uses it).
+LOADED_S = 30.0
+
+
 def _redis_child(tracker: TrackerProcess, data) -> psutil.Process:
     """The tracker's embedded redis-server: its one redis-server child (the pid in the data
     folder's pidfile names the same process). Killed by this pid, never by name."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + LOADED_S
     while True:
         try:
             children = [
@@ -397,15 +401,18 @@ def test_healthz_fails_when_the_embedded_redis_keeps_dying(tmp_path, run_name):
             c.put_run(run_name, {"recipe": "spo"})
         first = _redis_child(tracker, data)
         os.kill(first.pid, signal.SIGKILL)
-        _wait_status(tracker.url, "/readyz", 200, 10)  # one restart is allowed
+        # One restart is allowed. Its bounds are what a loaded 2-core machine needs, not what the
+        # tracker should take: a restart is a fork, exec and AOF load (well under a second idle),
+        # which waited behind two busy processes and a suite once failed this test at 10 s.
+        _wait_status(tracker.url, "/readyz", 200, LOADED_S)
         second = _redis_child(tracker, data)
         assert second.pid != first.pid
         os.kill(second.pid, signal.SIGKILL)  # a second death within the window: give up
-        _wait_status(tracker.url, "/healthz", 503, 10)
-        resp = httpx.get(tracker.url + "/healthz")
+        _wait_status(tracker.url, "/healthz", 503, LOADED_S)
+        resp = httpx.get(tracker.url + "/healthz", timeout=LOADED_S)
         assert resp.json()["detail"]["code"] == "redis_failed"
-        assert httpx.get(tracker.url + "/readyz").status_code == 503
-        resp = httpx.get(f"{tracker.url}/v1/runs/{run_name}")
+        assert httpx.get(tracker.url + "/readyz", timeout=LOADED_S).status_code == 503
+        resp = httpx.get(f"{tracker.url}/v1/runs/{run_name}", timeout=LOADED_S)
         assert resp.status_code == 503 and resp.json()["detail"]["code"] == "redis_unavailable"
     finally:
         tracker.stop()
