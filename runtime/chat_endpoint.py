@@ -238,6 +238,8 @@ class Endpoint:
 
         loop = asyncio.get_running_loop()
         if self._local is None or self._local.loop is not loop:  # one server per loop (asyncio.run twice)
+            if self._local is not None:  # the last loop's: its socket would otherwise stay open
+                self._local.close()
             self._local = LocalServer(self.app, loop, MAX_CHAT_BODY_BYTES)
         return self._local.url
 

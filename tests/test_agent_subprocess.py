@@ -127,3 +127,20 @@ def test_the_loopback_server_refuses_a_call_without_the_episodes_token(runner, t
 
     ep = play(runner, tiny_engine, endpoint, probe, 0)
     assert ep.reward == 1.0, ep.info
+
+
+def test_a_new_event_loop_gets_a_new_server_and_the_old_socket_is_closed():
+    """`spopp env check` runs asyncio.run once per check: a server of a closed loop can answer no
+    one, so the next loop gets its own and the old socket is let go (not one descriptor per run)."""
+    import asyncio as aio
+
+    endpoint = Endpoint()
+
+    async def url() -> str:
+        return endpoint.url()
+
+    aio.run(url())
+    old = endpoint._local
+    second = aio.run(url())
+    assert second.startswith("http://127.0.0.1:") and endpoint._local is not old
+    assert old.sock.fileno() == -1  # closed
