@@ -74,15 +74,25 @@ def test_across_cells_adjusts_per_comparison_and_pools_it():
     assert pooled[other]["k"] == 1 and pooled[other]["p"] == pytest.approx(1.0)
 
 
+def test_a_p_value_never_prints_as_the_level_it_misses():
+    # Three decimals under 0.1 would print 0.0502 and 0.0496 as 0.050, which reads as the 5 % level.
+    assert p_value(0.0502) == "0.0502" and p_value(0.0496) == "0.0496" and p_value(0.05) == "0.050"
+    assert p_value(0.008366) == "0.008" and p_value(0.073) == "0.073" and p_value(0.2991) == "0.30"
+    assert p_value(0.0004) == "<0.001" and p_value(None) == "n/a"
+    assert p_value(0.05 + 1e-12) == "0.05000000"  # the digits stop at 8; no endless loop
+
+
 def test_the_committed_maps_correction_and_pooled_tests():
-    """The numbers the issue's audit gave: the one cell whose interval excludes zero has Holm p 0.050
-    over the 6 cells, and the action-token step's pooled test p 0.07."""
+    """The numbers the issue's audit gave: the one cell whose interval excludes zero has a Holm p
+    over the 6 cells just above 0.05 (printed with the digit that shows it), and the action-token
+    step's pooled test p 0.07."""
     result = json.loads((ROOT / "docs" / "map" / "map.json").read_text())
     [c] = [c for c in result["cells"] if c["coupling"] == 0.0 and c["latency_sigma"] == 1.5]
     total = c["diffs"]["spopp vs spo"]
-    assert total["hi"] < 0 and total["t_p"] < 0.05 <= total["holm_p"]
-    assert p_value(total["holm_p"]) == "0.050" and p_value(total["t_p"]) == "0.008"
-    assert p_value(result["pooled"]["spopp vs spopp-trajnorm"]["p"]) == "0.073"
+    assert total["hi"] < 0 and total["t_p"] < 0.05 < total["holm_p"] < 0.051
+    assert p_value(total["holm_p"]) == f"{total['holm_p']:.4f}" and float(p_value(total["holm_p"])) > 0.05
+    assert p_value(total["t_p"]) == f"{total['t_p']:.3f}"
+    assert 0.07 <= result["pooled"]["spopp vs spopp-trajnorm"]["p"] < 0.08
     assert "tests" not in result["protocol"]  # decided before the tests were named: exploratory
 
 
@@ -104,7 +114,9 @@ def test_the_map_page_shows_holm_beside_p_the_pooled_tests_and_c10s_points():
     result = json.loads((ROOT / "docs" / "map" / "map.json").read_text())
     md = markdown(result)
     assert "| won | sign p | t p | Holm p |" in md
-    assert "| 0/3 | 0.25 | 0.008 | 0.050 |" in md  # coupling 0, latency 1.5
+    [c] = [c for c in result["cells"] if c["coupling"] == 0.0 and c["latency_sigma"] == 1.5]
+    total = c["diffs"]["spopp vs spo"]
+    assert f"| 0/3 | 0.25 | {p_value(total['t_p'])} | {p_value(total['holm_p'])} |" in md
     assert "over the map's 6 cells, one family per comparison" in md
     assert "+ action-token measure: p = 0.073" in md and "so they are exploratory" in md
     assert "| C10 (5 points) spo / spo-eventtime" in md and "C10 (5 points) = ½" in md

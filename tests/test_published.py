@@ -7,6 +7,7 @@
 - Report tables: every page's report sections (services/report/published.py) are the rendering
   of the report.json each names.
 - The pretrained-model study's page and the demo's padding measurement: their runs' own records.
+- The map's and the common-random-numbers measurement's runs record no code: their pages say so.
 """
 
 from __future__ import annotations
@@ -120,3 +121,31 @@ def test_the_demo_padding_runs_are_what_their_page_says():
         assert record["code"]["diff_sha256"] == hashlib.sha256(diff).hexdigest()
         assert record["code"]["dirty_files"] == ["tools/demo.py"]
         assert "packing: false" in (DEMO_PADDING / run / "launch.yaml").read_text()
+
+
+CRN = ROOT / "docs" / "results" / "crn"
+
+
+def test_the_map_and_crn_runs_were_made_before_runs_recorded_their_code():
+    """Every committed map run (pilot and main) and every common-random-numbers run has no `code` in
+    its run.json, so nothing can check which commit made them; their pages must say so rather than
+    name one. A run added with its code would fail here, and the pages would need rewriting."""
+    from spopp import provenance
+
+    result = _map()
+    runs = sorted((MAP / "data").rglob("run.json"))
+    assert len(runs) == result["times"]["main"]["runs"] + result["times"]["pilot"]["runs"]
+    crn_protocol = json.loads((CRN / "protocol.json").read_text())
+    crn_runs = sorted((CRN / "data").rglob("run.json"))
+    assert len(crn_runs) == len(crn_protocol["arms"]) * len(crn_protocol["seeds"])
+    for path in runs + crn_runs:
+        assert json.loads(path.read_text()).get("code") is None, f"{path} records its code: rewrite its pages"
+    # The map's pages say it in the sentence provenance gives for runs without code ...
+    unrecorded = provenance.describe(None)
+    assert all(not c["recorded"] for cell in result["cells"] for c in cell["code"]["codes"])
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert unrecorded in render.section(page, result) and unrecorded in (MAP / "map.md").read_text()
+    # ... and the common-random-numbers section says it by hand, naming no commit as the runs' own.
+    crn_section = page[page.index("### Common random numbers") :]
+    assert "They were made before runs recorded their code" in " ".join(crn_section.split())
+    assert "clean checkout of commit" not in page

@@ -70,7 +70,8 @@ def measure_side(root: Path, cell: str, arms: list[str], seeds: list[int]) -> di
 def measure(before: Path, after: Path, protocol: dict, after_commit: str | None = None) -> dict:
     cell, arms, seeds = protocol["cell"], protocol["arms"], protocol["seeds"]
     return {
-        # The after runs' code, where their run.json predates provenance (a clean checkout of it ran them).
+        # The commit whoever ran the after runs names for them: their run.json predates provenance
+        # (records no code), so no record confirms it, and the page says so.
         "after_commit": after_commit,
         "cell": cell,
         "arms": arms,
@@ -104,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", type=Path, help="the common-random-numbers runs' folder, laid out alike")
     p.add_argument("--protocol", type=Path, default=Path("docs/results/crn/protocol.json"))
     p.add_argument("--out", type=Path, help="write the measurement here as JSON")
-    p.add_argument("--after-commit", help="the commit a clean checkout of which made the after runs")
+    p.add_argument(
+        "--after-commit", help="the commit the after runs were made by, as their maker names it (unchecked)"
+    )
     p.add_argument("--render", type=Path, help="print the table of a measurement JSON and exit")
     a = p.parse_args(argv)
     if a.render:

@@ -48,12 +48,25 @@ def _won(d: dict) -> str:
     return f"{d['won']}/{d['n']}"
 
 
+# The level every p here is read against.
+ALPHA = 0.05
+
+
 def p_value(x: float | None) -> str:
-    """A p-value: two decimals, three under 0.1 (so that 0.0502 does not print as 0.05), "<0.001"
-    under 0.0005."""
+    """A p-value: two decimals, three under 0.1, "<0.001" under 0.0005, and more digits where
+    those would print 0.050 for a p that is not 0.05: 0.0504 prints 0.0504, never 0.050 (which
+    reads as the 5 % level reached), and 0.0496 prints 0.0496."""
     if x is None:
         return "n/a"
-    return "<0.001" if x < 0.0005 else format(x, ".3f" if x < 0.1 else ".2f")
+    if x < 0.0005:
+        return "<0.001"
+    digits = 3 if x < 0.1 else 2
+    text = format(x, f".{digits}f")
+    # Rounding can land on 0.05 but never across it; 8 digits at most (a p within 5e-9 of 0.05).
+    while x != ALPHA and float(text) == ALPHA and digits < 8:
+        digits += 1
+        text = format(x, f".{digits}f")
+    return text
 
 
 def _family(result: dict) -> int:
