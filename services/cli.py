@@ -32,6 +32,7 @@ def build() -> click.Group:
     from services.rollout.cli import group as rollout
     from services.study.cli import ablate_command as ablate
     from services.study.cli import map_command as map_
+    from services.study.cli import study_group as study
     from services.tracker.cli import group as tracker
 
     app = click.Group(
@@ -53,6 +54,7 @@ def build() -> click.Group:
         report,
         ablate,
         map_,
+        study,
         lora,
         model,
         env,

@@ -78,6 +78,9 @@ class RunRecord(BaseModel):
         description="the code that made the run (spopp/provenance.py: commit, dirty, lock_sha256, earlier "
         "launches on other code); absent in runs launched before run.json recorded it",
     )
+    protocol: str | None = Field(
+        None, description="the sha256 of the study's pre-registered protocol.json (spopp study compare)"
+    )
     machine: dict[str, Any] | None = Field(
         None, description="the machine of its last launch (spopp/provenance.py: platform, CPU, cores, GPUs)"
     )

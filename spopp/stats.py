@@ -120,3 +120,58 @@ def fisher(ps: list[float | None]) -> dict[str, float | int | None]:
 
     x = -2 * math.fsum(math.log(p) for p in known)
     return {"k": len(known), "statistic": x, "df": 2 * len(known), "p": float(chi2.sf(x, 2 * len(known)))}
+
+
+# A sign test over n pairs cannot reach p < 0.05 below this many pairs (its floor 2 / 2^n is 0.0625
+# at n = 5, 0.03125 at n = 6): the fewest pairs a comparison that must answer is sized to.
+SIGN_TEST_MIN_PAIRS = 6
+
+
+def sign_floor(n: int) -> float:
+    """The smallest two-sided p the exact sign test can give over n untied pairs: every pair won."""
+    return sign_test(n, 0)
+
+
+def t_power(n: int, effect: float, sd: float, alpha: float = 1 - LEVEL) -> float:
+    """Power of the two-sided paired t test at level `alpha` over n pairs whose differences have
+    mean `effect` and s.d. `sd`: P(|T| > t_{1-alpha/2, n-1}) under the noncentral t with n - 1
+    degrees of freedom and noncentrality effect / sd * sqrt(n). Not the normal approximation,
+    which overstates the power of few pairs (at n = 2 it ignores that one degree of freedom
+    leaves a t quantile of 12.7)."""
+    if n < 2:
+        return 0.0
+    if sd <= 0:
+        return 1.0 if effect != 0 else alpha
+    from scipy.stats import nct, t
+
+    df = n - 1
+    crit = float(t.ppf(1 - alpha / 2, df))
+    ncp = effect / sd * math.sqrt(n)
+    return float(nct.sf(crit, df, ncp) + nct.cdf(-crit, df, ncp))
+
+
+def pairs_for_power(
+    effect: float, sd: float | None, power: float = 0.8, alpha: float = 1 - LEVEL,
+    n_min: int = SIGN_TEST_MIN_PAIRS, n_max: int = 100_000,
+) -> int:  # fmt: skip
+    """The fewest pairs n >= n_min at which the two-sided paired t test reaches `power` against a
+    mean difference `effect` with differences of s.d. `sd` (t_power); ValueError without an s.d.,
+    with no effect, or when even n_max pairs would not do."""
+    if sd is None or not math.isfinite(sd):
+        raise ValueError("no standard deviation of the paired differences: the pilot needs two pairs or more")
+    if effect == 0 or not math.isfinite(effect):
+        raise ValueError(f"the effect to detect must be a finite non-zero number, got {effect!r}")
+    n = max(2, n_min)
+    if t_power(n, effect, sd, alpha) >= power:
+        return n
+    # Power grows with n: double until it is reached, then bisect.
+    hi = n
+    while t_power(hi, effect, sd, alpha) < power:
+        if hi >= n_max:
+            raise ValueError(f"more than {n_max} pairs would be needed (effect {effect}, s.d. {sd})")
+        hi = min(2 * hi, n_max)
+    lo = hi // 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if t_power(mid, effect, sd, alpha) < power else (lo, mid)
+    return max(hi, n)

@@ -162,6 +162,12 @@ class LaunchSettings(Settings):
         "sampling, environment streams): runs of one seed and study draw alike (common random numbers "
         "across the arms of a comparison; spopp ablate and spopp map set it); unset: the run name",
     )  # fmt: skip
+    protocol: str | None = Field(
+        None,
+        pattern="^[0-9a-f]{64}$",
+        description="the sha256 of the pre-registered protocol.json this run belongs to (spopp study compare "
+        "sets it): written to run.json and part of the run's identity, so a changed protocol is caught",
+    )  # fmt: skip
     model: Path = Field(..., description="policy version 0: a Hugging Face model folder")
     tasks: Path = Field(..., description="training tasks (JSONL/parquet: prompt, answer, task_id)")
     prior: Path | None = Field(
@@ -275,6 +281,7 @@ class ProcessPlan:
             "run_config": {k: v for k, v in self.run_config.canonical().items() if k != "max_updates"},
             # Only when set, so that runs launched before env_options existed still resume.
             **({"env_options": s.env_options} if s.env_options else {}),
+            **({"protocol": s.protocol} if s.protocol else {}),
         }
 
     def arm(self) -> str:

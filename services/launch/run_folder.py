@@ -110,6 +110,7 @@ class RunFolder:
             "code": provenance.relaunched(old.code if old else None, provenance.code(exclude=[p.run_dir]),
                                           resumed=old is not None),
             "machine": provenance.machine(),
+            **({"protocol": self.s.protocol} if self.s.protocol else {}),
         })  # fmt: skip
         _write_record(p.run_dir / "run.json", self.record)
 

@@ -1,5 +1,6 @@
-"""`spopp ablate CONFIG` (matched arms over seeds, then the report) and `spopp map CONFIG` (the
-same over a grid of toy-calc's knobs, seeds per cell fixed before the main runs).
+"""`spopp ablate CONFIG` (matched arms over seeds, then the report), `spopp map CONFIG` (the
+same over a grid of toy-calc's knobs, seeds per cell fixed before the main runs) and `spopp study
+compare CONFIG` (one pre-registered paired comparison, sized by its pilot: services/study/registered.py).
 
 A study composes runs through the launcher (services.launch: its config, its `Launcher`) and
 reaches no other service; its base config is read as `spopp launch` reads one.
@@ -46,30 +47,13 @@ _MIXED_CODE = click.Option(
 
 
 def _check_code(folders: list[Path], out: Path, policy: str, what: str, planned: bool = True) -> None:
-    """Before any run starts: this checkout's code and that of the runs already in `folders` must be
-    one code (spopp.provenance), rather than the comparison being refused at its end. This checkout
-    counts only when a run is still to come: a finished comparison run again (to redraw its page
-    after a pull) runs nothing, and its runs' code is what it is. `planned`: `folders` are every
-    run the comparison will have (ablate's); a map's are only those there so far, and it is
-    finished only once its map.json is written."""
+    """services.study.same_code.check, its refusal a ClickException and its flag said."""
     from spopp import provenance
-    from spopp.jsonfile import read_model
-    from spopp.records import RunRecord
 
-    found: dict[str, dict | None] = {}
-    to_come = not folders or not planned
-    for folder in folders:
-        try:
-            record = read_model(folder / "run.json", RunRecord)
-        except (OSError, ValueError):  # no run there yet, or one its launch will name
-            to_come = True
-            continue
-        found[str(folder)] = record.code
-        to_come = to_come or record.status != "finished"
-    runs = {"this checkout (the runs to come)": provenance.code(exclude=[out])} if to_come else {}
-    runs |= found
+    from .same_code import check
+
     try:
-        summary = provenance.check(runs, policy, what)
+        summary = check(folders, out, policy, what, planned)
     except provenance.MixedCode as exc:
         _fail(str(exc))
     if summary["flagged"]:
@@ -324,4 +308,123 @@ map_command = click.Command(
     "main runs (by a pilot, or given); then map.json, map.md and the heatmap map.png: area per arm, each "
     "step's and SPO++ − SPO's paired difference with its t interval, pairs won and sign test, C10, and what "
     "each knob measurably did. Resumes where it stopped.",
+)
+
+
+def _study_compare(
+    config: Path | None, sets: tuple[str, ...], out: Path | None, arms: str, pilot_seeds: str, first_seed: int,
+    effect: float, primary: str, budget_hours: float | None, force: bool, render: Path | None,
+) -> None:  # fmt: skip
+    from services.launch.run import LaunchError
+
+    from .measures import StudyDataError
+    from .registered import Request, StudyRefused, run_study, write_study
+    from .registration import ProtocolError
+
+    if render is not None:
+        if config is not None or out is not None:
+            raise click.UsageError(
+                "--render redraws a finished study from its study.json: give no CONFIG or --out"
+            )
+        import json
+
+        try:
+            write_study(render, json.loads((render / "study.json").read_text()))
+        except (OSError, ValueError, KeyError) as exc:
+            _fail(f"{render / 'study.json'}: cannot redraw the page ({exc})")
+        click.echo(f"wrote {render / 'README.md'}")
+        return
+    if config is None or out is None:
+        raise click.UsageError("give CONFIG and --out (or --render DIR to redraw a finished study)")
+    base, seeds, arm_list = _matched(config, sets, pilot_seeds, arms)
+    if len(arm_list) != 2 or arm_list[0] == arm_list[1]:
+        raise click.UsageError(f"--arms {arms!r}: two different arms, the control first (e.g. spo,spopp)")
+    if len(seeds) < 2 or len(set(seeds)) != len(seeds):
+        raise click.UsageError(
+            f"--pilot-seeds {pilot_seeds!r}: two distinct seeds or more (the pilot's s.d.)"
+        )
+    req = Request(
+        base=base, out=out, arms=(arm_list[0], arm_list[1]), pilot_seeds=seeds, first_seed=first_seed,
+        effect=effect, primary=primary, budget_s=None if budget_hours is None else 3600 * budget_hours, force=force,
+    )  # fmt: skip
+    try:
+        code = run_study(req, echo=click.echo)
+    except (StudyRefused, ProtocolError, StudyDataError, LaunchError, ValueError) as exc:
+        _fail(str(exc))
+    raise SystemExit(code)
+
+
+compare_command = click.Command(
+    "compare",
+    callback=_study_compare,
+    params=[
+        _OPTIONAL_CONFIG,
+        SET_OPTION,
+        click.Option(
+            ["--out"],
+            type=click.Path(file_okay=False, path_type=Path),
+            default=None,
+            help="the study's folder: pilot/, protocol.json, runs/<arm>-s<seed>/, study.json, README.md",
+        ),
+        click.Option(
+            ["--arms"],
+            default="spo,spopp",
+            show_default=True,
+            help="the control and the treatment, which differ in one thing (spopp/arms.py)",
+        ),
+        click.Option(
+            ["--pilot-seeds"],
+            default="1000,1001,1002",
+            show_default=True,
+            help="the pilot's seeds (at least two; never main seeds): its runs size the study",
+        ),
+        click.Option(
+            ["--first-seed"],
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            help="the main seeds are this, this + 1, ... (n of them, n from the pilot)",
+        ),
+        click.Option(
+            ["--effect"],
+            type=float,
+            default=2.5,
+            show_default=True,
+            help="the difference in primary-metric points to detect with 80 % power (default: the "
+            "paper's Math-TIR Δ area, +2.50)",
+        ),
+        click.Option(
+            ["--primary"],
+            type=click.Choice(["trapezoid", "step-mean"]),
+            default="trapezoid",
+            show_default=True,
+            help="the online-reward area's rule: trapezoid (the paper's ALFWorld "
+            "comparator) or step-mean (its Math-TIR one)",
+        ),
+        click.Option(
+            ["--budget-hours"],
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            help="machine hours for the pilot and the main runs together: a study whose n does not fit "
+            "is refused before its main runs, naming n (default: no limit)",
+        ),
+        click.Option(
+            ["--force"], is_flag=True, help="run past failed design checks; the page says which failed"
+        ),
+        click.Option(
+            ["--render"],
+            type=click.Path(file_okay=False, exists=True, path_type=Path),
+            default=None,
+            help="redraw README.md of a finished study from its study.json, and nothing else",
+        ),
+    ],  # fmt: skip
+    help="Does the treatment beat the control on this config? A pilot on its own seeds checks the design "
+    "(version-0 success 15-70 %, below the ceiling, at least 8 outcomes per prompt, an offline prior) and sizes "
+    "n for a paired t test (80 % power, at least 6 pairs); protocol.json is registered before the first main "
+    "run; then n pairs with common random numbers, each run's code required to be one; the page's conclusions "
+    "are generated from the statistics. Resumes where it stopped.",
+)
+
+study_group = click.Group(
+    "study", help="Studies that answer a question with matched runs.", commands=[compare_command]
 )

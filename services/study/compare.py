@@ -24,7 +24,9 @@ from services.launch.config import LaunchSettings
 from spopp.arms import ARM_FIELDS, ARMS, parse_arm
 
 
-def arm_settings(base: LaunchSettings, arm: str, seed: int, out: Path) -> LaunchSettings:
+def arm_settings(
+    base: LaunchSettings, arm: str, seed: int, out: Path, protocol: str | None = None
+) -> LaunchSettings:
     recipe_arm, staleness = parse_arm(arm)
     fixed = [k for k in ARM_FIELDS if k in base.learner]
     if fixed:
@@ -41,6 +43,8 @@ def arm_settings(base: LaunchSettings, arm: str, seed: int, out: Path) -> Launch
     values.update(recipe=spec["recipe"], seed=seed, study=study, run=name, run_dir=out / "runs" / name)
     if staleness is not None:
         values["max_staleness"] = staleness
+    if protocol is not None:  # spopp study compare's pre-registration (services/study/registration.py)
+        values["protocol"] = protocol
     values["learner"] = {**base.learner.model_dump(), **spec["learner"]}  # the section as given
     return LaunchSettings.model_validate(values)
 
