@@ -110,12 +110,34 @@ def test_a_study_that_cannot_be_sized_is_refused_before_it_runs(tmp_path):
     assert not (tmp_path / "out" / "model").exists()
 
 
-def test_the_n_that_detects_the_papers_effects():
-    # (z_0.975 + z_0.8) = 1.959964 + 0.841621 = 2.801585; s = 5: (2.801585 * 5 / 2.5)^2 = 31.40 -> 32,
-    # (2.801585 * 5 / 19)^2 = 0.54 -> 1; s = 1.64 (the paper's Math-TIR spread): 3.38 -> 4.
-    assert ps.detect_n(5.0, 2.5) == 32
-    assert ps.detect_n(5.0, 19.0) == 1
-    assert ps.detect_n(1.64, 2.5) == 4
+def _t_power(n: int, effect: float, sd: float) -> float:
+    """The two-sided paired t test's power at 5 % over n pairs, by quadrature over the s.d.'s
+    chi-square (T = (Z + d) / sqrt(V / df), V ~ chi2(df), d = effect / sd * sqrt(n)): another route
+    than scipy's noncentral t, which spopp.stats uses (and which gives nan at 1 d.f. for large d)."""
+    from scipy import integrate, stats
+
+    df, d = n - 1, effect / sd * math.sqrt(n)
+    c = stats.t.ppf(0.975, df)
+
+    def given(v: float) -> float:
+        scale = c * math.sqrt(v / df)
+        return (stats.norm.sf(scale - d) + stats.norm.cdf(-scale - d)) * stats.chi2.pdf(v, df)
+
+    return integrate.quad(given, 0, math.inf, limit=200)[0]
+
+
+@pytest.mark.parametrize("sd,effect", [(5.0, 2.5), (5.0, 19.0), (1.64, 2.5), (1.381, 2.5), (1.381, 19.0)])
+def test_the_n_that_detects_the_papers_effects_is_the_t_tests(sd, effect):
+    # The fewest pairs from 2 (a t test needs one degree of freedom) whose power reaches 80 %.
+    n = ps.detect_n(sd, effect)
+    assert n >= 2 and _t_power(n, effect, sd) >= 0.8
+    assert n == 2 or _t_power(n - 1, effect, sd) < 0.8
+    # The normal approximation the page once used asks for fewer pairs than the t test does.
+    normal = math.ceil(((1.959964 + 0.841621) * sd / effect) ** 2)
+    assert n > normal
+
+
+def test_no_sd_detects_nothing():
     assert ps.detect_n(None, 2.5) is None
 
 
@@ -161,15 +183,28 @@ def test_the_page_renders_from_a_fake_report(tmp_path):
                                   "n": {"Math-TIR": ps.detect_n(sd, 2.5), "ALFWorld": ps.detect_n(sd, 19.0)}}  # fmt: skip
     page = (tmp_path / "README.md").read_text()
     assert "commit abc123def456" in page and "s.e." in page
-    # The protocol's line, every field rendered (a missing f-prefix once printed its expression).
-    assert "budget n/a minutes (not capped)" in page and "_f(" not in page
+    # The protocol's lines, every field rendered (a missing f-prefix once printed its expression).
+    # The pilot's +1 and +3 have s.d. sqrt(2): (1.41 / 1.5)^2 = 0.89 asks for 1 pair, under n_min 3.
+    ask = math.ceil((math.sqrt(2) / 1.5) ** 2)
+    assert ask == 1 < protocol["n_min"] and "_f(" not in page
+    assert (
+        f"Where n came from: the pilot's s.d. asks for ceil((1.41 / 1.5)^2) = {ask} pair for an s.e. of 1.5,"
+        " under the floor n_min = 3, so n = 3 came from the floor, not from the s.d. No budget was given."
+        in page
+    )
     assert f"| spopp − spo | 3 | +3.33 ± {sd / math.sqrt(3):.2f} |" in page
     assert f"[{10 / 3 - half:+.2f}, {10 / 3 + half:+.2f}]" in page
     assert (
         "| 0 | 3 | 0.500 | 0.575 | +7.50 |" in page
         and "| spo-s2 | spo | 2 | v0 0.400, v4 0.500, v8 0.500 |" in page
     )
-    assert f"| {ps.detect_n(sd, 2.5)} | 1 |" in page
+    assert f"| main (3 pairs) | {sd:.2f} | {ps.detect_n(sd, 2.5)} | {ps.detect_n(sd, 19.0)} |" in page
+    assert (
+        "A sign test needs at least 6 pairs to reach p < 0.05" in page and "0.25 over this study's 3" in page
+    )
+    # The most SPO++ could gain: its curve at 1 after version 0 (from 0.4): area (0.7 + 1) / 2 = 0.85
+    # against SPO's 0.5, 0.55 and 0.475: 35, 30 and 37.5 points, all above ALFWorld's +19.
+    assert "is 30.00 to 37.50 area points over the 3 pairs." in page and "cannot occur" not in page
     # --render redraws the same page from study.json alone.
     (tmp_path / "main" / "report.json").unlink()
     (tmp_path / "README.md").unlink()
@@ -184,6 +219,41 @@ def test_the_page_renders_from_a_fake_report(tmp_path):
     assert "**Mixed code, let through by `--mixed-code flag`:** different code: x." in ps.render(study)
     with pytest.raises(SystemExit, match="no study.json"):
         ps.main(["--render", str(tmp_path / "main")])
+
+
+def test_the_page_says_where_n_came_from_under_a_budget():
+    # The pilot +1 and +7 (s.d. sqrt(18): 8 pairs wanted), 4 pilot runs of 100 s, 2 arms a seed: 40
+    # minutes leave room for 10 seeds, 30 for 7 (capped), 10 for 1 (under the floor of 3).
+    lines = {}
+    for minutes in (40, 30, 10):
+        protocol = ps.decide([1.0, 7.0], [1000, 1001], _grid(), [100.0] * 4, 1.5, 3, minutes)
+        lines[minutes] = ps._where_n(protocol, "toy-calc-shots2", len(protocol["seeds"]["toy-calc-shots2"]))
+    assert "= 8 pairs for an s.e. of 1.5, so n = 8." in lines[40] and "room for 10 main seeds" in lines[40]
+    assert lines[40].endswith(": n fits it.")
+    assert "room for 7 main seeds after the pilot, so n was capped at 7." in lines[30]
+    assert "room for 1 main seed after the pilot, so n was cut to the floor, 3, which goes over" in lines[10]
+    # The committed study's case: the s.d. asks for fewer than the floor, and the floor is over budget.
+    protocol = ps.decide([1.0, 3.0], [1000, 1001], _grid(), [100.0] * 4, 1.5, 3, 10)
+    line = ps._where_n(protocol, "toy-calc-shots2", 3)
+    assert (
+        "so n = 3 came from the floor" in line
+        and "n never goes under n_min, so the main runs went over" in line
+    )
+
+
+def test_the_headroom_names_an_effect_the_design_cannot_produce(tmp_path):
+    protocol = _fake_study(tmp_path)
+    study = ps.build_study(tmp_path, protocol)
+    # SPO near the top: at 0.4, 0.95, 0.99 its area is (0.675 + 0.97) / 2 = 0.8225, and SPO++'s best
+    # (0.85) is 2.75 points above it, under both paper effects.
+    for r in study["runs"]:
+        if r["arm"] == "spo":
+            r["rewards"] = [0.4, 0.95, 0.99]
+    for row in study["diffs"][0]["pairs"]:
+        row["spo"] = 0.8225
+    page = ps.render(study)
+    assert "is 2.75 to 2.75 area points over the 3 pairs: an effect of Math-TIR (+2.50)" not in page
+    assert "is 2.75 to 2.75 area points over the 3 pairs: an effect of ALFWorld (+19.00) cannot occur" in page
 
 
 def test_three_arms_give_each_step_and_the_total(tmp_path):

@@ -13,8 +13,9 @@
            their study), then `spopp report`
 5. page    OUT/study.json (everything the page says, from the runs' own files) and OUT/README.md from
            it: the protocol, every run's curve, Δ area per pair, mean ± s.e. with the 95 % t
-           interval, the sign test, the code (spopp.provenance), and the n of pairs that would
-           detect the paper's effects at the measured s.d. (`--render OUT` redraws it from study.json)
+           interval, the sign test, the code (spopp.provenance), where n came from, and the n of
+           pairs at which the paired t test would detect the paper's effects at the measured s.d.
+           (`--render OUT` redraws it from study.json)
 
 The size (FULL): the demo's run (tools/demo_real.py: batches of 16 episodes, rank-8 LoRA, vLLM for
 the replica and the evaluator on the CPU, the transformers engine on CUDA with --device cuda) cut to
@@ -113,7 +114,7 @@ PILOT_SEEDS = "1000,1001"  # never a main seed (those are 0..n-1)
 # +19.00 ± 8.95 (ALFWorld) and +2.50 ± 1.64 (Math-TIR); 1.5 is the map's target and below the
 # paper's smaller spread (1.64), so the study's interval (about ± 2 s.e.) can tell an ALFWorld-sized
 # effect from none and a Math-TIR-sized one from an ALFWorld-sized one. Detecting 2.50 itself with
-# 80 % power would need s.e. 2.50 / (1.96 + 0.84) = 0.89: the page says what n that takes.
+# 80 % power takes more pairs: the page gives the paired t test's n (detect_n).
 TARGET_SE = 1.5
 N_MIN = 3  # 2 degrees of freedom for the t interval, as the map
 # What the study may take, pilot and main runs together, priced by the pilot's mean run time. On 2
@@ -135,14 +136,20 @@ PILOT, MAIN = "pilot", "main"
 # -- the pure parts -----------------------------------------------------------------------------------
 
 
+# The fewest pairs a paired t test can use (one pair leaves no degrees of freedom).
+T_MIN_PAIRS = 2
+
+
 def detect_n(sd: float | None, effect: float, power: float = POWER, alpha: float = ALPHA) -> int | None:
-    """Pairs that detect a true mean difference `effect` with `power` in a two-sided test at
-    `alpha`, if the paired s.d. is `sd`: ceil(((z_{1-alpha/2} + z_{power}) sd / effect)^2) (the
-    normal approximation; the t test needs a pair or two more at small n)."""
+    """Pairs at which the two-sided paired t test at `alpha` reaches `power` against a true mean
+    difference `effect`, if the paired s.d. is `sd` (spopp.stats.pairs_for_power: the noncentral t,
+    from 2 pairs); None without an s.d. Not the normal approximation, which at n = 1-3 ignores
+    that the t quantile with 1 or 2 degrees of freedom is 12.7 or 4.3, not 1.96."""
+    from spopp.stats import pairs_for_power
+
     if sd is None:
         return None
-    z = statistics.NormalDist()
-    return max(1, math.ceil(((z.inv_cdf(1 - alpha / 2) + z.inv_cdf(power)) * sd / effect) ** 2 - 1e-9))
+    return pairs_for_power(effect, sd, power=power, alpha=alpha, n_min=T_MIN_PAIRS)
 
 
 def grid(family: str, arms: list[str], size: dict, data_seed: int) -> dict:
@@ -271,8 +278,62 @@ def _f(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _where_n(p: dict, family: str, n: int) -> str:
+    """Where the protocol's n came from: the pilot's s.d., the n_min floor or the budget's cap,
+    and whether the main runs fit the budget (the floor goes over it)."""
+    sd = (p.get("pilot_sd") or {}).get(family, p["pilot"]["summary"]["sd"])
+    target, n_min, want = p["target_se"], p["n_min"], p["wanted"][family]
+    # services.study.protocol.wanted's rule without its floor: what the s.d. alone asks for.
+    ask = math.ceil((sd / target) ** 2 - 1e-9)
+    line = (
+        f"the pilot's s.d. asks for ceil(({sd:.2f} / {target:g})^2) = {_pairs(ask)} for an s.e. of {target:g}"
+    )
+    line += (
+        f", under the floor n_min = {n_min}, so n = {want} came from the floor, not from the s.d."
+        if ask < n_min
+        else f", so n = {want}."
+    )
+    budget, room = p.get("budget_minutes"), p.get("capacity_seeds")
+    if budget is None:
+        return line + " No budget was given."
+    priced = f"The budget of {budget:g} minutes, priced at the mean pilot run, had room for {room} main seed" + (
+        "" if room == 1 else "s"
+    ) + " after the pilot"  # fmt: skip
+    over = room is not None and room < n
+    if family in p.get("capped", []):
+        if over:
+            return line + f" {priced}, so n was cut to the floor, {n}, which goes over the budget."
+        return line + f" {priced}, so n was capped at {n}."
+    if over:
+        return line + f" {priced}; n never goes under n_min, so the main runs went over the budget."
+    return line + f" {priced}: n fits it."
+
+
+def _headroom(study: dict) -> str | None:
+    """The largest Δ area SPO++ could have reached in each pair (its curve at 1 after its first
+    point, its version 0 as measured), against the paper's effects: an effect above it cannot occur."""
+    from spopp.curves import POINTS, area
+
+    total = next((d for d in study["diffs"] if (d["arm"], d["against"]) == ("spopp", "spo")), None)
+    if total is None:
+        return None
+    curves = {(r["arm"], r["seed"]): r["rewards"] for r in study["runs"]}
+    most = [
+        POINTS * (area([curves[("spopp", r["seed"])][0]] + [1.0] * (r["points"] - 1)) - r["spo"])
+        for r in total["pairs"]
+    ]
+    beyond = [f"{k} (+{v:.2f})" for k, v in PAPER_EFFECTS.items() if v > max(most)]
+    return (
+        f"The most SPO++ could gain over SPO in a pair here (its success 1 at every version after 0, its"
+        f" version 0 as measured) is {min(most):.2f} to {max(most):.2f} area points over the"
+        f" {_pairs(len(most))}"
+        + (f": an effect of {' or '.join(beyond)} cannot occur in this design." if beyond else ".")
+    )
+
+
 def render(study: dict) -> str:
     """The study's page (Markdown) from study.json alone."""
+    from spopp.stats import SIGN_TEST_MIN_PAIRS, sign_floor
 
     p = upgraded(study["protocol"])
     g = p["grid"]
@@ -301,9 +362,10 @@ def render(study: dict) -> str:
         + f", s.d. {_f(pilot['summary']['sd'], '.2f')}; target s.e. {p['target_se']} area points, n_min"
         f" {p['n_min']}: wanted n = {p['wanted'][g['family']]}; mean pilot run"
         f" {_f(p['run_seconds'], '.0f')} s (first launch to finish: a run resumed in a later session"
-        f" counts the time it stood stopped), budget {_f(p['budget_minutes'], 'g')} minutes"
-        f" ({'capped by the budget' if p['capped'] else 'not capped'}). Main seeds: {', '.join(map(str, seeds))}"
+        f" counts the time it stood stopped). Main seeds: {', '.join(map(str, seeds))}"
         f" (n = {len(seeds)}), arms {', '.join(g['arms'])}.",
+        "",
+        "Where n came from: " + _where_n(p, g["family"], len(seeds)),
         "",
         "Planned tests: " + "; ".join(f"{k}: {v}" for k, v in p["tests"].items() if v) + ".",
         "",
@@ -343,8 +405,18 @@ def render(study: dict) -> str:
         "",
         "## What n would detect the paper's effects",
         "",
-        "n = ceil(((z_0.975 + z_0.8) s / effect)^2): pairs for 80 % power in a two-sided test at 5 %, if the"
-        " paired s.d. of Δ area is s (normal approximation).",
+        f"n = the fewest pairs (at least {T_MIN_PAIRS}, the fewest a t test can use) at which the two-sided paired"
+        f" t test at {100 * ALPHA:g} % has {100 * POWER:g} % power against the effect, if the paired s.d. of Δ area is s"
+        " (the noncentral t, `spopp.stats.pairs_for_power`). A sign test needs at least"
+        f" {SIGN_TEST_MIN_PAIRS} pairs to reach p < {ALPHA:g} (its smallest p, every pair won, is"
+        f" {sign_floor(SIGN_TEST_MIN_PAIRS - 1):g} over {SIGN_TEST_MIN_PAIRS - 1} pairs,"
+        f" {sign_floor(SIGN_TEST_MIN_PAIRS):g} over {SIGN_TEST_MIN_PAIRS} and {sign_floor(len(seeds)):g} over"
+        f" this study's {len(seeds)}).",
+        "",
+        "The paper's effects are differences of a different metric: the normalized area under the *online"
+        " training-reward* curve over its common budget (50 ALFWorld steps, 100 Math-TIR steps), where this"
+        f" study's Δ is the area under held-out success at {len(study['runs'][0]['versions'])} versions. The"
+        " table borrows only their size.",
         "",
         "| s from | s | " + " | ".join(f"{k} (+{v:.2f})" for k, v in PAPER_EFFECTS.items()) + " |",
         "|---|---|" + "---|" * len(PAPER_EFFECTS),
@@ -355,6 +427,16 @@ def render(study: dict) -> str:
             + " | ".join(_f(row["n"][k], "d") for k in PAPER_EFFECTS)
             + " |"
         )
+    if p.get("detect"):
+        lines += [
+            "",
+            "protocol.json's `detect` ("
+            + ", ".join(f"{k} {v}" for k, v in p["detect"].items())
+            + ") is the normal approximation's n at the pilot's s.d., written when the protocol was decided"
+            " by an earlier version of this tool; it set nothing, and the table above replaces it.",
+        ]
+    if (headroom := _headroom(study)) is not None:
+        lines += ["", headroom]
     if study.get("warnings"):
         lines += ["", "## Warnings", ""] + [f"- {w}" for w in study["warnings"]]
     return "\n".join(lines) + "\n"
