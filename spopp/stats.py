@@ -147,7 +147,19 @@ def t_power(n: int, effect: float, sd: float, alpha: float = 1 - LEVEL) -> float
     df = n - 1
     crit = float(t.ppf(1 - alpha / 2, df))
     ncp = effect / sd * math.sqrt(n)
-    return float(nct.sf(crit, df, ncp) + nct.cdf(-crit, df, ncp))
+    power = float(nct.sf(crit, df, ncp) + nct.cdf(-crit, df, ncp))
+    if math.isfinite(power):
+        return power
+    # scipy's noncentral t answers NaN at one degree of freedom and a large noncentrality; the
+    # definition, integrated over the chi-square of the s.d.'s estimate, does not fail there.
+    from scipy import integrate
+    from scipy.stats import chi2, norm
+
+    def given(v: float) -> float:
+        scale = math.sqrt(v / df)
+        return (norm.sf(crit * scale - ncp) + norm.cdf(-crit * scale - ncp)) * chi2.pdf(v, df)
+
+    return float(integrate.quad(given, 0, math.inf)[0])
 
 
 def pairs_for_power(

@@ -271,3 +271,41 @@ def test_a_registered_study_resumes_only_as_registered(tmp_path, toy_config, arg
     registration.write(out, {**req.options(), "n": 6, "seeds": list(range(6)), "metrics": []})
     r = CliRunner().invoke(compare_command, [str(config), "--out", str(out), *args])
     assert r.exit_code == 1 and "registered another study" in r.output and option in r.output
+
+
+def test_the_power_holds_where_scipys_noncentral_t_fails():
+    # At one degree of freedom and a large noncentrality scipy's nct answers NaN; 200,000 simulated
+    # pairs of two (binomial s.e. 0.00075; 4 s.e. = 0.003) check the integral that replaces it.
+    from scipy.stats import ttest_1samp
+
+    rng = np.random.default_rng(7)
+    simulated = (ttest_1samp(rng.normal(19.0, 1.38, (200_000, 2)), 0.0, axis=1).pvalue < 0.05).mean()
+    assert abs(t_power(2, 19.0, 1.38) - simulated) < 0.003
+    assert pairs_for_power(19.0, 1.38, n_min=2) == 2
+
+
+def test_the_page_says_what_study_json_holds_and_only_that(tmp_path):
+    from services.study.registered import summarize, write_study
+
+    runs = []
+    for seed, gain in enumerate([0.03, 0.05, 0.04, 0.06, 0.02, 0.05]):
+        runs += [_run("spo", seed, [0.4] * 6), _run("spopp", seed, [0.4 + gain] * 6)]
+    checks = [design.prior_check("p.json").as_dict(), design.outcomes_check([2.0]).as_dict()]
+    protocol = {
+        "hypothesis": registration.hypothesis("spo", "spopp", "trapezoid"), "arms": ["spo", "spopp"],
+        "primary": "trapezoid", "metrics": ["area (trapezoid)", "final five"], "analysis": registration.ANALYSIS,
+        "effect": 2.5, "power": 0.8, "n": 6, "seeds": list(range(6)), "pilot_seeds": [1000, 1001],
+        "stopping_rule": registration.STOPPING_RULE, "design_checks": checks, "forced": ["outcomes per prompt"],
+        "pilot": {"pilot_sd": 2.0, "pilot_mean": 3.0, "mean_run_s": 60.0, "pilot_s": 240.0, "heldout_why": "none"},
+        "registered": "2026-12-02T00:00:00Z",
+    }  # fmt: skip
+    study = summarize(protocol, "f" * 64, runs, [])
+    write_study(tmp_path, study)
+    page = (tmp_path / "README.md").read_text()
+    for sentence in study["conclusions"]["can"] + study["conclusions"]["cannot"]:
+        assert f"- {sentence}" in page
+    assert "FAILED, run past with --force" in page and "f" * 64 in page
+    assert "| spopp | 0 | 0.430 | 0.430 |" in page  # area and final five of a flat 0.43 curve
+    assert (
+        json.loads((tmp_path / "study.json").read_text())["result"]["diffs"]["area (trapezoid)"]["won"] == 6
+    )

@@ -1,113 +1,171 @@
-"""`spopp study compare` on the tiny model, for real: the pilot's runs launched, measured and
-checked, the study refused before its main runs (a design check or the budget, naming n) with no
-protocol registered; and a main run's folder bound to its protocol's hash."""
+"""`spopp study compare` through its command on the tiny model's config.
+
+- Fixed pilots: each pilot run's folder is prepared by the real launcher and given fixed data
+  (run.json finished, the learner's rewards, the evaluator's version 0, the tracker's counts), so
+  that the command finds the pilot finished and goes on from it: each design check refuses its
+  case, the budget refuses an n it cannot pay (naming n), and nothing is registered.
+- A main run's folder is bound to its protocol's hash (part of the run's identity).
+- The whole study for real (slow tier): a pilot and 6 pairs of tiny runs, every main run carrying
+  the protocol's hash, then the page.
+"""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from procs import cli
 
 from services.launch.cli import resolve
 from services.study.compare import arm_settings
-from services.study.design import CEILING, MIN_OUTCOMES_PER_PROMPT, V0_BAND
+from spopp.curves import POINTS, area
+from spopp.stats import pairs_for_power, summarize
 
-pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
+pytestmark = pytest.mark.process  # the launcher's checks and git (provenance): the process tier
 
 BUDGET = {"max_turns": 3, "max_tokens_per_turn": 16, "max_total_tokens": 128}
+PILOT = (1000, 1001)
+# One code for every fixed run: not this checkout's, which counts only for runs still to come.
+CODE = {"commit": "0" * 40, "dirty": False, "lock_sha256": "1" * 64, "source": "git"}
 
 
 @pytest.fixture(scope="module")
-def study_config(tmp_path_factory, learned_model) -> Path:
-    """The demo's learned toy model on 8 toy-calc tasks (so that each prompt sees several
-    outcomes), a prior from 8 outcomes each, 2 updates of 4 trajectories, every version scored."""
+def toy(tmp_path_factory) -> dict:
+    """An untrained toy model, 8 toy-calc tasks and a prior from 8 outcomes each."""
     from runtime.envs.toy_calc import write_toy_calc_tasks
     from spopp.priors import build_prior, write_prior
+    from tools.toy_model import build_toy_model
 
     root = tmp_path_factory.mktemp("study-run")
+    model = build_toy_model(root / "model", seed=0)
     train, heldout = write_toy_calc_tasks(root / "data", seed=0, n_train=8, n_heldout=8)
     ids = [json.loads(line)["task_id"] for line in train.read_text().splitlines()]
     outcomes = {t: [float(i % 2 == j % 2) for j in range(8)] for i, t in enumerate(ids)}
-    write_prior(root / "prior.json", build_prior(outcomes, 8.0, {"model": str(learned_model)}))
+    write_prior(root / "prior.json", build_prior(outcomes, 8.0, {"model": str(model)}))
+    return {"model": model, "train": train, "heldout": heldout, "prior": root / "prior.json"}
+
+
+def _config(toy: dict, folder: Path, max_updates: int = 4) -> Path:
     cfg = {
-        "model": str(learned_model), "tasks": str(train), "heldout": str(heldout), "prior": str(root / "prior.json"),
-        "env": "toy-calc", "max_updates": 2, "progress_seconds": 5,
+        "model": str(toy["model"]), "tasks": str(toy["train"]), "heldout": str(toy["heldout"]),
+        "prior": str(toy["prior"]), "env": "toy-calc", "max_updates": max_updates, "progress_seconds": 5,
         "rollout": {"engine": "transformers", "concurrency": 8, **BUDGET},
         "learner": {"batch_size": 4, "mini_batches": 1, "micro_batch_size": 4, "lr": 1e-4, "keep_snapshots": 2},
         "evaluator": {"every": 1, "greedy": False, "samples": 1, **BUDGET},
     }  # fmt: skip
-    path = root / "study.yaml"
+    path = folder / "study.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-def _compare(config: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cli("study", "compare", str(config), "--out", str(out), "--pilot-seeds", "1000,1001", *args),
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+def _finished(settings, online: list[float], v0: float, outcomes: int, seconds: float = 60.0) -> None:
+    """A pilot run's folder as the launcher would leave it finished, holding fixed data."""
+    from services.launch.run import Launcher
+
+    p = Launcher(settings, echo=lambda _line: None).prepare()
+    folder = p.run_dir
+    (folder / "learner").mkdir(parents=True, exist_ok=True)
+    (folder / "eval").mkdir(exist_ok=True)
+    lines = [json.dumps({"step": i + 1, "reward_mean": r}) for i, r in enumerate(online)]
+    (folder / "learner" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "eval" / "evals.jsonl").write_text(
+        json.dumps({"policy_version": 0, "step": 0, "eval/sampled/reward_mean": v0}) + "\n"
+    )
+    now = time.time()
+    record = {
+        "run": settings.run, "arm": p.arm(), "seed": settings.seed, "max_updates": settings.max_updates,
+        "identity": p.identity(), "status": "finished", "launches": 1, "started": now - seconds, "finished": now,
+        "tracker_counts": {"tasks": 8, "outcomes": outcomes}, "code": CODE,
+    }  # fmt: skip
+    (folder / "run.json").write_text(json.dumps(record))
 
 
-def _expected_failures(pilot: Path) -> set[str]:
-    """The checks the pilot's own files fail, read here without the study's code: version 0's
-    held-out success (evals.jsonl), the last update's batch reward (metrics.jsonl), outcomes over
-    tasks (run.json's tracker counts)."""
-    v0, last, per_prompt = [], [], []
-    for folder in sorted((pilot / "runs").iterdir()):
-        evals = [json.loads(line) for line in (folder / "eval" / "evals.jsonl").read_text().splitlines()]
-        v0.append(next(e["eval/sampled/reward_mean"] for e in evals if e["policy_version"] == 0))
-        last.append(
-            json.loads((folder / "learner" / "metrics.jsonl").read_text().splitlines()[-1])["reward_mean"]
-        )
-        counts = json.loads((folder / "run.json").read_text())["tracker_counts"]
-        per_prompt.append(counts["outcomes"] / counts["tasks"])
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    failing = set()
-    if not V0_BAND[0] <= mean(v0) <= V0_BAND[1]:
-        failing.add("headroom")
-    if mean(last) >= CEILING:
-        failing.add("ceiling")
-    if mean(per_prompt) < MIN_OUTCOMES_PER_PROMPT:
-        failing.add("outcomes per prompt")
-    return failing
+# Flat curves: spo at 0.40 on both seeds; spopp 1 and 5 points above it (a pilot s.d. of 2.83 points).
+GOOD = {"spo": [0.40] * 4, "spopp": [[0.41] * 4, [0.45] * 4]}
 
 
-@pytest.mark.timeout(1200)
-def test_a_real_pilot_sizes_the_study_and_it_is_refused_before_any_main_run(study_config, tmp_path):
-    out = tmp_path / "study"
-    # A budget of 36 s cannot pay for 6 pairs of runs that take tens of seconds each.
-    r = _compare(study_config, out, "--budget-hours", "0.01", "--force")
-    assert r.returncode == 1, r.stdout + r.stderr
-    found = json.loads((out / "pilot" / "design.json").read_text())
-    assert f"n = {found['n']} pairs" in r.stderr and "--budget-hours" in r.stderr and found["n"] >= 6
-    assert sorted(p.name for p in (out / "pilot" / "runs").iterdir()) == [
-        "spo-s1000", "spo-s1001", "spopp-s1000", "spopp-s1001"]  # fmt: skip
+def _pilot(config: Path, out: Path, v0: float = 0.4, outcomes: int = 80, end: float | None = None) -> None:
+    base = resolve(config, ())
+    for i, seed in enumerate(PILOT):
+        for arm in ("spo", "spopp"):
+            online = list(GOOD["spo"] if arm == "spo" else GOOD["spopp"][i])
+            if end is not None:
+                online[-1] = end
+            _finished(arm_settings(base, arm, seed, out / "pilot"), online, v0, outcomes)
+
+
+def _compare(config: Path, out: Path, *args: str):
+    from services.study.cli import compare_command
+
+    return CliRunner().invoke(
+        compare_command, [str(config), "--out", str(out), "--pilot-seeds", ",".join(map(str, PILOT)), *args]
+    )
+
+
+@pytest.mark.parametrize(
+    "pilot, check, setting",
+    [
+        ({"v0": 0.05}, "headroom", "easier tasks"),
+        ({"v0": 0.85}, "headroom", "harder tasks"),
+        ({"end": 0.95}, "ceiling", "max_updates"),
+        ({"outcomes": 20}, "outcomes per prompt", "fewer prompts"),
+    ],
+    ids=["version 0 too low", "version 0 too high", "ceiling", "2.5 outcomes per prompt"],
+)
+def test_each_design_check_refuses_its_case_after_the_pilot(toy, tmp_path, pilot, check, setting):
+    config, out = _config(toy, tmp_path), tmp_path / "study"
+    _pilot(config, out, **pilot)
+    r = _compare(config, out)
+    assert r.exit_code == 1, r.output
+    assert r.output.count("(finished)") == 4  # the pilot was found finished, not run again
+    assert "the design cannot answer (1 check failed)" in r.output
+    assert f"FAIL {check}" in r.output and setting in r.output and "--force" in r.output
     assert not (out / "protocol.json").exists() and not (out / "runs").exists()
-    # The checks agree with the pilot's files read independently.
-    failing = {c["name"] for c in found["checks"] if not c["ok"]}
-    assert failing == _expected_failures(out / "pilot")
-    # Again without --force: the finished pilot is not run again; a failed check refuses the design
-    # (naming each), else the budget refuses as before.
-    again = _compare(study_config, out, "--budget-hours", "0.01")
-    assert again.returncode == 1 and again.stdout.count("(finished)") == 4
-    if failing:
-        assert "the design cannot answer" in again.stderr
-        assert all(f"FAIL {name}" in again.stderr for name in failing)
-    else:
-        assert f"n = {found['n']} pairs" in again.stderr
+    found = json.loads((out / "pilot" / "design.json").read_text())
+    assert [c["name"] for c in found["checks"] if not c["ok"]] == [check]
+
+
+def test_a_budget_that_cannot_pay_for_n_is_refused_naming_n(toy, tmp_path):
+    config, out = _config(toy, tmp_path), tmp_path / "study"
+    _pilot(config, out)
+    # The pilot's paired area differences, recomputed here: 1 and 5 points.
+    diffs = [POINTS * (area(GOOD["spopp"][i]) - area(GOOD["spo"])) for i in range(2)]
+    n = pairs_for_power(2.5, summarize(diffs).sd)
+    r = _compare(config, out, "--budget-hours", "0.1")  # 6 minutes: 4 spent on the pilot, 60 s a run
+    assert r.exit_code == 1, r.output
+    assert f"n = {n} pairs" in r.output and f"need {n * 2 * 60 / 3600:.2f} h" in r.output
     assert not (out / "protocol.json").exists()
+    # Run past a failed check, the budget still holds.
+    forced = tmp_path / "forced"
+    _pilot(config, forced, v0=0.9)
+    r = _compare(config, forced, "--budget-hours", "0.1", "--force")
+    assert r.exit_code == 1 and "FAIL headroom" in r.output and f"n = {n} pairs" in r.output
 
 
-def test_a_main_run_is_bound_to_its_protocols_hash(study_config, tmp_path):
+def test_a_pilot_of_runs_without_their_code_is_refused(toy, tmp_path):
+    config, out = _config(toy, tmp_path), tmp_path / "study"
+    _pilot(config, out)
+    path = out / "pilot" / "runs" / "spo-s1000" / "run.json"
+    record = json.loads(path.read_text())
+    del record["code"]
+    path.write_text(json.dumps(record))
+    r = _compare(config, out)
+    assert r.exit_code == 1 and "do not come from one code" in r.output
+
+
+def test_a_main_run_is_bound_to_its_protocols_hash(toy, tmp_path):
     from services.launch.run import Launcher, LaunchError
 
-    base = resolve(study_config, ())
+    base = resolve(_config(toy, tmp_path), ())
     s = arm_settings(base, "spopp", 0, tmp_path, protocol="a" * 64)
-    launcher = Launcher(s, echo=lambda _line: None)
-    p = launcher.prepare()
+    p = Launcher(s, echo=lambda _line: None).prepare()
     assert p.identity()["protocol"] == "a" * 64
+    p.run_dir.mkdir(parents=True, exist_ok=True)
     record = {
         "run": s.run,
         "arm": p.arm(),
@@ -122,3 +180,26 @@ def test_a_main_run_is_bound_to_its_protocols_hash(study_config, tmp_path):
         Launcher(
             arm_settings(base, "spopp", 0, tmp_path, protocol="b" * 64), echo=lambda _line: None
         ).prepare()
+
+
+@pytest.mark.slow  # 16 launched runs of the tiny model (about a minute each on 2 cores)
+@pytest.mark.timeout(3600)
+def test_the_whole_study_runs_registers_and_writes_its_page(toy, tmp_path):
+    config, out = _config(toy, tmp_path, max_updates=2), tmp_path / "study"
+    # --force: the untrained toy model fails the headroom check; an effect of 100 points keeps n at 6.
+    r = subprocess.run(
+        cli("study", "compare", str(config), "--out", str(out), "--pilot-seeds", "1000,1001", "--force",
+            "--effect", "100"),
+        capture_output=True, text=True, timeout=3500,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    protocol = json.loads((out / "protocol.json").read_text())
+    study = json.loads((out / "study.json").read_text())
+    assert protocol["n"] == 6 and protocol["seeds"] == list(range(6))
+    for seed in range(6):
+        for arm in ("spo", "spopp"):
+            record = json.loads((out / "runs" / f"{arm}-s{seed}" / "run.json").read_text())
+            assert record["protocol"] == study["protocol_sha256"] and record["status"] == "finished"
+    page = (out / "README.md").read_text()
+    assert "## What it can say" in page and "## What it cannot say" in page
+    assert all(s in page for s in study["conclusions"]["cannot"])

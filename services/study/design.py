@@ -62,13 +62,17 @@ def _mean(values: list[float]) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
+def _runs(n: int) -> str:
+    return f"{n} run" if n == 1 else f"{n} runs"
+
+
 def headroom_check(v0: list[float], where: str) -> Check:
     """Version-0 success, the mean over the pilot's runs, must lie in V0_BAND."""
     mean = _mean(v0)
     lo, hi = V0_BAND
     if mean is None:
         return Check("headroom", False, "no run measured version 0", "run the pilot to its end")
-    measured = f"version-0 success {mean:.3f} ({where}, mean of {len(v0)} runs; wanted {lo:.2f}-{hi:.2f})"
+    measured = f"version-0 success {mean:.3f} ({where}, mean of {_runs(len(v0))}; wanted {lo:.2f}-{hi:.2f})"
     if lo <= mean <= hi:
         return Check("headroom", True, measured)
     change = "easier" if mean < lo else "harder"
@@ -84,7 +88,7 @@ def ceiling_check(last: list[float]) -> Check:
     mean = _mean(last)
     if mean is None:
         return Check("ceiling", False, "no pilot run finished", "run the pilot to its end")
-    measured = f"the pilot's last point {mean:.3f} (mean of {len(last)} runs; wanted below {CEILING})"
+    measured = f"the pilot's last point {mean:.3f} (mean of {_runs(len(last))}; wanted below {CEILING})"
     if mean < CEILING:
         return Check("ceiling", True, measured)
     return Check(
@@ -101,7 +105,7 @@ def outcomes_check(per_prompt: list[float]) -> Check:
             "outcomes per prompt", False, "no run recorded the tracker's counts", "run the pilot to its end"
         )
     measured = (
-        f"{mean:.2f} outcomes per prompt (mean of {len(per_prompt)} runs; wanted at least "
+        f"{mean:.2f} outcomes per prompt (mean of {_runs(len(per_prompt))}; wanted at least "
         f"{MIN_OUTCOMES_PER_PROMPT:g}, the paper's prompts see 17-50)"
     )
     if mean >= MIN_OUTCOMES_PER_PROMPT:
