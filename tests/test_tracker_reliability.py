@@ -528,13 +528,23 @@ def test_finished_records_are_forgotten_after_the_ttl(redis_server, rdb, run_nam
             c.put_run(run_name, {"recipe": "spopp"})
             c.put_tasks(run_name, [{"task_id": f"q{i}", "alpha0": 1, "beta0": 1} for i in range(n)])
             first = None
+            started = time.monotonic()
             for round_ in range(30):
                 reqs = c.dispatch(run_name, "w", 0, 4, idempotency_key=f"k{round_}").requests
                 c.outcomes(run_name, [(r.request_id, 1.0) for r in reqs[:3]])
                 for r in reqs[3:]:
                     c.release(run_name, r.request_id)
                 first = first or reqs[0]
-            assert len(rdb.keys(prefix(run_name).replace("{", "[{]").replace("}", "[}]") + "*")) > 100
+            took = time.monotonic() - started
+            pattern = prefix(run_name).replace("{", "[{]").replace("}", "[}]")
+            # Every record of a finished request or a dispatch carries the 1 s TTL, however long
+            # the rounds took; the 150 of them are all still there only if the rounds took under 1 s
+            # (a loaded machine can take longer, and the first have expired by then).
+            records = rdb.keys(pattern + "idem:*") + rdb.keys(pattern + "r:*")
+            ttls = [rdb.pttl(k) for k in records]  # -2: expired since keys() listed it
+            assert all(t == -2 or 0 < t <= 1000 for t in ttls), f"a finished record without its TTL: {ttls}"
+            if took < 1.0:
+                assert len(records) > 100, f"the rounds took {took:.2f} s, under the TTL, yet records expired"
             time.sleep(1.5)
             keys = rdb.keys(prefix(run_name).replace("{", "[{]").replace("}", "[}]") + "*")
             # run, idle, tasks, one hash per task and five per-worker hashes (whatever the number
