@@ -68,7 +68,7 @@ def _stop_and_time(proc, log_path) -> tuple[float, str]:
         except psutil.NoSuchProcess:
             return False
 
-    engines = [p for p in psutil.Process(proc.pid).children() if "engines.process" in " ".join(p.cmdline())]
+    engines = [p for p in psutil.Process(proc.pid).children() if "engines.engine_child" in " ".join(p.cmdline())]
     signalled, t0 = datetime.datetime.now(), time.monotonic()
     proc.send_signal(signal.SIGTERM)
     engine_gone = None
@@ -192,7 +192,7 @@ def test_sigterm_stops_a_replica_in_bounded_time_while_the_learner_is_gone(
         # leases, closing the engine's process, the interpreter's exit. Measured after the fix on 2
         # cores at load 11 with two busy processes beside: 6.8-9.2 s in all (the engine's process
         # gone 2.3-2.9 s after the replica's last line); before it, 15.3 s in CI (each process's
-        # last garbage collection at exit, runtime/engines/process.py).
+        # last garbage collection at exit, runtime/engines/engine_child.py).
         assert took < 2 + 10, f"stopping took {took:.1f} s: {where}"
         assert proc.returncode == 0
     assert "cancelled" in log_path.read_text()  # the undelivered work is named, not dropped silently

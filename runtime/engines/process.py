@@ -7,8 +7,8 @@ tiny CPU model the replica's loop took about 17% of the GIL and the replica deli
 engine's own tokens/s. vLLM avoids this by running its engine core in a process of its own; this
 does the same for any engine built by `make_engine`.
 
-The child is `python -m runtime.engines.process`, not a multiprocessing spawn, so that the
-caller's main module is never re-imported (scripts need no `__main__` guard). Requests and answers
+The child is `python -m runtime.engines.engine_child` (its side of the socket), not a
+multiprocessing spawn, so that the caller's main module is never re-imported (scripts need no `__main__` guard). Requests and answers
 cross an authenticated Unix socket (`multiprocessing.connection`, pickled: prompt ids, sampling,
 generations). The tokenizer is loaded in the parent as well, because agents render prompts there.
 If the child dies, every waiting request and every later call fails with an `EngineProcessError`
@@ -18,7 +18,6 @@ that names its exit code; nothing waits forever.
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import json
 import logging
@@ -27,8 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-import traceback
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Listener
 from pathlib import Path
 
 from .base import Engine, Generation, SamplingConfig, settle_threadsafe
@@ -37,8 +35,8 @@ from .base import Engine, Generation, SamplingConfig, settle_threadsafe
 # step (cancelled rows are dropped at the next) and its exit. Measured from a stopping replica's
 # last line to the child gone, 2 cores: 0.5 s at load 6, 2.3-2.9 s at load 11 with two busy
 # processes beside; 5-8 s while its exit still ran the interpreter's last full garbage collection
-# (see _child_main). 10 s is over 3 times the loaded figure; a child killed past it loses nothing
-# (its weights are on disk, its requests abandoned).
+# (see engine_child.child_main). 10 s is over 3 times the loaded figure; a child killed past it
+# loses nothing (its weights are on disk, its requests abandoned).
 CLOSE_TIMEOUT_S = 10.0
 
 
@@ -84,7 +82,7 @@ class EngineProcess(Engine):
             {"address": address, "kind": kind, "model_dir": str(self.model_dir), "kwargs": kwargs}
         )
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.engines.process", spec],
+            [sys.executable, "-m", "runtime.engines.engine_child", spec],
             env={**os.environ, "SPOPP_ENGINE_AUTHKEY": authkey.hex(), "PYTHONPATH": _import_path()},
         )
         try:
@@ -198,19 +196,8 @@ class EngineProcess(Engine):
         return self._proc.pid
 
 
-def _portable(exc: BaseException) -> BaseException:
-    """The exception itself if it survives pickling, else a RuntimeError with its text."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
 def _import_path() -> str:
-    """PYTHONPATH for the child: this project's root first, so `-m runtime.engines.process` resolves
+    """PYTHONPATH for the child: this project's root first, so `-m runtime.engines.engine_child` resolves
     to this very code whatever the working directory."""
     root = str(Path(__file__).resolve().parents[2])
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
@@ -235,101 +222,3 @@ def _accept(listener: Listener, proc: subprocess.Popen, timeout_s: float):
     if not result:
         raise EngineProcessError("engine process connected but failed authentication")
     return result[0]
-
-
-class _CallServer:
-    """The child's side of the socket: each call runs as a task on the event loop, so that
-    generations overlap and a cancel can stop one; a reader thread feeds the loop the requests."""
-
-    def __init__(self, conn, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
-        self.conn = conn
-        self.engine = engine
-        self.loop = loop
-        self.tasks: dict[int, asyncio.Task] = {}
-        self.stop = asyncio.Event()
-
-    def reply(self, call_id: int, payload) -> None:
-        # Only this loop's thread sends; the reader thread only receives.
-        try:
-            self.conn.send((call_id, payload))
-        except (OSError, ValueError):  # the parent is gone
-            self.stop.set()
-
-    async def run(self, op: str, call_id: int, args) -> None:
-        """Do one call and send its result (or its exception); a cancelled call sends nothing."""
-        try:
-            if op == "generate":
-                result = await self.engine.generate(*args)
-            elif op == "load_weights":
-                result = await self.engine.load_weights(*args)
-            else:
-                raise ValueError(f"unknown engine call {op!r}")
-        except asyncio.CancelledError:
-            return
-        except Exception as exc:
-            self.reply(call_id, _portable(exc))
-        else:
-            self.reply(call_id, result)
-        finally:
-            self.tasks.pop(call_id, None)
-
-    def receive(self, message) -> None:
-        """On the loop: act on one request (close, cancel, or a call to start)."""
-        op, call_id, args = message
-        if op == "close":
-            self.stop.set()
-        elif op == "cancel":
-            task = self.tasks.get(call_id)
-            if task is not None:
-                task.cancel()
-        else:
-            self.tasks[call_id] = self.loop.create_task(self.run(op, call_id, args))
-
-    def read(self) -> None:
-        """Reader thread: pass each request to the loop, until "close" or the parent goes."""
-        while True:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):  # the parent died or closed the pipe
-                self.loop.call_soon_threadsafe(self.stop.set)
-                return
-            self.loop.call_soon_threadsafe(self.receive, message)
-            if message[0] == "close":
-                return
-
-    async def serve(self) -> None:
-        """Serve until told to close or the parent goes; then cancel what runs and close the engine."""
-        threading.Thread(target=self.read, name="engine-requests", daemon=True).start()
-        await self.stop.wait()
-        for task in list(self.tasks.values()):
-            task.cancel()
-        await self.engine.close()
-
-
-def _child_main(conn, kind: str, model_dir: str, kwargs: dict) -> None:
-    """The child: build the engine, then serve calls until told to close or the parent goes."""
-    from .factory import make_engine
-
-    async def main() -> None:
-        try:
-            engine = make_engine(kind, model_dir, **kwargs)
-        except BaseException as exc:
-            traceback.print_exc()
-            conn.send(_portable(exc))
-            return
-        conn.send({"context_tokens": engine.context_tokens, "device": engine.device_name})
-        await _CallServer(conn, engine, asyncio.get_running_loop()).serve()
-
-    asyncio.run(main())
-    # The engine is closed; the parent waits for this process to end. Leave the imports' objects
-    # (torch, transformers) out of the interpreter's last full collection, which took seconds
-    # under load (services/rollout/cli.py says how many).
-    gc.freeze()
-
-
-if __name__ == "__main__":
-    _spec = json.loads(sys.argv[1])
-    _conn = Client(
-        _spec["address"], family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("SPOPP_ENGINE_AUTHKEY"))
-    )
-    _child_main(_conn, _spec["kind"], _spec["model_dir"], _spec["kwargs"])
