@@ -148,7 +148,7 @@ def _refuse_budget(req: Request, found: dict) -> float | None:
     return need
 
 
-def _register(req: Request, found: dict, forced: list[dict], need: float | None) -> tuple[dict, str]:
+def register(req: Request, found: dict, forced: list[dict], need: float | None) -> tuple[dict, str]:
     control, treatment = req.arms
     seeds = list(range(req.first_seed, req.first_seed + found["n"]))
     if clash := sorted(set(seeds) & set(req.pilot_seeds)):
@@ -190,7 +190,7 @@ def _prepare(req: Request, echo) -> tuple[dict, str] | int:
     echo(
         f"n = {result['n']} pairs (pilot s.d. {result['pilot_sd']:.3g} points, effect {req.effect:+g}); registering"
     )
-    return _register(req, result, forced, need)
+    return register(req, result, forced, need)
 
 
 def run_study(req: Request, echo=print) -> int:
