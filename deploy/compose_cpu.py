@@ -57,8 +57,13 @@ STACK_FILE = ROOT / "deploy" / "compose-cpu.stack.env"
 SECRET_WORDS = ("TOKEN", "PASSWORD", "SECRET", "KEY")
 BASE_IMAGE = "spopp-debian:bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# The GPU images' base (deploy/images_gpu.py), built here beside the CPU one: Ubuntu 24.04 by
+# debootstrap, checked against Ubuntu's archive keyring as Ubuntu ships it (its pool path).
+UBUNTU_BASE_IMAGE = "spopp-ubuntu:noble"
+UBUNTU_MIRROR = "http://archive.ubuntu.com/ubuntu"
+KEYRING_DEB = "pool/main/u/ubuntu-keyring/ubuntu-keyring_2023.11.28.1_all.deb"
 # `--flavour gpu`: the GPU images (make images-gpu's tags and base) in a project of their own.
-GPU_IMAGES = {"SPOPP_BASE_IMAGE": "spopp-ubuntu:noble", "SPOPP_FLAVOUR": "gpu", "SPOPP_IMAGE_TAG": "gpu-local",
+GPU_IMAGES = {"SPOPP_BASE_IMAGE": UBUNTU_BASE_IMAGE, "SPOPP_FLAVOUR": "gpu", "SPOPP_IMAGE_TAG": "gpu-local",
               "COMPOSE_PROJECT_NAME": "spopp-gpu-images"}  # fmt: skip
 # The services that end by themselves when the run is finished; the others (redis, tracker) serve.
 FINISHING = ("learner", "rollout", "evaluator")
@@ -234,6 +239,22 @@ BUILD_NEEDS_GIB = 18
 NO_SPACE = "no space left on device"
 
 
+def ensure_ubuntu_base() -> None:
+    if sh(["docker", "image", "inspect", UBUNTU_BASE_IMAGE], check=False, capture=True).returncode == 0:
+        return
+    with tempfile.TemporaryDirectory(prefix="spopp-keyring-") as tmp:
+        deb = Path(tmp) / "ubuntu-keyring.deb"
+        say(f"Ubuntu's archive keyring: {UBUNTU_MIRROR}/{KEYRING_DEB}")
+        with urllib.request.urlopen(f"{UBUNTU_MIRROR}/{KEYRING_DEB}", timeout=120) as r:
+            deb.write_bytes(r.read())
+        sh(["dpkg-deb", "-x", str(deb), str(Path(tmp) / "keyring")])
+        keyring = Path(tmp) / "keyring" / "usr" / "share" / "keyrings" / "ubuntu-archive-keyring.gpg"
+        # Debian's debootstrap knows noble's layout by jammy's script (the same for both releases).
+        release = ["--components=main,universe", f"--keyring={keyring}", "noble", "{root}", UBUNTU_MIRROR,
+                   "/usr/share/debootstrap/scripts/jammy"]  # fmt: skip
+        ensure_base(UBUNTU_BASE_IMAGE, release)
+
+
 def stream_build(cmd: list[str], env: dict, label: str, beat_s: float = 60.0) -> dict[str, str]:
     """Run an image build, printing each Dockerfile step (and, for compose, each image) as it
     starts, with the time since the start, and a line every `beat_s` seconds while one step runs
@@ -253,7 +274,9 @@ def stream_build(cmd: list[str], env: dict, label: str, beat_s: float = 60.0) ->
 
     threading.Thread(target=heartbeat, daemon=True).start()
     try:
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        ) as proc:
             for line in proc.stdout:
                 tail = [*tail[-300:], line.rstrip()]
                 if (m := STAGE_LINE.match(line)) is not None:
@@ -276,7 +299,10 @@ def stream_build(cmd: list[str], env: dict, label: str, beat_s: float = 60.0) ->
 
 
 def docker_root() -> str:
-    return sh(["docker", "info", "--format", "{{.DockerRootDir}}"], capture=True).stdout.strip() or "/var/lib/docker"
+    return (
+        sh(["docker", "info", "--format", "{{.DockerRootDir}}"], capture=True).stdout.strip()
+        or "/var/lib/docker"
+    )
 
 
 def disk_report() -> str:
@@ -301,14 +327,20 @@ def stale_images(dangling: list[dict], base_layers: set[str]) -> list[dict]:
     """The untagged images that a spopp build left: those whose first layer is one of spopp's base
     images' (spopp-debian, spopp-ubuntu: made here by debootstrap, so no other project's images
     start with them). Another project's untagged images are never touched."""
-    return [d for d in dangling if not d.get("RepoTags") and (d.get("RootFS", {}).get("Layers") or [""])[0] in base_layers]
+    return [
+        d
+        for d in dangling
+        if not d.get("RepoTags") and (d.get("RootFS", {}).get("Layers") or [""])[0] in base_layers
+    ]
 
 
 def prune_stale_images(bases: list[str]) -> None:
     """Remove the images earlier spopp builds left untagged: a stage rebuilt after a lock change
     leaves its old image (the rollout venv: 5 GB) and a rebuilt target its old one. An image a
     container still uses is kept (docker rmi without --force refuses it)."""
-    ids = sh(["docker", "images", "--filter", "dangling=true", "--quiet", "--no-trunc"], capture=True).stdout.split()
+    ids = sh(
+        ["docker", "images", "--filter", "dangling=true", "--quiet", "--no-trunc"], capture=True
+    ).stdout.split()
     layers = set()
     for base in bases:
         got = sh(["docker", "image", "inspect", "--format", "{{index .RootFS.Layers 0}}", base], check=False,
@@ -323,7 +355,9 @@ def prune_stale_images(bases: list[str]) -> None:
         if sh(["docker", "rmi", image["Id"]], check=False, capture=True).returncode == 0:
             removed, size = removed + 1, size + image.get("Size", 0)
     if removed:
-        say(f"removed {removed} untagged image(s) that earlier builds left ({size / 1e9:.1f} GB, layers shared with kept images included)")
+        say(
+            f"removed {removed} untagged image(s) that earlier builds left ({size / 1e9:.1f} GB, layers shared with kept images included)"
+        )
 
 
 def check_disk(bases: list[str]) -> None:
@@ -345,7 +379,9 @@ def build(compose: list[str], env: dict, flavour: str) -> None:
     bases = [BASE_IMAGE, GPU_IMAGES["SPOPP_BASE_IMAGE"]]
     check_disk(bases)
     t0 = time.monotonic()
-    say(f"building the images (deploy/Dockerfile, FLAVOUR={flavour}); cached layers make a second build seconds")
+    say(
+        f"building the images (deploy/Dockerfile, FLAVOUR={flavour}); cached layers make a second build seconds"
+    )
     # Compose 1.29 builds through the Docker API (the legacy builder); the plugin may use BuildKit.
     stages = stream_build(
         [*compose, "build"], {**env, "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0"}, "build"
@@ -635,8 +671,6 @@ def main(argv: list[str] | None = None) -> int:
         say("containers and volumes removed")
         return 0
     if a.flavour == "gpu":
-        from images_gpu import ensure_ubuntu_base  # this folder's sibling script
-
         ensure_ubuntu_base()
     else:
         ensure_base()

@@ -29,17 +29,16 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compose_cpu  # noqa: E402 - this folder's sibling script
 from compose_cpu import (  # noqa: E402
+    UBUNTU_BASE_IMAGE,
     check_disk,
-    ensure_base,
     ensure_docker,
+    ensure_ubuntu_base,
     keep_stage_images,
     prune_stale_images,
     say,
@@ -48,10 +47,7 @@ from compose_cpu import (  # noqa: E402
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE_IMAGE = "spopp-ubuntu:noble"
-UBUNTU_MIRROR = "http://archive.ubuntu.com/ubuntu"
-# Ubuntu's archive keyring, as Ubuntu 24.04 ships it (the package's pool path on the archive).
-KEYRING_DEB = "pool/main/u/ubuntu-keyring/ubuntu-keyring_2023.11.28.1_all.deb"
+BASE_IMAGE = UBUNTU_BASE_IMAGE
 TAG = "gpu-local"
 TARGETS = ("tracker", "learner", "rollout")
 # The GPUs the images must run on, by compute capability: Ampere (A100 8.0, A10/A40 8.6), Ada (L4,
@@ -89,21 +85,6 @@ print(json.dumps(out))
 
 
 compose_cpu.PREFIX[0] = "images-gpu"  # say's lines, here and in the shared steps, say whose they are
-
-def ensure_ubuntu_base() -> None:
-    if sh(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode == 0:
-        return
-    with tempfile.TemporaryDirectory(prefix="spopp-keyring-") as tmp:
-        deb = Path(tmp) / "ubuntu-keyring.deb"
-        say(f"Ubuntu's archive keyring: {UBUNTU_MIRROR}/{KEYRING_DEB}")
-        with urllib.request.urlopen(f"{UBUNTU_MIRROR}/{KEYRING_DEB}", timeout=120) as r:
-            deb.write_bytes(r.read())
-        sh(["dpkg-deb", "-x", str(deb), str(Path(tmp) / "keyring")])
-        keyring = Path(tmp) / "keyring" / "usr" / "share" / "keyrings" / "ubuntu-archive-keyring.gpg"
-        # Debian's debootstrap knows noble's layout by jammy's script (the same for both releases).
-        release = ["--components=main,universe", f"--keyring={keyring}", "noble", "{root}", UBUNTU_MIRROR,
-                   "/usr/share/debootstrap/scripts/jammy"]  # fmt: skip
-        ensure_base(BASE_IMAGE, release)
 
 
 def build(target: str) -> float:
