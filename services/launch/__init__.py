@@ -1,1 +1,1 @@
-"""`spopp launch` (a whole run on one machine: tracker, replicas, learner, evaluator), `spopp scale`, `spopp init`."""
+"""`spopp launch` (a whole run on one machine: tracker, replicas, learner, evaluator) and `spopp scale`."""

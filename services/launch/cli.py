@@ -1,7 +1,9 @@
-"""`spopp launch CONFIG` (one run), `spopp scale` (its rollout replicas) and `spopp init` (a deployment's run).
+"""`spopp launch CONFIG` (one run) and `spopp scale` (its rollout replicas); a deployment's run is
+created by `spopp init` (services/init).
 
 `resolve`, `CONFIG_ARGUMENT`, `SET_OPTION` and `import_package_model` are how a launch config is read;
-the studies (`spopp ablate`, `spopp map`: services/study/cli.py) read theirs the same way.
+the studies (`spopp ablate`, `spopp map`, `spopp study compare`: services/study/cli.py) read theirs the
+same way.
 """
 
 from __future__ import annotations
