@@ -68,7 +68,9 @@ def _stop_and_time(proc, log_path) -> tuple[float, str]:
         except psutil.NoSuchProcess:
             return False
 
-    engines = [p for p in psutil.Process(proc.pid).children() if "engines.engine_child" in " ".join(p.cmdline())]
+    engines = [
+        p for p in psutil.Process(proc.pid).children() if "engines.engine_child" in " ".join(p.cmdline())
+    ]
     signalled, t0 = datetime.datetime.now(), time.monotonic()
     proc.send_signal(signal.SIGTERM)
     engine_gone = None
