@@ -30,6 +30,7 @@ from fixtures_model import (  # noqa: F401  (session fixtures)
     smollm2_truncated,
     tiny_engine,
     tiny_model,
+    toy_study,
 )
 from procs import oom_kills, uptime
 

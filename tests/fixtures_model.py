@@ -1,6 +1,7 @@
 """Session fixtures: `tiny_model`, the folder of tools.tiny_model's model, built once per session;
 `perturbed_model`, a copy with perturbed weights; `reference`, float64 models of model folders;
-`learned_model`, the demo's cold start, trained once for every demo-sized test.
+`learned_model`, the demo's cold start, trained once for every demo-sized test; `toy_study`, an
+untrained toy model with 8 toy-calc tasks and a prior over them (the studies' configs).
 
 With SPOPP_TEST_CACHE set, the folder is kept there across sessions, under a key that changes
 when the builder's source or the transformers version does.
@@ -186,3 +187,22 @@ def tiny_engine(tiny_model, runner):
     engine = TransformersEngine(tiny_model)
     yield engine
     runner.run(engine.close())
+
+
+@pytest.fixture(scope="session")
+def toy_study(tmp_path_factory) -> dict:
+    """An untrained toy model, 8 toy-calc training and 8 held-out tasks, and a prior from 8
+    outcomes each: what a study's config names (tests/test_study_compare*.py)."""
+    import json
+
+    from runtime.envs.toy_calc import write_toy_calc_tasks
+    from spopp.priors import build_prior, write_prior
+    from tools.toy_model import build_toy_model
+
+    root = tmp_path_factory.mktemp("toy-study")
+    model = build_toy_model(root / "model", seed=0)
+    train, heldout = write_toy_calc_tasks(root / "data", seed=0, n_train=8, n_heldout=8)
+    ids = [json.loads(line)["task_id"] for line in train.read_text().splitlines()]
+    outcomes = {t: [float(i % 2 == j % 2) for j in range(8)] for i, t in enumerate(ids)}
+    write_prior(root / "prior.json", build_prior(outcomes, 8.0, {"model": str(model)}))
+    return {"model": model, "train": train, "heldout": heldout, "prior": root / "prior.json"}

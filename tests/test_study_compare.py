@@ -20,23 +20,10 @@ from services.study.measures import RunMeasures, StudyDataError, online_curve
 from spopp.stats import paired, pairs_for_power, sign_floor, t_p, t_power
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory) -> dict:
-    """An untrained toy model, toy-calc tasks and a prior over them: a config the launcher accepts."""
-    from runtime.envs.toy_calc import write_toy_calc_tasks
-    from spopp.priors import build_prior, write_prior
-    from tools.toy_model import build_toy_model
-
-    root = tmp_path_factory.mktemp("study")
-    model = build_toy_model(root / "model", seed=0)
-    train, heldout = write_toy_calc_tasks(root / "data", seed=0, n_train=8, n_heldout=4)
-    ids = [json.loads(line)["task_id"] for line in train.read_text().splitlines()]
-    write_prior(root / "prior.json", build_prior({t: [1.0, 0.0] for t in ids}, 8.0, {"model": str(model)}))
-    return {"model": model, "train": train, "heldout": heldout, "prior": root / "prior.json"}
-
-
 @pytest.fixture
-def toy_config(toy):
+def toy_config(toy_study):
+    toy = toy_study
+
     def make(folder: Path, **over) -> Path:
         cfg = {"model": str(toy["model"]), "tasks": str(toy["train"]), "heldout": str(toy["heldout"]),
                "prior": str(toy["prior"]), "env": "toy-calc", "max_updates": 4,

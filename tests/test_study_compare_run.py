@@ -34,22 +34,6 @@ PILOT = (1000, 1001)
 CODE = {"commit": "0" * 40, "dirty": False, "lock_sha256": "1" * 64, "source": "git"}
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory) -> dict:
-    """An untrained toy model, 8 toy-calc tasks and a prior from 8 outcomes each."""
-    from runtime.envs.toy_calc import write_toy_calc_tasks
-    from spopp.priors import build_prior, write_prior
-    from tools.toy_model import build_toy_model
-
-    root = tmp_path_factory.mktemp("study-run")
-    model = build_toy_model(root / "model", seed=0)
-    train, heldout = write_toy_calc_tasks(root / "data", seed=0, n_train=8, n_heldout=8)
-    ids = [json.loads(line)["task_id"] for line in train.read_text().splitlines()]
-    outcomes = {t: [float(i % 2 == j % 2) for j in range(8)] for i, t in enumerate(ids)}
-    write_prior(root / "prior.json", build_prior(outcomes, 8.0, {"model": str(model)}))
-    return {"model": model, "train": train, "heldout": heldout, "prior": root / "prior.json"}
-
-
 def _config(toy: dict, folder: Path, max_updates: int = 4, evaluator: bool = True) -> Path:
     cfg = {
         "model": str(toy["model"]), "tasks": str(toy["train"]), "heldout": str(toy["heldout"]),
@@ -124,8 +108,8 @@ def _compare(config: Path, out: Path, *args: str):
     ],
     ids=["version 0 too low", "version 0 too high", "ceiling", "2.5 outcomes per prompt"],
 )
-def test_each_design_check_refuses_its_case_after_the_pilot(toy, tmp_path, pilot, check, setting):
-    config, out = _config(toy, tmp_path), tmp_path / "study"
+def test_each_design_check_refuses_its_case_after_the_pilot(toy_study, tmp_path, pilot, check, setting):
+    config, out = _config(toy_study, tmp_path), tmp_path / "study"
     _pilot(config, out, **pilot)
     r = _compare(config, out)
     assert r.exit_code == 1, r.output
@@ -137,8 +121,8 @@ def test_each_design_check_refuses_its_case_after_the_pilot(toy, tmp_path, pilot
     assert [c["name"] for c in found["checks"] if not c["ok"]] == [check]
 
 
-def test_a_budget_that_cannot_pay_for_n_is_refused_naming_n(toy, tmp_path):
-    config, out = _config(toy, tmp_path), tmp_path / "study"
+def test_a_budget_that_cannot_pay_for_n_is_refused_naming_n(toy_study, tmp_path):
+    config, out = _config(toy_study, tmp_path), tmp_path / "study"
     _pilot(config, out)
     # The pilot's paired area differences, recomputed here: 1 and 5 points.
     diffs = [POINTS * (area(GOOD["spopp"][i]) - area(GOOD["spo"])) for i in range(2)]
@@ -154,8 +138,8 @@ def test_a_budget_that_cannot_pay_for_n_is_refused_naming_n(toy, tmp_path):
     assert r.exit_code == 1 and "FAIL headroom" in r.output and f"n = {n} pairs" in r.output
 
 
-def test_a_pilot_of_runs_without_their_code_is_refused(toy, tmp_path):
-    config, out = _config(toy, tmp_path), tmp_path / "study"
+def test_a_pilot_of_runs_without_their_code_is_refused(toy_study, tmp_path):
+    config, out = _config(toy_study, tmp_path), tmp_path / "study"
     _pilot(config, out)
     path = out / "pilot" / "runs" / "spo-s1000" / "run.json"
     record = json.loads(path.read_text())
@@ -165,10 +149,10 @@ def test_a_pilot_of_runs_without_their_code_is_refused(toy, tmp_path):
     assert r.exit_code == 1 and "do not come from one code" in r.output
 
 
-def test_a_main_run_is_bound_to_its_protocols_hash(toy, tmp_path):
+def test_a_main_run_is_bound_to_its_protocols_hash(toy_study, tmp_path):
     from services.launch.run import Launcher, LaunchError
 
-    base = resolve(_config(toy, tmp_path), ())
+    base = resolve(_config(toy_study, tmp_path), ())
     s = arm_settings(base, "spopp", 0, tmp_path, protocol="a" * 64)
     p = Launcher(s, echo=lambda _line: None).prepare()
     assert p.identity()["protocol"] == "a" * 64
@@ -191,7 +175,7 @@ def test_a_main_run_is_bound_to_its_protocols_hash(toy, tmp_path):
 
 @pytest.mark.slow  # two launched runs of the tiny model (a minute or two each on 2 cores)
 @pytest.mark.timeout(1800)
-def test_a_registered_study_runs_its_last_pair_for_real_and_writes_its_page(toy, tmp_path):
+def test_a_registered_study_runs_its_last_pair_for_real_and_writes_its_page(toy_study, tmp_path):
     """The main-run path for real at the cost of one pair: the pilot and five pairs are fixed data
     made under the protocol the command's own code registers from that pilot (this checkout's
     code, as a launch records it); the sixth pair is launched by the command, carries the
@@ -200,7 +184,7 @@ def test_a_registered_study_runs_its_last_pair_for_real_and_writes_its_page(toy,
     from services.study.registered import Request, pilot_design, register
     from spopp import provenance
 
-    config, out = _config(toy, tmp_path, max_updates=2, evaluator=False), tmp_path / "study"
+    config, out = _config(toy_study, tmp_path, max_updates=2, evaluator=False), tmp_path / "study"
     code = provenance.code()
     _pilot(config, out, code=code)
     req = Request(base=resolve(config, ()), out=out, pilot_seeds=list(PILOT), effect=100.0)
