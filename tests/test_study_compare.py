@@ -296,3 +296,26 @@ def test_the_page_says_what_study_json_holds_and_only_that(tmp_path):
     assert (
         json.loads((tmp_path / "study.json").read_text())["result"]["diffs"]["area (trapezoid)"]["won"] == 6
     )
+
+
+def test_render_redraws_the_page_from_study_json_alone(tmp_path):
+    from services.study.cli import compare_command
+    from services.study.registered import summarize, write_study
+
+    runs = []
+    for seed, gain in enumerate([0.03, 0.05, 0.04, 0.06, 0.02, 0.05]):
+        runs += [_run("spo", seed, [0.4] * 6), _run("spopp", seed, [0.4 + gain] * 6)]
+    protocol = {
+        "hypothesis": "h", "arms": ["spo", "spopp"], "primary": "trapezoid", "metrics": ["area (trapezoid)"],
+        "analysis": "a", "effect": 2.5, "power": 0.8, "n": 6, "seeds": list(range(6)), "pilot_seeds": [9, 10],
+        "stopping_rule": "s", "design_checks": [], "forced": [], "registered": "r",
+        "pilot": {"pilot_sd": 1.0, "pilot_mean": 1.0, "mean_run_s": None, "pilot_s": 0.0, "heldout_why": "none"},
+    }  # fmt: skip
+    write_study(tmp_path, summarize(protocol, "e" * 64, runs, []))
+    drawn = (tmp_path / "README.md").read_text()
+    (tmp_path / "README.md").write_text("edited by hand")
+    r = CliRunner().invoke(compare_command, ["--render", str(tmp_path)])
+    assert r.exit_code == 0 and (tmp_path / "README.md").read_text() == drawn
+    # --render takes no config: what it redraws comes from study.json alone.
+    r = CliRunner().invoke(compare_command, ["x.yaml", "--render", str(tmp_path)])
+    assert r.exit_code == 2 and "give no CONFIG" in r.output
