@@ -129,7 +129,8 @@ def test_a_learner_log_the_study_cannot_trust_is_refused_naming_the_line(tmp_pat
 
 def _run(arm: str, seed: int, online: list[float]) -> RunMeasures:
     return RunMeasures(folder=Path(f"{arm}-s{seed}"), arm=arm, seed=seed, online=online, heldout=[],
-                       heldout_versions=[], outcomes_per_prompt=10.0, seconds=60.0, code={}, protocol=None)  # fmt: skip
+                       heldout_versions=[], outcomes_per_prompt=10.0, seconds=60.0, time_parts={}, code={},
+                       protocol=None)  # fmt: skip
 
 
 def _study(gains: list[float], level: float = 0.4) -> dict:

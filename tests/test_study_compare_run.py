@@ -59,7 +59,9 @@ def _finished(
     folder = p.run_dir
     (folder / "learner").mkdir(parents=True, exist_ok=True)
     (folder / "eval").mkdir(exist_ok=True)
-    lines = [json.dumps({"step": i + 1, "reward_mean": r}) for i, r in enumerate(online)]
+    # 10 s an update and 2 s waiting for each batch: where the time went, as the learner records it.
+    lines = [json.dumps({"step": i + 1, "reward_mean": r, "update_seconds": 10.0, "batch_wait_s": 2.0})
+             for i, r in enumerate(online)]  # fmt: skip
     (folder / "learner" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     (folder / "eval" / "evals.jsonl").write_text(
         json.dumps({"policy_version": 0, "step": 0, "eval/sampled/reward_mean": v0}) + "\n"
@@ -131,6 +133,11 @@ def test_a_budget_that_cannot_pay_for_n_is_refused_naming_n(toy_study, tmp_path)
     assert r.exit_code == 1, r.output
     assert f"n = {n} pairs" in r.output and f"need {n * 2 * 60 / 3600:.2f} h" in r.output
     assert not (out / "protocol.json").exists()
+    # Where a pilot run's 60 s went: 4 updates of 10 s, 4 waits of 2 s, 12 s for the rest.
+    parts = json.loads((out / "pilot" / "design.json").read_text())["time_parts"]
+    assert parts == {"updates": 40.0, "waiting for batches": 8.0, "publishing": 0.0, "checkpoints": 0.0,
+                     "other": pytest.approx(12.0, abs=1e-6)}  # fmt: skip
+    assert "a pilot run's time, on average: updates 0.7 min, waiting for batches 0.1 min" in r.output
     # Run past a failed check, the budget still holds.
     forced = tmp_path / "forced"
     _pilot(config, forced, v0=0.9)

@@ -1,8 +1,8 @@
 """What `spopp study compare` reads off one finished run folder: its online training-reward curve
 (the paper's primary curve: the mean reward of each update's batch, first-completed trajectories,
 from learner/metrics.jsonl), its held-out curve (the evaluator's evals.jsonl), how many outcomes
-each training prompt got (the tracker's counts in run.json), its success at version 0 and its
-wall time.
+each training prompt got (the tracker's counts in run.json), its success at version 0, and its
+wall time and where it went.
 
 Every reader raises StudyDataError naming the file and what is wrong, so that a study never
 computes a number from a run it could not read whole.
@@ -37,6 +37,7 @@ class RunMeasures:
     heldout_versions: list[int]
     outcomes_per_prompt: float | None
     seconds: float | None
+    time_parts: dict[str, float]
     code: dict | None
     protocol: str | None
 
@@ -76,6 +77,35 @@ def online_curve(folder: Path) -> list[float]:
     return [by_step[s] for s in steps]
 
 
+# Where a run's wall time goes, from the learner's own records (spopp.runs sums the same parts):
+# its updates, its waits for a batch (generation behind), publishing and checkpoints; the rest of
+# the run's wall time is starting and stopping the processes and the evaluator's last versions.
+TIME_PARTS = {"update_seconds": "updates", "batch_wait_s": "waiting for batches", "publish_s": "publishing",
+              "checkpoint_s": "checkpoints"}  # fmt: skip
+
+
+def time_parts(folder: Path, wall: float | None) -> dict[str, float]:
+    """Seconds of each of TIME_PARTS over the run's updates, and `other` (wall time less them, when
+    the wall time is known); {} without the learner's file."""
+    try:
+        lines = (folder / LEARNER_FILE).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    parts = dict.fromkeys(TIME_PARTS.values(), 0.0)
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        for key, name in TIME_PARTS.items():
+            value = record.get(key) if isinstance(record, dict) else None
+            if isinstance(value, int | float) and math.isfinite(value):
+                parts[name] += float(value)
+    if wall is not None:
+        parts["other"] = max(0.0, wall - math.fsum(parts.values()))
+    return parts
+
+
 def measure(folder: Path) -> RunMeasures:
     """Everything the study reads of one run folder (StudyDataError naming what is missing)."""
     path = folder / RUN_FILE
@@ -98,6 +128,7 @@ def measure(folder: Path) -> RunMeasures:
     seconds = record.finished - record.started if record.finished and record.started else None
     return RunMeasures(
         folder=folder, arm=record.arm, seed=record.seed, online=online_curve(folder), heldout=heldout,
-        heldout_versions=versions, outcomes_per_prompt=per_prompt, seconds=seconds, code=record.code,
+        heldout_versions=versions, outcomes_per_prompt=per_prompt, seconds=seconds,
+        time_parts=time_parts(folder, seconds), code=record.code,
         protocol=record.protocol,
     )  # fmt: skip

@@ -111,9 +111,12 @@ def pilot_design(req: Request, runs: list[RunMeasures]) -> dict:
     n = pairs_for_power(req.effect, sd, req.power)
     seconds = [r.seconds for r in runs if r.seconds is not None]
     mean_s = math.fsum(seconds) / len(seconds) if seconds else None
+    names = list(dict.fromkeys(k for r in runs for k in r.time_parts))
+    time_parts = {k: math.fsum(r.time_parts.get(k, 0.0) for r in runs) / len(runs) for k in names}
     return {
         "checks": [c.as_dict() for c in checks], "pilot_sd": sd, "pilot_mean": pilot["diffs"][pilot["primary"]]["mean"],
         "n": n, "mean_run_s": mean_s, "pilot_s": math.fsum(seconds), "heldout": heldout, "heldout_why": heldout_why,
+        "time_parts": time_parts,
         "pilot": pilot,
     }  # fmt: skip
 
@@ -157,7 +160,7 @@ def register(req: Request, found: dict, forced: list[dict], need: float | None) 
         "hypothesis": registration.hypothesis(control, treatment, req.primary),
         **req.options(), "metrics": metrics_planned(req.primary, found["heldout"]), "analysis": registration.ANALYSIS,
         "n": found["n"], "seeds": seeds, "stopping_rule": registration.STOPPING_RULE,
-        "pilot": {k: found[k] for k in ("pilot_sd", "pilot_mean", "mean_run_s", "pilot_s", "heldout_why")},
+        "pilot": {k: found[k] for k in ("pilot_sd", "pilot_mean", "mean_run_s", "pilot_s", "heldout_why", "time_parts")},
         "design_checks": found["checks"], "forced": [c["name"] for c in forced],
         "budget_hours": None if req.budget_s is None else req.budget_s / 3600,
         "estimated_main_hours": None if need is None else need / 3600,
@@ -185,6 +188,9 @@ def _prepare(req: Request, echo) -> tuple[dict, str] | int:
     (req.out / "pilot" / "design.json").write_text(json.dumps(result, indent=1) + "\n")
     for check in result["checks"]:
         echo(design.Check(**check).line())
+    if result["time_parts"]:
+        spent = ", ".join(f"{name} {s / 60:.1f} min" for name, s in result["time_parts"].items())
+        echo(f"a pilot run's time, on average: {spent}")
     forced = _refuse_design(req, result)
     need = _refuse_budget(req, result)
     echo(
@@ -255,6 +261,7 @@ def _run_row(r: RunMeasures) -> dict:
     return {
         "run": r.folder.name, "arm": r.arm, "seed": r.seed, "online": r.online, "heldout": r.heldout,
         "heldout_versions": r.heldout_versions, "outcomes_per_prompt": r.outcomes_per_prompt, "seconds": r.seconds,
+        "time_parts": r.time_parts,
         "v0_success": r.v0_success[0],
     }  # fmt: skip
 

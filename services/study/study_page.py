@@ -42,10 +42,23 @@ def _protocol(protocol: dict, digest: str) -> list[str]:
         f"{protocol['effect']:+g} points at the pilot's s.d. {_f(p['pilot_sd'], '.3g')} (pilot seeds "
         f"{', '.join(map(str, protocol['pilot_seeds']))}, pilot mean {_f(p['pilot_mean'], '+.2f')}, "
         f"{_f(mean_run, '.1f')} min a run).",
+        *_pilot_time(p),
         f"- Stopping rule: {protocol['stopping_rule']}.",
         f"- protocol.json sha256 {digest} (carried by every main run's run.json), registered {protocol['registered']}.",
         "",
     ]  # fmt: skip
+
+
+def _pilot_time(pilot: dict) -> list[str]:
+    """Where a pilot run's wall time went (a protocol registered before it was recorded has none)."""
+    parts = pilot.get("time_parts") or {}
+    if not parts:
+        return []
+    return [
+        "- A pilot run's time, on average: "
+        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in parts.items())
+        + "."
+    ]
 
 
 def _runs(study: dict) -> list[str]:
