@@ -220,7 +220,6 @@ def run_study(req: Request, echo=print) -> int:
     if code != 0:
         return code
     runs = _measured(main, f"the main runs of {req.out}")
-    registration.check_runs(digest, {r.folder.name: r.protocol for r in runs}, req.out)
     write_study(req.out, summarize(protocol, digest, runs, _measured_pilot(req)))
     echo(f"wrote {req.out / STUDY_FILE} and {req.out / PAGE_FILE}")
     return 0
