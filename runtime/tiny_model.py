@@ -8,6 +8,7 @@ near-ties, which makes engines comparable token by token.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 
@@ -145,6 +146,32 @@ def build_tiny_model(
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def tiny_model_key(seed: int = 0) -> str:
+    """What the tiny model is a function of: this builder's source, the versions whose numerics and
+    tokenizer training make its weights (torch, transformers, tokenizers) and the seed. Another of
+    any of these is another cached model, never a stale one."""
+    import tokenizers
+    import torch
+    import transformers
+
+    versions = (torch.__version__, transformers.__version__, tokenizers.__version__, str(seed))
+    parts = [Path(__file__).read_bytes(), *(v.encode() for v in versions)]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def cached_tiny_model(cache: Path | None = None, *, seed: int = 0) -> Path:
+    """The tiny model of `seed` in the model cache (`cache`, else $SPOPP_MODEL_CACHE, else
+    ~/.cache/spopp/models), built there the first time on a machine (about 20 s) and read from
+    there after: `spopp model tiny`, `spopp env check` without a model and the test suite share it.
+    The folder is shared: copy it before changing anything in it."""
+    from spopp.model_cache import built_once, models_cache
+
+    root = models_cache() if cache is None else cache
+    return built_once(
+        root / f"tiny-model-{tiny_model_key(seed)}", lambda out: build_tiny_model(out, seed=seed)
+    )
 
 
 def _sft(

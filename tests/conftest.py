@@ -17,11 +17,13 @@ import multiprocessing.process
 import os
 import subprocess
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 from fixtures_model import (  # noqa: F401  (session fixtures)
     learned_model,
+    model_cache_env,
     model_limits,
     perturbed_model,
     reference,
@@ -40,6 +42,11 @@ from spopp.net import PORT_RANGE_ENV, port_range
 from tools.tracker_process import TrackerProcess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed's shared-memory op, built once where `make test` builds it (Makefile: ops); a plain
+# `pytest` would otherwise compile it again in every learner test's own folder (a minute each).
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
+)
 
 
 def _worker_port_range() -> str:

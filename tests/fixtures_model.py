@@ -1,10 +1,11 @@
 """Session fixtures: `tiny_model`, the folder of tools.tiny_model's model, built once per session;
+`model_cache_env`, the environment that lets a child process find it in its model cache;
 `perturbed_model`, a copy with perturbed weights; `reference`, float64 models of model folders;
 `learned_model`, the demo's cold start, trained once for every demo-sized test; `toy_study`, an
 untrained toy model with 8 toy-calc tasks and a prior over them (the studies' configs).
 
-With SPOPP_TEST_CACHE set, the folder is kept there across sessions, under a key that changes
-when the builder's source or the transformers version does.
+With SPOPP_TEST_CACHE set, the folders are kept there across sessions, under keys that change
+when the builder's source or the versions that make the weights do.
 """
 
 from __future__ import annotations
@@ -12,50 +13,37 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
 import tools
 import tools.tiny_model
+from runtime.tiny_model import cached_tiny_model, tiny_model_key
+from spopp.model_cache import built_once
 
 
-def _cache_key() -> str:
-    import transformers
-
-    import runtime.tiny_model
-
-    src = Path(runtime.tiny_model.__file__).read_bytes()
-    return hashlib.sha256(src + transformers.__version__.encode()).hexdigest()[:16]
-
-
-def built_once(target: Path, build) -> Path:
-    """`target`, made by `build(folder)` unless it is there: under a lock, so that concurrent
-    sessions and xdist workers build it once and wait for it, and aside then renamed, so that none
-    ever sees half a folder."""
-    import fcntl
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.is_dir():
-            staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
-            try:
-                build(staging / "model")
-                (staging / "model").rename(target)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-    return target
+def _shared_root(tmp_path_factory) -> Path:
+    """Where this `pytest` invocation keeps what its xdist workers build once: SPOPP_TEST_CACHE
+    (kept across sessions) when set, else the folder the workers' temporary folders share (under
+    xdist every worker's base temp is a folder of the session's root; without it, that root)."""
+    cache = os.environ.get("SPOPP_TEST_CACHE")
+    base = tmp_path_factory.getbasetemp()
+    return Path(cache) if cache else base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    cache = os.environ.get("SPOPP_TEST_CACHE")
-    if not cache:
-        return tools.tiny_model.build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
-    return built_once(Path(cache) / f"tiny-model-{_cache_key()}", tools.tiny_model.build_tiny_model)
+    """The tiny model, built once per invocation however many workers ask, as the product caches
+    it (runtime.tiny_model.cached_tiny_model). `model_cache_env` points a child process's model
+    cache at the same root, so `spopp model tiny` and `spopp env check` find it there."""
+    return cached_tiny_model(_shared_root(tmp_path_factory))
+
+
+@pytest.fixture(scope="session")
+def model_cache_env(tiny_model) -> dict[str, str]:
+    """SPOPP_MODEL_CACHE for a child process: the root that holds the session's tiny model."""
+    return {"SPOPP_MODEL_CACHE": str(tiny_model.parent)}
 
 
 @pytest.fixture(scope="session")
@@ -108,14 +96,10 @@ def learned_model(tmp_path_factory) -> Path:
     import subprocess
     import sys
 
-    cache = os.environ.get("SPOPP_TEST_CACHE")
-    # Under xdist every worker's base temp is a folder of the same session's root; without it the
-    # session's base temp is that root.
-    base = tmp_path_factory.getbasetemp()
-    root = Path(cache) if cache else base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = _shared_root(tmp_path_factory)
     # A new recipe or model is a new cold start: the key follows their source and transformers.
     src = b"".join((Path(tools.__file__).parent / f).read_bytes() for f in ("cold_start.py", "toy_model.py"))
-    key = hashlib.sha256(src + _cache_key().encode()).hexdigest()[:12]
+    key = hashlib.sha256(src + tiny_model_key().encode()).hexdigest()[:12]
 
     def train(folder: Path) -> None:
         subprocess.run(

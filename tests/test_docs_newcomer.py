@@ -58,11 +58,15 @@ def _end_tree(pid: int) -> None:
 # A tiny model, a check of 8 episodes and a 2-update run: about 2 minutes alone, up to 3x that on a
 # loaded 2-core machine.
 @pytest.mark.timeout(900)
-def test_from_nothing_to_a_run_runs_as_written(tmp_path):
+def test_from_nothing_to_a_run_runs_as_written(tmp_path, model_cache_env):
     script = tmp_path / "page.sh"
     script.write_text("set -euo pipefail\n" + block_under("From nothing to a run"))
+    # No setting of this machine's but the model cache, which holds the session's tiny model:
+    # `spopp model tiny` copies it from there as it would on a machine that had built it before
+    # (tests/test_tiny_model_cache.py tests the first build and the copy alike).
     env = {
         **environ_without_settings(),
+        **model_cache_env,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
     env.pop("PYTHONPATH", None)

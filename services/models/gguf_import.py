@@ -27,7 +27,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sources import PACKAGE_NAME, PACKAGE_PREFIX, models_cache
+from spopp.model_cache import models_cache
+
+from .sources import PACKAGE_NAME, PACKAGE_PREFIX
 
 log = logging.getLogger("spopp.models")
 
