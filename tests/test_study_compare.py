@@ -187,6 +187,27 @@ def test_an_effect_the_interval_stops_short_of_is_excluded():
     )
 
 
+def test_a_refused_study_says_what_n_needs_and_claims_no_direction():
+    from services.study.conclusions import refused
+
+    checks = [design.prior_check("p.json").as_dict(), design.ceiling_check([0.95]).as_dict()]
+    found = {"checks": checks, "pilot_sd": 7.25, "n": 70, "pilot": {"seeds": [1000, 1001, 1002]}}
+    said = refused(found, 2.5, ("spo", "spopp"), 49.04)
+    assert said["can"][0].startswith("This design fails the check 'ceiling' (the pilot's last point 0.950")
+    assert "learner.lr" in said["can"][0]  # the setting to change
+    assert said["can"][1] == (
+        "At the pilot's paired s.d. of 7.25 points on the primary metric (3 pairs), a two-sided paired t test "
+        "needs n = 70 pairs for 80 % power against +2.5 points, 49.0 h of machine time with the pilot at its "
+        "run time."
+    )
+    assert (
+        len(said["cannot"]) == 1
+        and "Whether spopp beats spo on this config: no main run" in said["cannot"][0]
+    )
+    # Nothing about which arm did better in the pilot is said: its pairs size the study.
+    assert not any(w in s for s in said["can"] + said["cannot"] for w in ("is higher", "is lower", "favour"))
+
+
 def test_the_sentences_match_the_library_statistics():
     # The page's numbers are spopp.stats' own: the t test's p, the interval.
     result = _study([0.03, -0.01, 0.04, 0.02, 0.0, 0.05])

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import time
 from pathlib import Path
@@ -121,6 +122,13 @@ def test_each_design_check_refuses_its_case_after_the_pilot(toy_study, tmp_path,
     assert not (out / "protocol.json").exists() and not (out / "runs").exists()
     found = json.loads((out / "pilot" / "design.json").read_text())
     assert [c["name"] for c in found["checks"] if not c["ok"]] == [check]
+    # The refusal is the study's result: its page says which check failed and what to change.
+    study = json.loads((out / "study.json").read_text())
+    assert study["status"] == "refused" and study["design"] == found and f"FAIL {check}" in study["refusal"]
+    page = (out / "README.md").read_text()
+    assert "Refused after its pilot" in page and f"| {check} | FAILED |" in page
+    assert any(f"fails the check '{check}'" in s and setting in s for s in study["conclusions"]["can"])
+    assert all(f"- {s}" in page for s in study["conclusions"]["can"] + study["conclusions"]["cannot"])
 
 
 def test_a_budget_that_cannot_pay_for_n_is_refused_naming_n(toy_study, tmp_path):
@@ -138,11 +146,31 @@ def test_a_budget_that_cannot_pay_for_n_is_refused_naming_n(toy_study, tmp_path)
     assert parts == {"updates": 40.0, "waiting for batches": 8.0, "publishing": 0.0, "checkpoints": 0.0,
                      "other": pytest.approx(12.0, abs=1e-6)}  # fmt: skip
     assert "a pilot run's time, on average: updates 0.7 min, waiting for batches 0.1 min" in r.output
+    # Its page: the refusal, n, the hours n pairs and the pilot take (4 runs and 2n runs of 60 s),
+    # and the command that runs it with a budget that pays for them.
+    study = json.loads((out / "study.json").read_text())
+    hours = (2 * n + 4) * 60 / 3600
+    assert study["status"] == "refused" and study["needed_hours"] == pytest.approx(hours, rel=1e-9)
+    assert study["machine_hours"] == pytest.approx(4 * 60 / 3600, rel=1e-9) and study["forced"] == []
+    page = (out / "README.md").read_text()
+    assert f"n = {n} pairs" in page and "the budget given was 0.1 h" in page
+    assert f"--budget-hours {math.ceil(hours * 10) / 10:g}" in page and str(config) in page
+    assert any(f"n = {n} pairs for 80 % power against +2.5 points" in s for s in study["conclusions"]["can"])
+    assert any("no main run was made" in s for s in study["conclusions"]["cannot"])
+    # --render redraws the refusal's page from study.json alone.
+    (out / "README.md").write_text("edited")
+    from services.study.cli import compare_command
+
+    assert CliRunner().invoke(compare_command, ["--render", str(out)]).exit_code == 0
+    assert (out / "README.md").read_text() == page
     # Run past a failed check, the budget still holds.
     forced = tmp_path / "forced"
     _pilot(config, forced, v0=0.9)
     r = _compare(config, forced, "--budget-hours", "0.1", "--force")
     assert r.exit_code == 1 and "FAIL headroom" in r.output and f"n = {n} pairs" in r.output
+    study = json.loads((forced / "study.json").read_text())
+    assert study["forced"] == ["headroom"]
+    assert "| headroom | FAILED, run past with --force |" in (forced / "README.md").read_text()
 
 
 def test_a_pilot_of_runs_without_their_code_is_refused(toy_study, tmp_path):

@@ -346,6 +346,7 @@ def _study_compare(
     req = Request(
         base=base, out=out, arms=(arm_list[0], arm_list[1]), pilot_seeds=seeds, first_seed=first_seed,
         effect=effect, primary=primary, budget_s=None if budget_hours is None else 3600 * budget_hours, force=force,
+        config=config,
     )  # fmt: skip
     try:
         code = run_study(req, echo=click.echo)

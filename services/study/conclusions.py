@@ -120,3 +120,28 @@ def conclude(result: dict, effect: float, forced: list[dict]) -> dict[str, list[
         f"Whether this holds beyond this design: {d['n']} pairs of one model, one task family and one budget."
     )
     return out
+
+
+def refused(found: dict, effect: float, arms: tuple[str, str], need_h: float | None) -> dict[str, list[str]]:
+    """{"can": [...], "cannot": [...]} of a study refused after its pilot (`found`: what
+    registered.pilot_design measured), `need_h` the machine hours its n pairs and pilot take at the
+    pilot's run time. The pilot sizes the study; it is never read as a test of it."""
+    control, treatment = arms
+    out: dict[str, list[str]] = {"can": [], "cannot": []}
+    for check in found["checks"]:
+        if not check["ok"]:
+            out["can"].append(f"This design fails the check '{check['name']}' ({check['measured']}); "
+                              f"to change: {check['fix']}.")  # fmt: skip
+    pairs = len(found["pilot"]["seeds"])
+    sd = found["pilot_sd"]
+    if sd is not None:
+        hours = "" if need_h is None else f", {need_h:.1f} h of machine time with the pilot at its run time"
+        out["can"].append(
+            f"At the pilot's paired s.d. of {sd:.3g} points on the primary metric ({pairs} pairs), a two-sided "
+            f"paired t test needs n = {found['n']} pairs for 80 % power against {effect:+g} points{hours}."
+        )
+    out["cannot"].append(
+        f"Whether {treatment} beats {control} on this config: no main run was made. The pilot's {pairs} pairs size "
+        "the study; their difference is not a test of it."
+    )
+    return out

@@ -7,7 +7,9 @@ paired comparison that refuses a design which cannot answer and writes its own c
    prompt (the design checks, services/study/design.py) and the paired s.d. of the primary metric.
 3. **size**: n for 80 % power of the paired t test against the planned effect at the pilot's s.d.,
    never under 6 pairs (spopp.stats.pairs_for_power); a budget that cannot pay for n pairs at the
-   pilot's mean run time is refused, naming n.
+   pilot's mean run time is refused, naming n. A refusal after the pilot (a design check or the
+   budget) is the study's result: study.json and README.md say why, with the pilot's numbers, the
+   n it would need and the command that runs it.
 4. **register**: `<out>/protocol.json` (services/study/registration.py), before the first main run.
 5. **main**: both arms on seeds first_seed .. first_seed + n - 1 into `<out>/runs/`, every run
    carrying the protocol's hash; common random numbers (the arms of one seed share their study).
@@ -29,10 +31,9 @@ from services.launch.config import LaunchSettings
 from spopp import provenance
 from spopp.stats import pairs_for_power
 
-from . import design, registration, same_code
+from . import conclusions, design, registration, same_code
 from .analysis import analyse, heldout_usable, metrics_planned
 from .compare import arm_settings, run_in_turn
-from .conclusions import conclude
 from .measures import RunMeasures, StudyDataError, measure
 
 STUDY_FILE = "study.json"
@@ -58,6 +59,7 @@ class Request:
     primary: str = "trapezoid"
     budget_s: float | None = None
     force: bool = False
+    config: Path | None = None  # the config's path as given, for the command a refusal's page names
 
     def options(self) -> dict:
         values = self.base.model_dump(mode="json", exclude={"run", "run_dir", "api_token"})
@@ -184,15 +186,21 @@ def _prepare(req: Request, echo) -> tuple[dict, str] | int:
     _launchers, code = run_in_turn(pilot, echo, "pilot")
     if code != 0:
         return code
-    result = pilot_design(req, _measured(pilot, f"the pilot of {req.out}"))
+    pilot_runs = _measured(pilot, f"the pilot of {req.out}")
+    result = pilot_design(req, pilot_runs)
     (req.out / "pilot" / "design.json").write_text(json.dumps(result, indent=1) + "\n")
     for check in result["checks"]:
         echo(design.Check(**check).line())
     if result["time_parts"]:
         spent = ", ".join(f"{name} {s / 60:.1f} min" for name, s in result["time_parts"].items())
         echo(f"a pilot run's time, on average: {spent}")
-    forced = _refuse_design(req, result)
-    need = _refuse_budget(req, result)
+    try:
+        forced = _refuse_design(req, result)
+        need = _refuse_budget(req, result)
+    except StudyRefused as exc:  # the refusal is the study's result: its page says why, with its numbers
+        write_study(req.out, refusal(req, result, str(exc), pilot_runs))
+        echo(f"wrote the refusal's page {req.out / PAGE_FILE}")
+        raise
     echo(
         f"n = {result['n']} pairs (pilot s.d. {result['pilot_sd']:.3g} points, effect {req.effect:+g}); registering"
     )
@@ -249,10 +257,31 @@ def summarize(protocol: dict, digest: str, runs: list[RunMeasures], pilot: list[
     everything = pilot + runs
     return {
         "protocol": protocol, "protocol_sha256": digest, "result": result,
-        "conclusions": conclude(result, protocol["effect"], forced),
+        "conclusions": conclusions.conclude(result, protocol["effect"], forced),
         "runs": [_run_row(r) for r in runs], "pilot_runs": [_run_row(r) for r in pilot],
         "machine_hours": math.fsum(r.seconds or 0.0 for r in everything) / 3600,
         "code": provenance.agree({f"{r.folder.parent.parent.name}/{r.folder.name}": r.code for r in everything}),
+    }  # fmt: skip
+
+
+def refusal(req: Request, found: dict, why: str, pilot: list[RunMeasures]) -> dict:
+    """study.json of a study refused after its pilot: why, the pilot's numbers (found by
+    pilot_design), the n a study that can answer needs, the hours it would take at the pilot's
+    run time, and the sentences generated from them."""
+    need_h = None
+    if found["mean_run_s"] is not None:
+        need_h = (found["n"] * len(req.arms) * found["mean_run_s"] + found["pilot_s"]) / 3600
+    bad = [c["name"] for c in found["checks"] if not c["ok"]]
+    return {
+        "status": "refused", "refusal": why,
+        "request": {**req.options(), "budget_hours": None if req.budget_s is None else req.budget_s / 3600,
+                    "force": req.force, "config": None if req.config is None else str(req.config),
+                    "out": str(req.out)},
+        "design": found, "forced": bad if req.force else [], "needed_hours": need_h,
+        "conclusions": conclusions.refused(found, req.effect, req.arms, need_h),
+        "pilot_runs": [_run_row(r) for r in pilot],
+        "machine_hours": math.fsum(r.seconds or 0.0 for r in pilot) / 3600,
+        "code": provenance.agree({f"pilot/{r.folder.name}": r.code for r in pilot}),
     }  # fmt: skip
 
 

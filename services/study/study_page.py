@@ -1,9 +1,13 @@
 """The page of a `spopp study compare` (README.md), drawn from its study.json alone: the design and
 its checks, the registered protocol, every run, the paired differences, and the sentences that
-services/study/conclusions.py generated from them. `spopp study compare --render OUT` redraws it.
+services/study/conclusions.py generated from them. A study refused after its pilot has a page too:
+why it stopped, the pilot's numbers, the n a study that can answer needs, its hours, and the command
+that runs it. `spopp study compare --render OUT` redraws either.
 """
 
 from __future__ import annotations
+
+import math
 
 from spopp import provenance
 
@@ -99,7 +103,69 @@ def _diffs(study: dict) -> list[str]:
     return lines + [""]
 
 
+def _pilot(study: dict) -> list[str]:
+    """A refused study's pilot: its runs' metrics, the numbers that sized it, where its time went."""
+    found = study["design"]
+    mean_run = None if found["mean_run_s"] is None else found["mean_run_s"] / 60
+    seeds = ", ".join(map(str, found["pilot"]["seeds"]))
+    lines = _runs({"result": found["pilot"], "runs": study["pilot_runs"]})
+    lines[0] = f"## The pilot (seeds {seeds}; it sizes the study and is not a test of it)"
+    return lines + [
+        f"- The primary metric's paired s.d.: {_f(found['pilot_sd'], '.3g')} points over "
+        f"{len(found['pilot']['seeds'])} pairs; {_f(mean_run, '.1f')} min a run.",
+        *_pilot_time(found),
+        "",
+    ]
+
+
+def _needed(study: dict) -> list[str]:
+    """What a study that can answer needs, and the command that runs it where runs are faster."""
+    found, req = study["design"], study["request"]
+    hours = study["needed_hours"]
+    budget = (
+        "no budget given"
+        if req["budget_hours"] is None
+        else f"the budget given was {req['budget_hours']:g} h"
+    )
+    command = (
+        f"spopp study compare {req['config'] or 'CONFIG'} --out {req['out']} --effect {req['effect']:g} "
+        f"--pilot-seeds {','.join(map(str, req['pilot_seeds']))}"
+        + (f" --budget-hours {math.ceil(hours * 10) / 10:g}" if hours is not None else "")
+    )
+    return [
+        "## What a study that can answer needs", "",
+        f"- n = {found['n']} pairs (80 % power against {req['effect']:+g} points at the pilot's s.d.): "
+        f"{_f(hours, '.1f')} h with the pilot at its run time; {budget}.",
+        "- Where runs are faster (a GPU node: the config's `gpus:` gives each process its devices), the same "
+        "command runs its own pilot there and sizes n again from it:", "",
+        "```", command, "```", "",
+    ]  # fmt: skip
+
+
+def _said(study: dict) -> list[str]:
+    lines = (
+        ["## What it can say", ""] + [f"- {s}" for s in study["conclusions"]["can"] or ["Nothing."]] + [""]
+    )
+    return lines + ["## What it cannot say", ""] + [f"- {s}" for s in study["conclusions"]["cannot"]] + [""]
+
+
+def render_refused(study: dict) -> str:
+    arms = study["design"]["pilot"]["arms"]
+    lines = [
+        f"# Does {arms['treatment']} beat {arms['control']} here? Refused after its pilot, before any main run", "",
+        f"Written by `spopp study compare` from study.json; every sentence under *What it can say* and *What it "
+        f"cannot say* is generated from the numbers below. Machine time: {study['machine_hours']:.2f} h "
+        "(the pilot).", "",
+        "## Why it stopped", "", "```", study["refusal"], "```", "",
+    ]  # fmt: skip
+    lines += _design({"design_checks": study["design"]["checks"], "forced": study["forced"]})
+    lines += _pilot(study) + _needed(study) + _said(study)
+    return "\n".join(lines + [provenance.describe(study["code"]), ""])
+
+
 def render(study: dict) -> str:
+    if study.get("status") == "refused":
+        return render_refused(study)
     protocol, result = study["protocol"], study["result"]
     arms = result["arms"]
     lines = [
@@ -109,9 +175,5 @@ def render(study: dict) -> str:
         "(pilot and main runs).", "",
     ]  # fmt: skip
     lines += _design(protocol) + _protocol(protocol, study["protocol_sha256"]) + _runs(study) + _diffs(study)
-    lines += (
-        ["## What it can say", ""] + [f"- {s}" for s in study["conclusions"]["can"] or ["Nothing."]] + [""]
-    )
-    lines += ["## What it cannot say", ""] + [f"- {s}" for s in study["conclusions"]["cannot"]] + [""]
-    lines += [provenance.describe(study["code"]), ""]
+    lines += _said(study) + [provenance.describe(study["code"]), ""]
     return "\n".join(lines)
