@@ -7,6 +7,7 @@ reader can do without is optional; keys a later writer adds are kept (extra="all
 
     run.json     {"run", "arm", "recipe", "normalization", "seed", "max_updates", "final_version",
                   "identity": {...}, "env", "env_options": {...}, "status", "started", "launches", "updates_done", "finished",
+                  "running_s",
                   "code": {"commit", "dirty", "lock_sha256", ...}, "machine": {...}}  (spopp/provenance.py)
     evals.jsonl  {"policy_version", "step", "snapshot", "time", "eval/...": ...} when scored,
                  {"policy_version", "skipped": "<reason>", "time"} when not; one line a version
@@ -59,6 +60,10 @@ class RunRecord(BaseModel):
     launches: StrictInt = Field(0, ge=0, description="launches of this folder so far")
     updates_done: StrictInt | None = Field(None, ge=0, description="learner updates when it last stopped")
     finished: float | None = Field(None, description="unix time it finished")
+    running_s: float | None = Field(
+        None, ge=0, description="seconds its launches ran, summed: its wall time without the gaps between "
+        "launches (absent in runs launched before run.json recorded it)",
+    )  # fmt: skip
     restarts: dict[str, StrictInt] = Field(
         default_factory=dict,
         description="restarts per process by the launcher's supervision, over every launch",
@@ -84,6 +89,16 @@ class RunRecord(BaseModel):
     machine: dict[str, Any] | None = Field(
         None, description="the machine of its last launch (spopp/provenance.py: platform, CPU, cores, GPUs)"
     )
+
+    @property
+    def seconds(self) -> float | None:
+        """How long the run ran: its launches' seconds summed, or, for a run launched before those
+        were recorded, first launch to finish; None when it never finished and recorded neither."""
+        if self.running_s is not None:
+            return self.running_s
+        if self.started and self.finished:
+            return self.finished - self.started
+        return None
 
     def to_text(self, where: str) -> str:
         """The file's text: the keys set, in order, two-space indented (as earlier launchers wrote)."""

@@ -517,10 +517,14 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
     assert r.returncode == 1 and "is stopped, not running" in r.stderr
     stopped_at = state["updates_done"]
     assert 2 <= stopped_at < 1000
+    first_launch = state["running_s"]  # the first launch's seconds, written as it stopped
+    assert 0 < first_launch <= time.time() - state["started"]
+    gap_from = time.time()  # the launcher has exited: from here to the next launch, nothing runs
     budget = stopped_at + 4 + stopped_at % 2  # a multiple of evaluator.every (2)
 
     # The budget may change on resume (the launch changes the run's at the tracker, saying so);
     # what defines the run may not.
+    gap = time.time() - gap_from
     again = launch(str(path), "--set", f"max_updates={budget}", timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"budget changed from 1000 to {budget} updates" in again.stdout
@@ -539,6 +543,9 @@ def test_sigint_stops_everything_then_launch_resumes_and_then_says_finished(toy,
     assert versions == sorted(set(versions)) and versions[0] == 0 and versions[-1] == budget
     state = json.loads((tmp_path / "run" / "run.json").read_text())
     assert state["status"] == "finished" and state["launches"] == 2 and state["updates_done"] == budget
+    # Its running time is its two launches', the gap between them left out (which a study's time
+    # for a run stopped overnight would otherwise count).
+    assert first_launch < state["running_s"] <= state["finished"] - state["started"] - gap
     export = (tmp_path / "run" / "export.jsonl").read_text().splitlines()
     assert len(export) == 24 and all("task_id" in json.loads(line) for line in export)
     for name in ("tracker", "learner", "rollout-0", "evaluator"):

@@ -60,6 +60,7 @@ class RunFolder:
     def __init__(self, s: LaunchSettings) -> None:
         self.s = s
         self.record: RunRecord | None = None
+        self.launched = time.time()
 
     def resume(self, p: ProcessPlan) -> RunRecord | None:
         """The record of the run the folder holds (None: a new folder); RunFolderError when it
@@ -97,6 +98,7 @@ class RunFolder:
         for name, settings in child_settings(p).items():
             settings.to_file(p.run_dir / "config" / f"{name}.yaml")
         now = time.time()
+        self.launched = now  # this launch's start: set_status adds what it ran to running_s
         old = self.record
         self.record = RunRecord.model_validate({
             **(old.model_dump(exclude_unset=True) if old else {}),
@@ -115,9 +117,13 @@ class RunFolder:
         _write_record(p.run_dir / "run.json", self.record)
 
     def set_status(self, p: ProcessPlan, status: str) -> None:
+        now = time.time()
         update: dict[str, Any] = {"status": status, "updates_done": self.finished_updates(p)}
+        # A resumed run's wall time is its launches' time, not first start to last finish: a study
+        # stopped overnight and resumed would otherwise count the night.
+        update["running_s"] = (self.record.running_s or 0.0) + max(0.0, now - self.launched)
         if status == "finished":
-            update["finished"] = time.time()
+            update["finished"] = now
         self.update(p, **update)
 
     def update(self, p: ProcessPlan, **changes: Any) -> None:

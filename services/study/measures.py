@@ -125,7 +125,7 @@ def measure(folder: Path) -> RunMeasures:
     per_prompt = (
         counts["outcomes"] / counts["tasks"] if counts.get("tasks") and "outcomes" in counts else None
     )
-    seconds = record.finished - record.started if record.finished and record.started else None
+    seconds = record.seconds if record.finished else None
     return RunMeasures(
         folder=folder, arm=record.arm, seed=record.seed, online=online_curve(folder), heldout=heldout,
         heldout_versions=versions, outcomes_per_prompt=per_prompt, seconds=seconds,

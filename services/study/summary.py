@@ -121,11 +121,12 @@ def run_times(out: Path) -> dict[str, float | int | None]:
         except (OSError, ValueError):
             continue
         if record.status == "finished" and record.started and record.finished:
-            spans.append((record.started, record.finished))
-    seconds = [b - a for a, b in spans]
+            spans.append((record.started, record.finished, record.seconds))
+    seconds = [s for _a, _b, s in spans]
     return {
         "runs": len(spans), "mean_s": _mean(seconds), "total_s": math.fsum(seconds),
-        "first_start": min((a for a, _b in spans), default=None), "last_finish": max((b for _a, b in spans), default=None),
+        "first_start": min((a for a, _b, _s in spans), default=None),
+        "last_finish": max((b for _a, b, _s in spans), default=None),
     }  # fmt: skip
 
 
