@@ -30,12 +30,12 @@ MESSAGES = [{"role": "system", "content": "Use the tool."}, {"role": "user", "co
 async def _measure(model: Path, rounds: int, warmup: int) -> dict:
     import openai
 
-    from runtime.agent import Budget
     from runtime.agent_session import AgentSession
     from runtime.chat import ChatRenderer
     from runtime.chat_endpoint import Endpoint, add_chat_routes, episode_client
     from runtime.engines.base import SamplingConfig
     from runtime.engines.hf import TransformersEngine
+    from runtime.episode import Budget
     from services.shell.routes import service_app
     from services.shell.server import ThreadedServer
 

@@ -126,11 +126,12 @@ def threaded_episodes(tasks, scripts, threads: int, workers: int) -> float:
 async def episode_split(
     kind: str, model: Path, tasks, episodes: int, concurrency: int, max_steps: int
 ) -> dict:
-    from runtime.agent import Budget, run_episode
+    from runtime.agent import run_episode
     from runtime.chat import ChatRenderer
     from runtime.engines.base import SamplingConfig
     from runtime.engines.factory import make_engine
     from runtime.envs.alfworld.env import AlfworldEnv
+    from runtime.episode import Budget
 
     kwargs = {"max_model_len": MAX_LEN} if kind == "vllm" else {}
     engine = make_engine(kind, model, **kwargs)

@@ -31,10 +31,11 @@ import time
 from pathlib import Path
 
 from bench.tracker_bench import write_section
-from runtime.agent import Budget, reserve_env_threads, run_episode
+from runtime.agent import reserve_env_threads, run_episode
 from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Environment, StepResult, Task
+from runtime.episode import Budget
 
 HEAD = "## Collection under heavy-tailed tool latency: single-stream against group-synchronous"
 MEDIAN_S = 0.1

@@ -39,12 +39,12 @@ SESSIONS = 520  # episodes the server opens: one per attack that needs its own, 
 async def _serve(model: str, port: int, tokens_file: str) -> None:
     from fastapi.responses import JSONResponse
 
-    from runtime.agent import Budget, within_context
     from runtime.agent_session import AgentSession, AgentSessions
     from runtime.chat import ChatRenderer
     from runtime.chat_endpoint import MAX_CHAT_BODY_BYTES, add_chat_routes
     from runtime.engines.base import SamplingConfig
     from runtime.engines.hf import TransformersEngine
+    from runtime.episode import Budget, within_context
     from services.shell import server as http
     from services.shell.routes import service_app
 

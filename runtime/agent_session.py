@@ -50,9 +50,10 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .agent import Budget, _Sequence
 from .chat import ChatRenderer
 from .engines.base import Engine, Generation, SamplingConfig
+from .episode import Budget
+from .token_sequence import TokenSequence
 from .tool_calls import ToolFormat, arguments_value, calls_as_text, parse, preamble, tool_format
 
 MAX_MESSAGES = 4096
@@ -352,7 +353,7 @@ def parse_options(body: dict, sampling: SamplingConfig) -> CallOptions:
 
 @dataclass
 class _Segment:
-    seq: _Sequence
+    seq: TokenSequence
     history: list[Message]  # the messages the segment stands for, ending with our assistant reply
     last_generated: list[int] | None = None  # ids of the last generation, until its turn is closed
     cut: bool = False  # the last generation ended at its token limit
@@ -628,7 +629,7 @@ class AgentSession:
         ):
             tail = messages[len(current.history) :]
             return current, _Render(self.renderer, self.format, tail, None, list(current.last_generated))
-        return _Segment(seq=_Sequence(), history=[]), _Render(
+        return _Segment(seq=TokenSequence(), history=[]), _Render(
             self.renderer, self.format, messages, tools, None
         )
 

@@ -6,11 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.chat import ChatRenderer
 from runtime.engines.base import SamplingConfig
 from runtime.engines.hf import TransformersEngine
 from runtime.envs.base import Environment, StepResult, Task
+from runtime.episode import Budget
 
 
 class CountdownEnv(Environment):

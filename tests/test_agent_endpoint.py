@@ -19,7 +19,7 @@ import pytest
 from hypothesis import strategies as st
 from records import run_record
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.agent_session import AgentSession, Message
 from runtime.chat import ChatRenderer
 from runtime.chat_endpoint import Endpoint, add_chat_routes, episode_client
@@ -27,6 +27,7 @@ from runtime.engines.base import SamplingConfig
 from runtime.engines.hf import TransformersEngine
 from runtime.envs.agent import AgentEnv
 from runtime.envs.base import Environment, StepResult, Task
+from runtime.episode import Budget
 from runtime.tool_calls import ToolFormat, parse, tool_format
 from spopp.trajectory import Trajectory
 

@@ -35,12 +35,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from procs import send_raw
 
-from runtime.agent import Budget
 from runtime.agent_session import AgentSession, chars_per_token
 from runtime.chat import ChatRenderer
 from runtime.chat_endpoint import MAX_CHAT_BODY_BYTES, Endpoint, add_chat_routes
 from runtime.engines.base import SamplingConfig
 from runtime.engines.hf import TransformersEngine
+from runtime.episode import Budget
 from services.shell.middleware import BearerAuth, BodyLimit, UniqueJsonKeys
 from services.shell.routes import service_app
 from services.shell.server import ThreadedServer
@@ -64,7 +64,7 @@ def engine(tiny_model):
 
 
 def _session(engine, max_calls=16, budget=Budget(8, 32, 4096)) -> AgentSession:
-    from runtime.agent import within_context
+    from runtime.episode import within_context
 
     budget = within_context(budget, engine)  # as a replica's episodes have it: the tiny model's 1,024
     return AgentSession(engine, ChatRenderer(engine.tokenizer), budget, SamplingConfig(32, seed=1), max_calls)

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.chat_endpoint import Endpoint, served_url
 from runtime.engines.base import SamplingConfig
 from runtime.envs.agent import AgentEnv
 from runtime.envs.base import Task
+from runtime.episode import Budget
 
 PLUGINS = Path(__file__).resolve().parents[1] / "examples" / "plugins"
 TASK = Task("t1", "What is 2 + 3?", "5")

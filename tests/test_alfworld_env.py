@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from scripted import ScriptedEngine
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.chat import ChatRenderer
 from runtime.engines.base import SamplingConfig
 from runtime.envs import env_factory
@@ -32,6 +32,7 @@ from runtime.envs.alfworld.games import (
     write_alfworld_tasks,
 )
 from runtime.envs.alfworld.generate import generate_games
+from runtime.episode import Budget
 from runtime.tasks import load_tasks
 
 # The step that makes each task type: without it, the rest of the walkthrough never wins.

@@ -19,12 +19,13 @@ import asyncio
 import pytest
 from scripted import ScriptedEngine
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.chat import _PLACEHOLDER, ChatRenderer
 from runtime.engines.base import SamplingConfig
 from runtime.envs.base import Environment, StepResult, Task
 from runtime.envs.math_tir import DEFAULT_SYSTEM_PROMPT
 from runtime.envs.toy_calc import TOOL_PROMPT, ToyCalcEnv
+from runtime.episode import Budget
 from tools.toy_model import build_toy_tokenizer, build_word_tokenizer, word_pieces
 
 TASK = Task("t1", "123*45+6", "5541")

@@ -180,8 +180,9 @@ def test_a_replica_episode_with_a_tower_ends_wrong_and_is_counted(tiny_model):
     from prometheus_client import generate_latest
     from transformers import AutoTokenizer
 
-    from runtime.agent import Budget, run_episode
+    from runtime.agent import run_episode
     from runtime.engines.base import SamplingConfig
+    from runtime.episode import Budget
     from services.rollout.metrics import RolloutMetrics
 
     sys.path.insert(0, os.path.dirname(__file__))

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.agent import Budget
 from runtime.envs.base import Task
 from runtime.envs.check import check_environment, probe_tasks
 from runtime.envs.registry import installed
+from runtime.episode import Budget
 
 ROOT = Path(__file__).resolve().parent.parent
 # spopp's own registrations: the built-ins.

@@ -250,8 +250,8 @@ def brokenpkg(userpkg) -> Path:
 
 
 def _check(engine_model, spec, options, episodes=3):
-    from runtime.agent import Budget
     from runtime.envs.check import probe_tasks, run_check
+    from runtime.episode import Budget
 
     return run_check(spec, options, engine_model, probe_tasks(3), episodes, Budget(3, 32, 512), seed=0)
 

@@ -15,11 +15,12 @@ import asyncio
 import pytest
 from scripted import ScriptedEngine
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.chat import ChatRenderer
 from runtime.engines.base import SamplingConfig
 from runtime.envs.base import Environment, StepResult, Task
 from runtime.envs.toy_calc import ToyCalcEnv
+from runtime.episode import Budget
 
 pytestmark = pytest.mark.process  # the model's first import runs pip (tests/fixtures_model.py)
 

@@ -20,10 +20,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.engines.base import SamplingConfig
 from runtime.envs.agent import AgentEnv
 from runtime.envs.toy_calc import generate_toy_calc_tasks
+from runtime.episode import Budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "plugins"))
 import calculator_agent  # noqa: E402 - a user's plug-in folder, put on the path above

@@ -16,11 +16,12 @@ import pytest
 from scripted import ScriptedEngine
 
 import runtime.envs.toy_calc as toy
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.engines.base import SamplingConfig
 from runtime.envs import env_factory
 from runtime.envs.base import UNSEEDED, episode_seed
 from runtime.envs.toy_calc import ToyCalcEnv, make_task
+from runtime.episode import Budget
 from tools.toy_model import build_toy_tokenizer
 
 TASK = make_task(123, 45, 67)  # 5602

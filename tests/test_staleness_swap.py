@@ -10,9 +10,10 @@ import threading
 import pytest
 from records import run_record
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.engines.base import SamplingConfig
 from runtime.envs.base import Environment, StepResult, Task
+from runtime.episode import Budget
 from services.rollout.swap import VersionedEngine
 from services.rollout.worker import token_versions
 from spopp.tracker_api import Lease

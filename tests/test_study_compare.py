@@ -124,6 +124,27 @@ def test_a_learner_log_the_study_cannot_trust_is_refused_naming_the_line(tmp_pat
         online_curve(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "times, seconds",
+    [({"running_s": 600.0}, 600.0), ({}, 3600.0), ({"running_s": 600.0, "finished": None}, None)],
+    ids=["its launches' seconds", "recorded before running_s: start to finish", "not finished"],
+)
+def test_a_runs_time_is_what_its_launches_ran_not_the_gaps_between_them(tmp_path, times, seconds):
+    from services.study.measures import measure
+
+    folder = _learner(tmp_path / "r", [0.5])
+    record = {
+        "run": "r",
+        "arm": "spopp",
+        "seed": 0,
+        "status": "finished",
+        "started": 1000.0,
+        "finished": 4600.0,
+    }
+    (folder / "run.json").write_text(json.dumps({**record, **times}))
+    assert measure(folder).seconds == seconds
+
+
 # -- the analysis and its sentences ---------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ import random
 import pytest
 from scripted import ScriptedEngine
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.chat import ChatRenderer
 from runtime.engines.base import SamplingConfig
 from runtime.envs import env_factory
@@ -29,6 +29,7 @@ from runtime.envs.toy_calc import (
     make_task,
     write_toy_calc_tasks,
 )
+from runtime.episode import Budget
 from runtime.tasks import load_tasks
 from tools.toy_model import build_toy_tokenizer
 

@@ -17,10 +17,11 @@ import textwrap
 
 import pytest
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.engines.base import SamplingConfig
 from runtime.envs.base import Task
 from runtime.envs.verifiers_env import META_KEY, VerifiersEnv, write_verifiers_tasks
+from runtime.episode import Budget
 from runtime.tasks import load_tasks as read_jsonl
 from tests.scripted import ScriptedEngine
 

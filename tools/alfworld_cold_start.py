@@ -45,9 +45,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from runtime.agent import Budget
 from runtime.chat import ChatRenderer
 from runtime.envs.base import Task
+from runtime.episode import Budget
 from runtime.tasks import load_tasks
 from tools.cold_start import encode_episode, run_episodes, train_masked
 

@@ -30,11 +30,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from runtime.agent import Budget, run_episode
+from runtime.agent import run_episode
 from runtime.chat import ChatRenderer
 from runtime.engines.base import SamplingConfig
 from runtime.envs.base import Environment, Task
 from runtime.envs.toy_calc import ToyCalcEnv, generate_toy_calc_tasks, make_task, sample_operands
+from runtime.episode import Budget
 from services.evaluator.scorer import sample_seed
 
 BUDGET = Budget(max_turns=3, max_tokens_per_turn=32, max_total_tokens=128)

@@ -119,10 +119,11 @@ def compare(built_in: dict, agent: dict) -> dict:
 # -- the SmolLM2 pilot ---------------------------------------------------------------------------------
 async def _success(model: Path, tasks: list, seed: int) -> float:
     """Version-0 success of SmolLM2 on `tasks` (one sampled episode each, T = 1)."""
-    from runtime.agent import Budget, run_episode
+    from runtime.agent import run_episode
     from runtime.engines.base import SamplingConfig
     from runtime.engines.hf import TransformersEngine
     from runtime.envs import env_factory
+    from runtime.episode import Budget
 
     engine = TransformersEngine(model, max_batch=16)
     make_env = env_factory("reasoning-gym", RG_OPTIONS)

@@ -195,11 +195,12 @@ def pilot(model: Path, n: int = PILOT_TASKS, seed: int = PILOT_SEED) -> float:
     """Version-0 held-out success of the task family on its own seed, with the vLLM engine."""
     import asyncio
 
-    from runtime.agent import Budget, run_episode
+    from runtime.agent import run_episode
     from runtime.chat import ChatRenderer
     from runtime.engines.base import SamplingConfig
     from runtime.engines.factory import make_engine
     from runtime.envs.toy_calc import ToyCalcEnv, generate_toy_calc_tasks
+    from runtime.episode import Budget
 
     async def go() -> float:
         engine = make_engine("vllm", model, max_model_len=1024, kv_cache_gib=2, seed=seed)

@@ -220,7 +220,8 @@ async def _measure_one(
 ) -> dict:
     import asyncio
 
-    from runtime.agent import prompts_over_budget, within_context
+    from runtime.agent import prompts_over_budget
+    from runtime.episode import within_context
     from runtime.tasks import write_jsonl
     from services.evaluator.scorer import Scorer, load_held_out
 

@@ -103,12 +103,13 @@ def tally(episodes: list[dict]) -> dict:
 # -- measure -----------------------------------------------------------------------------------------------
 async def _measure(model: Path, n: int, seed: int, engine_name: str, temperature: float) -> list[dict]:
     """Episodes of the agent on `n` held-out tasks of `seed`, played in this process."""
-    from runtime.agent import Budget, run_episode
+    from runtime.agent import run_episode
     from runtime.chat import ChatRenderer
     from runtime.engines.base import SamplingConfig
     from runtime.engines.factory import make_engine
     from runtime.envs.agent import AgentEnv
     from runtime.envs.toy_calc import generate_toy_calc_tasks
+    from runtime.episode import Budget
 
     # Each episode has its own sampling seed; vLLM also takes an engine-wide one.
     options = {**VLLM, "seed": seed} if engine_name == "vllm" else {"max_batch": 16}

@@ -12,10 +12,19 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .base import Environment
-from .registry import EnvSpecError, check_spec, installed, resolve
+from .base import Environment, Playable
+from .import_path import EnvSpecError
+from .registry import check_spec, installed, resolve
 
-__all__ = ["EnvSpecError", "Environment", "check_spec", "env_factory", "installed", "resolved_env_options"]
+__all__ = [
+    "EnvSpecError",
+    "Environment",
+    "Playable",
+    "check_spec",
+    "env_factory",
+    "installed",
+    "resolved_env_options",
+]
 
 
 def resolved_env_options(spec: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -30,7 +39,7 @@ def resolved_env_options(spec: str, options: Mapping[str, Any] | None = None) ->
     return dict(sorted({**defaults, **r.options}.items()))
 
 
-def env_factory(spec: str, options: Mapping[str, Any] | None = None) -> Callable[[], Environment]:
+def env_factory(spec: str, options: Mapping[str, Any] | None = None) -> Callable[[], Playable]:
     """A constructor of fresh episodes of environment `spec`, checked once here.
 
     `options` are the environment's keyword arguments (the services' `env_options` setting). One
@@ -53,7 +62,7 @@ def env_factory(spec: str, options: Mapping[str, Any] | None = None) -> Callable
 
     cls, built = r.cls, r.options
 
-    def make() -> Environment:
+    def make() -> Playable:
         return cls(**built)
 
     return make

@@ -27,17 +27,22 @@ import inspect
 import time
 from typing import Any
 
+from ..agent_session import AgentSession
+from ..chat import ChatRenderer
+from ..chat_endpoint import default_endpoint, episode_client
+from ..engines.base import Engine, SamplingConfig
+from ..episode import Budget, Episode, reward_verdict
 from ..faults import Fault, site
-from .base import Environment, StepResult, Task, reward_verdict
-from .registry import import_object, is_import_path
+from .base import Playable, Task
+from .import_path import import_object, is_import_path
 
 
-class AgentEnv(Environment):
-    """The options of an agent's episodes; `run_agent_episode` plays them (not reset/step)."""
+class AgentEnv(Playable):
+    """An agent's episodes: its options, and `play`, which runs the agent against the chat endpoint."""
 
     name = "agent"
     cheap_reset = False  # the opening is the agent's: nothing to probe at start-up
-    driven_by_agent = True
+    calls_over_chat = True
 
     def __init__(self, *, agent: str, max_calls: int = 16, max_wall_s: float = 600.0) -> None:
         if not is_import_path(agent):
@@ -90,11 +95,24 @@ class AgentEnv(Environment):
             self._fn = self.function_of(self.agent)
         return self._fn
 
-    def reset(self, task: Task) -> list[dict]:
-        raise TypeError("an agent drives its own episode: play it with runtime.envs.agent.run_agent_episode")
-
-    def step(self, action: str) -> StepResult:
-        raise TypeError("an agent drives its own episode: play it with runtime.envs.agent.run_agent_episode")
+    async def play(
+        self, engine: Engine, task: Task, budget: Budget, sampling: SamplingConfig, renderer: ChatRenderer,
+        endpoint: Any = None,
+    ) -> Episode:  # fmt: skip
+        """One episode of the agent on `task`, recorded token-exact by its session. `endpoint` is the
+        process's chat endpoint (`runtime.chat_endpoint.Endpoint`: its sessions and app); a replica
+        passes the one it also serves over HTTP."""
+        endpoint = endpoint or default_endpoint()
+        session = AgentSession(engine, renderer, budget, sampling, max_calls=self.max_calls)
+        endpoint.sessions.open(session)
+        client = episode_client(endpoint, session, timeout_s=self.max_wall_s)
+        t0 = time.perf_counter()
+        try:
+            value, fault, finish = await _run_agent(self, client, task)
+        finally:
+            record = endpoint.sessions.close(session)
+            await client.close()
+        return _episode(value, fault, finish, record, time.perf_counter() - t0)
 
 
 # After max_wall_s the agent is cancelled; one that swallows the cancellation is left behind (its
@@ -128,31 +146,9 @@ async def _run_agent(env: AgentEnv, client, task: Task) -> tuple[Any, Fault | No
     return running.result(), None, "agent"
 
 
-async def run_agent_episode(
-    engine, env: AgentEnv, task: Task, budget, sampling, renderer=None, endpoint=None
-):
-    """One episode of `env`'s agent on `task`: an `runtime.agent.Episode` like a built-in one's.
-
-    `endpoint` is the process's chat endpoint (`runtime.chat_endpoint.Endpoint`: its sessions and
-    app); a replica passes the one it also serves over HTTP."""
-    from ..agent import Episode, within_context
-    from ..agent_session import AgentSession
-    from ..chat import ChatRenderer
-    from ..chat_endpoint import default_endpoint, episode_client
-
-    endpoint = endpoint or default_endpoint()
-    renderer = renderer or ChatRenderer(engine.tokenizer)
-    budget = within_context(budget, engine)
-    session = AgentSession(engine, renderer, budget, sampling, max_calls=env.max_calls)
-    endpoint.sessions.open(session)
-    client = episode_client(endpoint, session, timeout_s=env.max_wall_s)
+def _episode(value: Any, fault: Fault | None, finish: str, record, total_s: float) -> Episode:
+    """The Episode of an agent's run: its session's record, the reward its return value earns."""
     info: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    try:
-        value, fault, finish = await _run_agent(env, client, task)
-    finally:
-        record = endpoint.sessions.close(session)
-        await client.close()
     if fault is not None:  # the user's agent failed: the episode earns 0 and says where
         info["agent_error"] = f"{fault.type}: {fault.message}"
         info["fault"] = fault.as_info()
@@ -177,8 +173,8 @@ async def run_agent_episode(
         timings={
             "generate_s": record.generate_s,
             "endpoint_s": record.endpoint_s,
-            "env_s": max(0.0, time.perf_counter() - t0 - record.generate_s - record.endpoint_s),
+            "env_s": max(0.0, total_s - record.generate_s - record.endpoint_s),
             "reset_s": 0.0,
-            "total_s": time.perf_counter() - t0,
+            "total_s": total_s,
         },
     )

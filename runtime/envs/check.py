@@ -27,9 +27,10 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-from ..agent import Budget, Episode, prompts_over_budget, run_episode, within_context
+from ..agent import prompts_over_budget, run_episode
 from ..chat import ChatRenderer
 from ..engines.base import SamplingConfig
+from ..episode import Budget, Episode, within_context
 from ..faults import Fault
 from .base import Task, episode_seed
 

@@ -53,7 +53,7 @@ def check_command(spec, model, tasks_file, episodes, env_options, max_turns, max
     was found: rewards outside [0, 1], episodes that never end, exceptions, non-determinism under
     one seed, a chat template that rewrites earlier turns, prompts over the context. Exit 0 only
     when the contract holds."""
-    from ..agent import Budget
+    from ..episode import Budget
     from ..tasks import load_tasks
     from .check import probe_tasks, run_check
 

@@ -22,7 +22,6 @@ name, no such module, no such attribute, or an object that is none of the three.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 from collections.abc import Mapping
@@ -32,25 +31,19 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator
 
-from .base import Environment
+from .base import Playable
+from .import_path import PATH_RE, EnvSpecError, import_object
 
 GROUP = "spopp.environments"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-_PATH_RE = re.compile(
-    r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
-)
-
-
-class EnvSpecError(ValueError):
-    """A spec that names no environment; the message says why."""
 
 
 def check_spec(spec: str) -> str:
     """`spec` if it is an installed name or has the shape of an import path (nothing is imported)."""
     if not isinstance(spec, str):
         raise EnvSpecError(f"an environment is a name or module:attribute, got {type(spec).__name__}")
-    if _PATH_RE.fullmatch(spec):
+    if PATH_RE.fullmatch(spec):
         return spec
     if ":" not in spec and _NAME_RE.fullmatch(spec):
         # A name is looked up in the installed packages' metadata (no module is imported).
@@ -90,41 +83,12 @@ def installed() -> dict[str, metadata.EntryPoint]:
     return out
 
 
-def is_import_path(text: str) -> bool:
-    """Whether `text` has the shape `package.module:attribute`."""
-    return isinstance(text, str) and _PATH_RE.fullmatch(text) is not None
-
-
-def import_object(path: str, what: str | None = None) -> Any:
-    """The object at import path `path` (`package.module:attribute`); EnvSpecError saying what is
-    missing (the module, something it imports, the attribute), about `what` (default: the
-    environment `path`; "reward ...", "agent ..." for a function an environment's options name)."""
-    what = what or f"environment {path}"
-    module_name, _, attribute = path.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise EnvSpecError(
-                f"{what}: no module named {e.name!r} (is the package installed, or its folder on PYTHONPATH?)"
-            ) from None
-        raise EnvSpecError(f"{what}: importing {module_name} failed: {e}") from None
-    except Exception as e:  # noqa: BLE001 - the user's module raised at import: say so, with what
-        raise EnvSpecError(f"{what}: importing {module_name} failed: {type(e).__name__}: {e}") from None
-    for part in attribute.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise EnvSpecError(f"{what}: module {module_name} has no attribute {attribute!r}") from None
-    return obj
-
-
 @dataclass(frozen=True)
 class Resolved:
     """What a spec resolves to: the environment class and the options it is built with (for a
     function, the adapter class and its options with the function's path added)."""
 
-    cls: type[Environment]
+    cls: type[Playable]
     options: dict[str, Any]
 
 
@@ -141,7 +105,7 @@ def resolve(spec: str, options: Mapping[str, Any] | None = None) -> Resolved:
     options = dict(options or {})
     obj = load(spec)
     if inspect.isclass(obj):
-        if not issubclass(obj, Environment):
+        if not issubclass(obj, Playable):  # an Environment, or an agent's (AgentEnv and its kin)
             raise EnvSpecError(
                 f"environment {spec}: {obj.__module__}.{obj.__qualname__} is a class but not a "
                 "runtime.envs.base.Environment (subclass it: reset, step, close)"

@@ -23,9 +23,10 @@ from dataclasses import asdict
 from typing import Any
 
 from ..check_pool import CheckPool
+from ..episode import reward_verdict
 from ..faults import Fault
-from .base import Environment, StepResult, Task, reward_verdict
-from .registry import import_object, is_import_path
+from .base import Environment, StepResult, Task
+from .import_path import import_object, is_import_path
 
 MiB = 1024**2
 

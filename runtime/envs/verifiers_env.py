@@ -45,7 +45,7 @@ from typing import Any
 
 from .agent import AgentEnv
 from .base import Task
-from .registry import import_object, is_import_path
+from .import_path import import_object, is_import_path
 
 META_KEY = "verifiers"  # a spopp task's meta field holding the verifiers task's wire data
 NO_ANSWER = "[scored by the taskset's rewards]"  # a task file's answer when the task has no `answer` field
@@ -131,7 +131,7 @@ def write_verifiers_tasks(
 
 
 class VerifiersEnv(AgentEnv):
-    """A verifiers taskset's episodes; `run_agent_episode` plays them with `self.function`."""
+    """A verifiers taskset's episodes, played by `AgentEnv.play` with `self.function` (its `solve`)."""
 
     name = "verifiers"
 
@@ -222,7 +222,7 @@ class VerifiersEnv(AgentEnv):
 
     @property
     def function(self):
-        return self.play
+        return self.solve
 
     def task_of(self, task: Task):
         """The verifiers task a spopp task carries (written by `spopp tasks verifiers`)."""
@@ -248,7 +248,7 @@ class VerifiersEnv(AgentEnv):
             _SHARED_SERVERS.setdefault(key, servers)
         return _SHARED_SERVERS[key]
 
-    async def play(self, client, task: Task) -> float:
+    async def solve(self, client, task: Task) -> float:
         """One episode: the task played by the policy through `client`; the trace's reward."""
         vf = _vf()
         vtask = self.task_of(task)

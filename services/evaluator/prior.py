@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.agent import Budget, Episode, prompts_over_budget
+from runtime.agent import prompts_over_budget
 from runtime.engines.base import Engine
 from runtime.envs.base import Task
+from runtime.episode import Budget, Episode
 from spopp.priors import PriorFile, build_prior, write_prior
 
 from .config import ScoreSettings

@@ -23,18 +23,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.agent import (
-    Budget,
-    Episode,
-    prompts_over_budget,
-    reserve_env_threads,
-    run_episode,
-    within_context,
-)
+from runtime.agent import prompts_over_budget, reserve_env_threads, run_episode
 from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs import env_factory
 from runtime.envs.base import Task, episode_seed
+from runtime.episode import Budget, Episode, within_context
 from runtime.tasks import load_tasks
 
 from .config import ScoreSettings

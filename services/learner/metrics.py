@@ -9,7 +9,7 @@ every rank but only rank 0 serves them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,10 +19,24 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-if TYPE_CHECKING:
-    from .ingest import TrajectoryBuffer
-
 disable_created_metrics()
+
+
+class Watched(Protocol):
+    """What the gauges read of the intake's buffer (services.learner.ingest.TrajectoryBuffer) at
+    every scrape: declared here so that the metrics need not import the intake that imports them."""
+
+    @property
+    def accepted(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def version(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
 
 # Every reason the intake refuses a trajectory for, exported at 0 from the start so that a rate()
 # over them has a first sample; and those for which the trainer drops one it had accepted:
@@ -128,7 +142,7 @@ class LearnerMetrics:
             "spopp_learner_checkpoint_seconds", "checkpoint write time", registry=r, buckets=_SLOW
         )
 
-    def watch(self, buffer: TrajectoryBuffer) -> None:
+    def watch(self, buffer: Watched) -> None:
         """Read the buffer's fill and version at every scrape."""
         self.buffer_filled.set_function(lambda: buffer.accepted)
         self.buffer_pending.set_function(lambda: len(buffer))

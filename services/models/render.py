@@ -42,8 +42,9 @@ def render_first_prompt(model: Path, tasks: Path, env: str, env_options: dict) -
     first = tasks_read[0]
     episode = env_factory(env, env_options)()
     context = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
-    if episode.driven_by_agent:  # its agent writes the opening, call by call
+    opening = episode.opening(first)
+    if opening is None:  # an agent's episode: its agent writes the opening, call by call
         text = "(an agent's episode: the agent writes its own messages; spopp env check plays one)"
         return RenderedPrompt(str(model), len(tokenizer), context, first.task_id, 0, text)
-    ids = ChatRenderer(tokenizer).prompt(episode.reset(first))
+    ids = ChatRenderer(tokenizer).prompt(opening)
     return RenderedPrompt(str(model), len(tokenizer), context, first.task_id, len(ids), tokenizer.decode(ids))

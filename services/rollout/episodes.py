@@ -18,11 +18,12 @@ from dataclasses import replace
 
 import httpx
 
-from runtime.agent import Budget, Episode, prompts_over_budget, run_episode, within_context
+from runtime.agent import prompts_over_budget, run_episode
 from runtime.chat import ChatRenderer
 from runtime.chat_endpoint import Endpoint
 from runtime.engines.base import Engine, SamplingConfig
-from runtime.envs.base import Environment, Task, episode_seed
+from runtime.envs.base import Playable, Task, episode_seed
+from runtime.episode import Budget, Episode, within_context
 from spopp.client import AsyncTrackerClient, TrackerError
 from spopp.retry import RetryPolicy
 from spopp.streams import sampling_seed
@@ -58,7 +59,7 @@ class Episodes:
         self,
         settings: RolloutSettings,
         engine: Engine,
-        make_env: Callable[[], Environment],
+        make_env: Callable[[], Playable],
         tasks: dict[str, Task],
         clients: tuple[AsyncTrackerClient, httpx.AsyncClient],
         leases: Leases,
@@ -88,7 +89,7 @@ class Episodes:
         # Agent-driven episodes' sessions: their calls come in through the replica's
         # /v1/chat/completions (serve.py adds the routes), or in-process from spopp's own client.
         self.endpoint = Endpoint()
-        self._driven_by_agent: bool | None = None
+        self._calls_over_chat: bool | None = None
         self.budget = Budget(settings.max_turns, settings.max_tokens_per_turn, settings.max_total_tokens)
         self.sampling = SamplingConfig(
             max_tokens=settings.max_tokens_per_turn,
@@ -115,13 +116,14 @@ class Episodes:
         self.empty_streak = 0  # episodes that generated nothing, ended in a row
 
     @property
-    def driven_by_agent(self) -> bool:
-        """Whether the environment's episodes are driven by an agent (one built and closed to see)."""
-        if self._driven_by_agent is None:
+    def calls_over_chat(self) -> bool:
+        """Whether the episodes' model calls come in over the chat routes (an agent's: one built and
+        closed to see)."""
+        if self._calls_over_chat is None:
             probe = self.make_env()
-            self._driven_by_agent = bool(probe.driven_by_agent)
+            self._calls_over_chat = bool(probe.calls_over_chat)
             probe.close()
-        return self._driven_by_agent
+        return self._calls_over_chat
 
     def counts(self) -> tuple[int, int]:
         """The replica's cumulative (trajectories accepted, episodes finished), its earlier lives'

@@ -102,7 +102,7 @@ class Worker:
     def agent_sessions(self):
         """The open agent episodes whose calls the replica serves (`runtime.chat_endpoint`), where
         its environment is an agent's; None otherwise (no chat routes)."""
-        return self.episodes.endpoint.sessions if self.episodes.driven_by_agent else None
+        return self.episodes.endpoint.sessions if self.episodes.calls_over_chat else None
 
     def serve_agents_at(self, url: str) -> None:
         """The URL of this replica's chat routes: what an agent's child process is handed
