@@ -95,3 +95,27 @@ def test_long_functions_and_engine_classes_are_named(tmp_path):
 
 def test_this_checkout_keeps_its_layout():
     assert check_layout.check(ROOT) == []
+
+
+def test_the_map_of_the_house_is_drawn_from_the_layout_and_kept_in_step(tmp_path):
+    doc = f"# Development\n\n{check_layout.MAP_BEGIN}\nan old map\n{check_layout.MAP_END}\n\nthe rest\n"
+    root = _tree(tmp_path, {"docs/development.md": doc, "spopp/maths.py": "X = 1\n"})
+    assert check_layout.check(root) == [
+        "docs/development.md: the map of the house differs from layout.toml: python -m tools.check_layout --write-map"
+    ]
+    assert check_layout.main(["--root", str(root), "--write-map"]) == 0
+    text = (root / "docs" / "development.md").read_text()
+    assert "| `services/launch/` | one run | – |" in text and "| `spopp/` | the library | – |" in text
+    assert text.endswith("\n\nthe rest\n") and "an old map" not in text
+    # A role changed in layout.toml is a map out of step until it is redrawn.
+    (root / "layout.toml").write_text(LAYOUT.replace('role = "one run"', 'role = "one run, supervised"'))
+    assert check_layout.check(root)[0].startswith("docs/development.md: the map of the house differs")
+    # A start must name files that are there; the doc without its markers has no map to keep.
+    (root / "layout.toml").write_text(
+        LAYOUT.replace('role = "the library"', 'role = "l"\nstart = "maths.py, gone.py"')
+    )
+    (root / "docs" / "development.md").write_text("# Development\n")
+    assert check_layout.check(root) == [
+        "spopp: its start names gone.py, which is not in spopp",
+        "docs/development.md: no map of the house (its markers are gone): put them back and --write-map",
+    ]

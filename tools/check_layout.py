@@ -1,6 +1,6 @@
 """Hold the code against layout.toml (part of `make lint`).
 
-    python -m tools.check_layout [--root DIR]
+    python -m tools.check_layout [--root DIR] [--write-map]
 
 Checks, each failure one line naming the file or package and the bound:
 - every package (a folder with __init__.py) under spopp/, runtime/ and services/ is listed in
@@ -10,7 +10,9 @@ Checks, each failure one line naming the file or package and the bound:
   most that many floors (a module importing no sibling is floor 1, one importing a floor-n sibling
   is floor n + 1), and no two of them import each other round a circle;
 - no function has more than `function_code_lines` code lines, and no class under runtime/engines
-  more than `engine_class_lines` lines.
+  more than `engine_class_lines` lines;
+- every file a package's `start` names exists, and docs/development.md's map of the house (between
+  its two markers) is the one this file draws from layout.toml (`--write-map` redraws it).
 Imports are read from the source (every import statement, TYPE_CHECKING ones included: a reader
 follows those too); nothing is imported or run.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -26,6 +29,11 @@ from pathlib import Path
 
 ROOTS = ("spopp", "runtime", "services")
 LAYOUT = "layout.toml"
+MAP_DOC = Path("docs") / "development.md"
+MAP_BEGIN = (
+    "<!-- the map of the house: drawn from layout.toml by `python -m tools.check_layout --write-map` -->"
+)
+MAP_END = "<!-- end of the map -->"
 
 
 def packages(root: Path) -> set[str]:
@@ -173,6 +181,63 @@ def check_package(root: Path, name: str, entry: dict) -> list[str]:
     return problems
 
 
+def house_map(listed: dict[str, dict]) -> str:
+    """The map of the house: one row a package, in the order of its folders, with what it holds and
+    where a newcomer starts reading it."""
+    rows = ["| folder | what it holds | start at |", "|---|---|---|"]
+    for name in sorted(listed, key=lambda n: n.split(".")):
+        entry = listed[name]
+        folder = name.replace(".", "/") + "/"
+        rows.append(f"| `{folder}` | {entry.get('role', '')} | {entry.get('start', '–')} |")
+    return "\n".join(rows)
+
+
+def _starts(root: Path, listed: dict[str, dict]) -> list[str]:
+    """Every file a `start` names (a word ending in .py, relative to its package) must exist."""
+    problems = []
+    for name, entry in sorted(listed.items()):
+        folder = root.joinpath(*name.split("."))
+        for word in re.findall(r"[\w/]+\.py", str(entry.get("start", ""))):
+            if folder.is_dir() and not (folder / word).is_file():
+                problems.append(f"{name}: its start names {word}, which is not in {folder.relative_to(root)}")
+    return problems
+
+
+def _map_section(text: str) -> tuple[int, int] | None:
+    """Where the map's rows lie in the doc's text (between the markers), or None without them."""
+    begin, end = text.find(MAP_BEGIN), text.find(MAP_END)
+    if begin < 0 or end < begin:
+        return None
+    return begin + len(MAP_BEGIN), end
+
+
+def check_map(root: Path, listed: dict[str, dict]) -> list[str]:
+    """The doc's map is the one drawn from layout.toml (a tree without the doc has none to check)."""
+    doc = root / MAP_DOC
+    if not doc.is_file():
+        return []
+    text = doc.read_text()
+    span = _map_section(text)
+    if span is None:
+        return [f"{MAP_DOC}: no map of the house (its markers are gone): put them back and --write-map"]
+    if text[span[0] : span[1]].strip() != house_map(listed):
+        return [
+            f"{MAP_DOC}: the map of the house differs from {LAYOUT}: python -m tools.check_layout --write-map"
+        ]
+    return []
+
+
+def write_map(root: Path) -> None:
+    """Redraw the doc's map from layout.toml (ValueError when the doc has no markers)."""
+    doc = root / MAP_DOC
+    text = doc.read_text()
+    span = _map_section(text)
+    if span is None:
+        raise ValueError(f"{doc}: no markers {MAP_BEGIN!r} ... {MAP_END!r}")
+    listed = tomllib.loads((root / LAYOUT).read_text()).get("packages", {})
+    doc.write_text(text[: span[0]] + "\n" + house_map(listed) + "\n" + text[span[1] :])
+
+
 def check(root: Path) -> list[str]:
     layout_path = root / LAYOUT
     try:
@@ -192,13 +257,17 @@ def check(root: Path) -> list[str]:
     for name, entry in sorted(listed.items()):
         if name in found:
             problems += check_package(root, name, entry)
+    problems += _starts(root, listed) + check_map(root, listed)
     return problems + check_sizes(root, layout["limits"])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", type=Path, default=Path("."), help="the checkout (default: here)")
+    p.add_argument("--write-map", action="store_true", help=f"redraw {MAP_DOC}'s map of the house first")
     a = p.parse_args(argv)
+    if a.write_map:
+        write_map(a.root.resolve())
     problems = check(a.root.resolve())
     for line in problems:
         print(f"check_layout: {line}", file=sys.stderr)
