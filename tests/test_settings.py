@@ -155,3 +155,44 @@ def test_an_engine_option_that_is_a_field_of_its_own_is_refused(command):
     assert "set the section's own lora_rank" in out.output
     ok = CliRunner().invoke(build(), [*command.split(), *flags, "--lora-rank", "8", "--print-config"])
     assert ok.exit_code == 0 and yaml.safe_load(ok.output)["lora_rank"] == 8
+
+
+def test_episode_settings_are_declared_once_for_every_service_that_plays():
+    """The rollout replica, the evaluator, `spopp prior` and a launch file's sections take how
+    episodes are played from runtime/episode_settings.py: each field's type, bounds and description
+    are the declaration's; only a default may be a service's own (EvaluatorEpisodes'), and the
+    budget of an episode is built from the same fields."""
+    from runtime.episode_settings import EpisodeTuning, bounds
+    from services.launch.config import EvaluatorSection, RolloutSection
+
+    own_defaults = {"engine": "transformers", "concurrency": 32}
+    players = [settings_class("rollout serve"), settings_class("evaluator run"), settings_class("prior"),
+               RolloutSection, EvaluatorSection]  # fmt: skip
+    for cls in players:
+        for name, declared in EpisodeTuning.model_fields.items():
+            field = cls.model_fields[name]
+            assert (field.annotation, field.metadata, field.description) == (
+                declared.annotation, declared.metadata, declared.description,
+            ), f"{cls.__name__}.{name} is declared again"  # fmt: skip
+            if field.default != declared.default:
+                assert own_defaults.get(name) == field.default, f"{cls.__name__}.{name}"
+    # One set of bounds: the evaluator refuses what the replica refuses, naming the field.
+    for command, required in (("rollout serve", {"run": "r", "model": "m"}),
+                              ("evaluator run", {"run": "r", "model": "m", "tasks": "t.jsonl"})):  # fmt: skip
+        r = CliRunner().invoke(
+            build(), [*command.split(), *_flags(required), "--concurrency", "1025", "--print-config"]
+        )
+        assert r.exit_code != 0 and "concurrency" in r.output and "1024" in r.output, r.output
+    assert bounds("max_turns") == (1, 1000)
+    s = settings_class("rollout serve").model_validate(
+        {"run": "r", "model": "m", "max_turns": 3, "max_total_tokens": 99}
+    )
+    assert (s.budget().max_turns, s.budget().max_tokens_per_turn, s.budget().max_total_tokens) == (
+        3,
+        1024,
+        99,
+    )
+
+
+def _flags(values: dict) -> list[str]:
+    return [x for k, v in values.items() for x in (f"--{k.replace('_', '-')}", str(v))]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from ..episode_settings import bounds
 from ..tasks_cli import json_object
 
 group = click.Group("env", help="Environments: list the installed ones, check one (yours) before a run.")
@@ -43,9 +44,12 @@ def list_command() -> None:
 )
 @click.option("--episodes", type=click.IntRange(1, 10_000), default=8, show_default=True)
 @click.option("--env-options", default=None, help="the environment's options as JSON, e.g. '{\"tries\": 2}'")
-@click.option("--max-turns", type=click.IntRange(1, 1000), default=8, show_default=True)
-@click.option("--max-tokens-per-turn", type=click.IntRange(1), default=256, show_default=True)
-@click.option("--max-total-tokens", type=click.IntRange(1), default=2048, show_default=True)
+# The budgets' bounds are the services' (runtime/episode_settings.py); the defaults are a check's.
+@click.option("--max-turns", type=click.IntRange(*bounds("max_turns")), default=8, show_default=True)
+@click.option("--max-tokens-per-turn", type=click.IntRange(*bounds("max_tokens_per_turn")), default=256,
+              show_default=True)  # fmt: skip
+@click.option("--max-total-tokens", type=click.IntRange(*bounds("max_total_tokens")), default=2048,
+              show_default=True)  # fmt: skip
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 def check_command(spec, model, tasks_file, episodes, env_options, max_turns, max_tokens_per_turn,
                   max_total_tokens, seed) -> None:  # fmt: skip

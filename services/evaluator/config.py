@@ -11,56 +11,32 @@ import re
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from runtime.engines.options import check_engine_options
 from runtime.envs.choice import EnvChoice
+from runtime.episode_settings import EpisodeTuning, with_default
 from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
 from spopp.fields import Seed
 from spopp.run_binding import RunBinding
-from spopp.settings import Settings, SettingsGroup
+from spopp.settings import Settings
 from spopp.snapshots import HOLDER_PATTERN
 
 
-class EpisodeTuning(SettingsGroup):
-    """How episodes are played: shared by the evaluator and `spopp prior`, which play like the replicas."""
+class EvaluatorEpisodes(EpisodeTuning):
+    """How the evaluator and `spopp prior` play episodes: as the replicas do (runtime/episode_settings.py),
+    by default on the transformers engine and with more episodes in flight (held-out tasks are all known
+    at once)."""
 
-    engine: Literal["transformers", "vllm"] = Field(
-        "transformers", description="generation engine (transformers: CPU unless engine_options.device)"
-    )
-    engine_options: dict = Field(
-        default_factory=dict,
-        description="extra engine arguments, a mapping: {device: cuda:1} (transformers), "
-        "{gpu_memory_utilization: 0.8} (vllm)",
-    )
-
-    @field_validator("engine_options")
-    @classmethod
-    def _engine_options(cls, v: dict) -> dict:
-        return check_engine_options(v)
-
-    lora_rank: int = Field(
-        0,
-        ge=0,
-        le=1024,
-        description="the learner's LoRA rank when it publishes adapters (vLLM sizes its adapter buffers "
-        "at start-up); 0: full-weight snapshots",
-    )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass of the sampled episodes")
-    max_turns: int = Field(8, ge=1, le=1000, description="model turns per episode")
-    max_tokens_per_turn: int = Field(1024, ge=1, le=1_000_000, description="tokens per model turn")
-    max_total_tokens: int = Field(
-        4096, ge=1, le=10_000_000, description="tokens per episode, prompt included"
-    )
-    concurrency: int = Field(32, ge=1, le=4096, description="episodes in flight on the engine")
+    engine: Literal["vllm", "transformers"] = with_default("engine", "transformers")
+    concurrency: int = with_default("concurrency", 32)
 
 
-class EpisodeSettings(EpisodeTuning, EnvChoice, Settings):
+class EpisodeSettings(EvaluatorEpisodes, EnvChoice, Settings):
     """The episode settings of a command of its own (`spopp prior`)."""
 
 
-class EvaluatorTuning(EpisodeTuning, ClaimSettings, HttpServerSettings):
+class EvaluatorTuning(EvaluatorEpisodes, ClaimSettings, HttpServerSettings):
     """What an evaluator's operator tunes: which versions, how episodes are played and sampled, its
     server and claim (also the `evaluator:` section of a launch file). ScoreSettings adds what it
     scores with (model, held-out tasks, environment, records), EvaluatorSettings the run it follows

@@ -24,7 +24,7 @@ from pathlib import Path
 from runtime.agent import prompts_over_budget
 from runtime.engines.base import Engine
 from runtime.envs.base import Task
-from runtime.episode import Budget, Episode
+from runtime.episode import Episode
 from spopp.priors import PriorFile, build_prior, write_prior
 
 from .config import ScoreSettings
@@ -122,7 +122,7 @@ def _check_prompts(s: PriorSettings, tasks: list[Task], tokenizer: object | None
             tokenizer = AutoTokenizer.from_pretrained(s.model)
         except Exception as exc:
             raise PriorError(f"model {s.model}: cannot load its tokenizer: {exc}") from None
-    budget = Budget(s.max_turns, s.max_tokens_per_turn, s.max_total_tokens)
+    budget = s.budget()
     too_long = prompts_over_budget(tasks, make_env, ChatRenderer(tokenizer), budget)
     if too_long:
         raise PriorError(

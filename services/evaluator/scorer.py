@@ -28,7 +28,7 @@ from runtime.chat import ChatRenderer
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs import env_factory
 from runtime.envs.base import Task, episode_seed
-from runtime.episode import Budget, Episode, within_context
+from runtime.episode import Episode, within_context
 from runtime.tasks import load_tasks
 
 from .config import ScoreSettings
@@ -110,7 +110,7 @@ class Scorer:
         self.engine = engine
         self.tasks = tasks
         self.make_env = env_factory(s.env, s.env_options)
-        self.budget = Budget(s.max_turns, s.max_tokens_per_turn, s.max_total_tokens)
+        self.budget = s.budget()
         self.renderer = ChatRenderer(engine.tokenizer)
         self.loaded: Path | None = model.resolve()
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from runtime.engines.options import check_engine_options
 from runtime.envs.choice import EnvChoice
+from runtime.episode_settings import EpisodeTuning
 from services.shell.http_settings import HttpServerSettings
 from spopp.claim_settings import ClaimSettings
 from spopp.fields import WorkerId
@@ -19,26 +19,14 @@ from spopp.run_binding import RunBinding
 from spopp.settings import Settings
 
 
-class RolloutTuning(ClaimSettings, HttpServerSettings):
-    """What a replica's operator tunes: engine, concurrency, draining, sampling, budgets per episode,
-    timings, its server and claim (also the `rollout:` section of a launch file). RolloutSettings
+class RolloutTuning(EpisodeTuning, ClaimSettings, HttpServerSettings):
+    """What a replica's operator tunes: how episodes are played (EpisodeTuning: engine, concurrency,
+    budgets per episode, declared once for every service that plays), draining, sampling, timings,
+    its server and claim (also the `rollout:` section of a launch file). RolloutSettings
     adds what binds it to a run: the run, tracker, learner, model, tasks, environment and name (the
     sampling seeds come from the run's seed and study at the tracker: spopp.streams)."""
 
-    engine: Literal["vllm", "transformers"] = Field("vllm", description="generation engine")
-    engine_options: dict = Field(
-        default_factory=dict,
-        description="extra engine arguments, a mapping: {max_model_len: 4096}; the transformers engine "
-        "runs in a process of its own unless {process: false}",
-    )
-
-    @field_validator("engine_options")
-    @classmethod
-    def _engine_options(cls, v: dict) -> dict:
-        return check_engine_options(v)
-
     task_seed: int = Field(0, ge=0, description="seed of the generated tasks")
-    concurrency: int = Field(8, ge=1, le=1024, description="episodes in flight on the engine")
     prefetch: int | None = Field(
         None,
         ge=0,
@@ -56,11 +44,7 @@ class RolloutTuning(ClaimSettings, HttpServerSettings):
         description="with the run's max_staleness k > 0, when new weights come in: between the turns "
         "of running episodes (each token's version is recorded), or once running episodes end",
     )
-    max_turns: int = Field(8, ge=1, le=1000, description="model turns per episode")
-    max_tokens_per_turn: int = Field(1024, ge=1, description="tokens per model turn")
-    max_total_tokens: int = Field(4096, ge=1, description="tokens per episode, prompt included")
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="sampling temperature (0: greedy)")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: int = Field(-1, ge=-1, description="top-k sampling (-1: off)")
     poll_seconds: float = Field(0.2, gt=0, le=60, description="wait between dispatches when no task is idle")
     renew_fraction: float = Field(0.33, gt=0, lt=1, description="renew a lease after this share of it")
@@ -80,13 +64,6 @@ class RolloutTuning(ClaimSettings, HttpServerSettings):
     )
     host: str = Field("127.0.0.1", description="address of this replica's /healthz and /metrics")
     port: int = Field(8200, ge=0, le=65535, description="port of /healthz and /metrics")
-    lora_rank: int = Field(
-        0,
-        ge=0,
-        le=1024,
-        description="the learner's LoRA rank when it publishes adapters (vLLM sizes its adapter buffers "
-        "at start-up); 0: full-weight snapshots",
-    )
 
     def engine_kwargs(self) -> dict:
         """Arguments of `make_engine` for this replica. The transformers engine gets a process of its

@@ -23,7 +23,7 @@ from runtime.chat import ChatRenderer
 from runtime.chat_endpoint import Endpoint
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Playable, Task, episode_seed
-from runtime.episode import Budget, Episode, within_context
+from runtime.episode import Episode, within_context
 from spopp.client import AsyncTrackerClient, TrackerError
 from spopp.retry import RetryPolicy
 from spopp.streams import sampling_seed
@@ -90,7 +90,7 @@ class Episodes:
         # /v1/chat/completions (serve.py adds the routes), or in-process from spopp's own client.
         self.endpoint = Endpoint()
         self._calls_over_chat: bool | None = None
-        self.budget = Budget(settings.max_turns, settings.max_tokens_per_turn, settings.max_total_tokens)
+        self.budget = settings.budget()
         self.sampling = SamplingConfig(
             max_tokens=settings.max_tokens_per_turn,
             temperature=settings.temperature,
