@@ -29,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from tools import demo
+from tools import demo, steps
 from tools.alfworld_cold_start import BUDGET as EPISODE_BUDGET
 from tools.alfworld_cold_start import ENV_OPTIONS
-from tools.demo import _run, _say
 
 BUDGET = {
     "max_turns": EPISODE_BUDGET.max_turns,
@@ -120,29 +119,31 @@ def main(argv: list[str] | None = None) -> int:
     n_train, n_cold, n_held = (
         6 * size[k] for k in ("train_per_type", "cold_start_per_type", "heldout_per_type")
     )
-    _say(f"1/5 data: {n_train} training, {n_cold} cold-start and {n_held} held-out ALFWorld games")
+    steps.say(f"1/5 data: {n_train} training, {n_cold} cold-start and {n_held} held-out ALFWorld games")
     t = time.monotonic()
     if not (data / "heldout.jsonl").is_file():
         data.mkdir(parents=True, exist_ok=True)
         counts = make_data(data, size, a.data_seed)
-        _say(
+        steps.say(
             f"   wrote {counts['train']} + {counts['cold-start']} + {counts['heldout']} games under {data / 'games'}"
         )
     stages["data"] = time.monotonic() - t
 
-    _say(
+    steps.say(
         f"2/5 cold start: {size['teacher_episodes']} teacher episodes per game, "
         f"{size['cold_start_steps']} supervised steps"
     )  # fmt: skip
     t = time.monotonic()
     if not (out / "cold-start" / "cold_start.json").is_file():
-        _run([sys.executable, "-m", "tools.alfworld_cold_start", "--tasks", str(data / "cold-start.jsonl"),
+        steps.run([sys.executable, "-m", "tools.alfworld_cold_start", "--tasks", str(data / "cold-start.jsonl"),
               "--out", str(out / "cold-start"), "--seed", str(a.data_seed),
               "--episodes-per-task", str(size["teacher_episodes"]), "--steps", str(size["cold_start_steps"]),
               "--traces", str(data / "teacher-traces.json"), "--log-every", "100"])  # fmt: skip
     stages["cold start"] = time.monotonic() - t
 
-    _say(f"3/5 prior: {size['prior_rollouts']} rollouts per training game with the cold-start policy, mass 8")
+    steps.say(
+        f"3/5 prior: {size['prior_rollouts']} rollouts per training game with the cold-start policy, mass 8"
+    )
     t = time.monotonic()
     if not (out / "prior.json").is_file():
         demo.make_prior(out, env="alfworld", rollouts=size["prior_rollouts"], concurrency=32, seed=a.data_seed,
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         return code
     stages["runs and report"] = time.monotonic() - t
-    _say("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()))
+    steps.say("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()))
     demo.finish(out, t0)
     return 0
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import yaml
 
+from tools import steps
+
 # One episode: the toy model has 128 positions; a task needs at most 3 turns (tool, answer).
 BUDGET = {"max_turns": 3, "max_tokens_per_turn": 32, "max_total_tokens": 128}
 
@@ -49,17 +51,6 @@ TINY = {
     "cold_start_steps": 60, "n_train": 32, "n_heldout": 16, "max_updates": 4, "eval_every": 2,
     "eval_samples": 2, "batch_size": 8, "seeds": "0",
 }  # fmt: skip
-
-
-def _say(text: str) -> None:
-    print(f"[demo {time.strftime('%H:%M:%S')}] {text}", flush=True)
-
-
-def _run(args: list[str]) -> None:
-    _say("$ " + " ".join(args[2:] if args[:2] == [sys.executable, "-m"] else args))
-    code = subprocess.run(args).returncode
-    if code != 0:
-        raise SystemExit(f"demo: `{' '.join(args)}` failed with exit code {code}")
 
 
 def base_config(out: Path, size: dict, wandb: bool) -> dict:
@@ -141,7 +132,7 @@ def begin(a: argparse.Namespace, full: dict, quick: dict, tiny: dict) -> tuple[d
 def make_prior(out: Path, *, env: str, rollouts: int, concurrency: int, seed: int, budget: dict,
                extra: tuple[str, ...] = ()) -> None:  # fmt: skip
     """`spopp prior` with the cold-start policy on the training tasks, Jeffreys mass 8, into out/prior.json."""
-    _run([sys.executable, "-m", "services.cli", "prior", "--model", str(out / "cold-start"),
+    steps.run([sys.executable, "-m", "services.cli", "prior", "--model", str(out / "cold-start"),
           "--tasks", str(out / "data" / "train.jsonl"), "--out", str(out / "prior.json"),
           "--env", env, *extra, "--engine", "transformers", "--rollouts", str(rollouts), "--prior-mass", "8",
           "--concurrency", str(concurrency), "--seed", str(seed),
@@ -152,18 +143,18 @@ def run_and_report(out: Path, config: dict, *, seeds: str, ablate: bool, max_upd
     """Stages 4 and 5: `spopp ablate` over the arms and seeds with `config`, then the learning check."""
     arms = "spo,spopp-trajnorm,spopp" if ablate else "spo,spopp"
     n_runs = len(arms.split(",")) * len(seeds.split(","))
-    _say(f"4/5 runs: {n_runs} runs ({arms} x seeds {seeds}), {max_updates} updates each")
+    steps.say(f"4/5 runs: {n_runs} runs ({arms} x seeds {seeds}), {max_updates} updates each")
     path = out / "launch.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     code = subprocess.run([sys.executable, "-m", "services.cli", "ablate", str(path), "--seeds", seeds,
                            "--arms", arms, "--out", str(out)]).returncode  # fmt: skip
     if code != 0:
-        _say(f"the runs stopped with exit code {code}; run the same command again to resume")
+        steps.say(f"the runs stopped with exit code {code}; run the same command again to resume")
         return code
-    _say("5/5 report (printed above by `spopp report`)")
+    steps.say("5/5 report (printed above by `spopp report`)")
     report = json.loads((out / "report.json").read_text())
     for line in learning_check(report):
-        _say(line)
+        steps.say(line)
     return 0
 
 
@@ -174,7 +165,7 @@ def prepare(
     of `max_positions`, or a copy of `cold_start`, a folder trained already), the prior."""
     from runtime.envs.toy_calc import write_toy_calc_tasks
 
-    _say(f"1/5 data: {size['n_train']} training and {size['n_heldout']} held-out toy-calc tasks")
+    steps.say(f"1/5 data: {size['n_train']} training and {size['n_heldout']} held-out toy-calc tasks")
     if not (out / "data" / "heldout.jsonl").is_file():
         write_toy_calc_tasks(
             out / "data", seed=data_seed, n_train=size["n_train"], n_heldout=size["n_heldout"]
@@ -183,13 +174,13 @@ def prepare(
     if cold_start is not None:
         copy_cold_start(cold_start, out / "cold-start", max_positions)
     else:
-        _say(f"2/5 cold start: {size['cold_start_steps']} supervised steps on imperfect teacher traces")
+        steps.say(f"2/5 cold start: {size['cold_start_steps']} supervised steps on imperfect teacher traces")
     if not (out / "cold-start" / "cold_start.json").is_file():
-        _run([sys.executable, "-m", "tools.cold_start", "--out", str(out / "cold-start"), "--seed", str(data_seed),
+        steps.run([sys.executable, "-m", "tools.cold_start", "--out", str(out / "cold-start"), "--seed", str(data_seed),
               "--steps", str(size["cold_start_steps"]), "--eval-tasks", "0", "--log-every", "250",
               "--max-positions", str(max_positions)])  # fmt: skip
 
-    _say("3/5 prior: 8 rollouts per training task with the cold-start policy, Jeffreys mass 8")
+    steps.say("3/5 prior: 8 rollouts per training task with the cold-start policy, Jeffreys mass 8")
     if not (out / "prior.json").is_file():
         make_prior(out, env="toy-calc", rollouts=8, concurrency=64, seed=data_seed, budget=BUDGET)
 
@@ -209,13 +200,13 @@ def copy_cold_start(source: Path, target: Path, max_positions: int) -> None:
             f"demo: --cold-start {source}: {positions} positions, the episodes need {max_positions}"
         )
     report = json.loads((source / "cold_start.json").read_text())
-    _say(f"2/5 cold start: copied from {source} ({report['steps']} steps trained there)")
+    steps.say(f"2/5 cold start: copied from {source} ({report['steps']} steps trained there)")
     shutil.copytree(source, target.with_name(target.name + ".copying"), dirs_exist_ok=True)
     target.with_name(target.name + ".copying").rename(target)
 
 
 def finish(out: Path, t0: float) -> None:
-    _say(f"done in {time.monotonic() - t0:.0f} s")
+    steps.say(f"done in {time.monotonic() - t0:.0f} s")
     print(f"demo output: {out}")
     print(f"  {out / 'report.md'}\n  {out / 'report.json'}\n  {out / 'curves.png'}")
 
@@ -233,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare(out, size, a.data_seed, cold_start=a.cold_start)
     config = base_config(out, size, a.wandb)
     if a.lora:
-        _say(f"LoRA: rank {a.lora} adapters on every linear layer, alpha {2 * a.lora}, lr {LORA_LR}")
+        steps.say(f"LoRA: rank {a.lora} adapters on every linear layer, alpha {2 * a.lora}, lr {LORA_LR}")
         config["learner"].update(lora_rank=a.lora, lora_alpha=2.0 * a.lora, lr=LORA_LR)
     code = run_and_report(out, config, seeds=seeds, ablate=a.ablate, max_updates=size["max_updates"])
     if code == 0:

