@@ -177,8 +177,8 @@ demo-alfworld-quick: setup
 # ruff, then the import contracts in pyproject.toml ([tool.importlinter]), then every relative link
 # and #anchor of the markdown (README.md, docs/, deploy/README.md, BENCHMARKS.md; no network).
 lint: setup
-	$(VENV)/bin/ruff check spopp runtime services tools tests bench examples
-	$(VENV)/bin/ruff format --check spopp runtime services tools tests bench examples
+	$(VENV)/bin/ruff check spopp runtime services tools tests bench examples deploy
+	$(VENV)/bin/ruff format --check spopp runtime services tools tests bench examples deploy
 	$(VENV)/bin/lint-imports
 	$(PY) -m tools.check_links
 	$(PY) -m tools.check_layout

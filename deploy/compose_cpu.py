@@ -634,7 +634,7 @@ def finished_lines(compose: list[str], env: dict) -> list[str]:
     return [last[k] for k in sorted(last)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=2, help="rollout replicas (docker compose --scale)")
     p.add_argument("--max-updates", type=int, default=6, help="learner updates of the run")
@@ -645,31 +645,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill", default="", help="services to SIGKILL one container of at policy version 2 "
                    "(comma-separated: tracker,learner,rollout,evaluator); each must be restarted by its "
                    "restart policy and the run must still end at --max-updates with every dispatch accounted for")  # fmt: skip
-    a = p.parse_args(argv)
-    if a.replicas < 1 or a.max_updates < 1:
-        p.error("--replicas and --max-updates must be at least 1")
-    # As compose reads them: the shell's variables win over the file's (SPOPP_LORA_RANK=8 make
-    # compose-cpu, another SPOPP_RUN or COMPOSE_PROJECT_NAME), so the checks below follow them too.
-    environ = dict(os.environ)
-    if a.flavour == "gpu":  # the GPU images, in a project (and volumes) of their own
-        environ = {**GPU_IMAGES, **environ}
-    cfg = stack_settings(read_env(ENV_FILE), environ, a.max_updates)
-    t0 = time.monotonic()
-    docker = ensure_docker()
-    previous = STACK_FILE.read_text() if STACK_FILE.exists() else None
-    if not a.clean and previous is not None:
-        # Before anything is written or started: a command the run would refuse changes nothing.
-        why = refused_budget(read_env(STACK_FILE), cfg, has_volumes(cfg["COMPOSE_PROJECT_NAME"]))
-        if why:
-            raise SystemExit(f"compose-cpu: {why}; nothing was changed")
-    write_stack(cfg)
-    compose = [*docker, "--env-file", str(STACK_FILE), "--project-directory", str(ROOT),
-               "-f", str(ROOT / "docker-compose.yml"), "-p", cfg["COMPOSE_PROJECT_NAME"]]  # fmt: skip
-    env = compose_environ()
-    if a.clean:
-        sh([*compose, "down", "-v", "--remove-orphans"], env=env)
-        say("containers and volumes removed")
-        return 0
+    return p
+
+
+def _up(compose: list[str], env: dict, cfg: dict, a: argparse.Namespace, previous: str | None) -> dict | None:
+    """Build the images, start redis and the tracker, grow the run's budget, then every service
+    with a.replicas replicas; the run as the tracker had it before (None: a new one)."""
     if a.flavour == "gpu":
         ensure_ubuntu_base()
     else:
@@ -692,10 +673,12 @@ def main(argv: list[str] | None = None) -> int:
             "every service says so and exits without training; `make compose-clean` starts over")  # fmt: skip
     say(f"up: {a.replicas} replicas (--scale rollout={a.replicas}), max_updates {a.max_updates}")
     up(compose, env, "--scale", f"rollout={a.replicas}")
-    kill = [x.strip() for x in a.kill.split(",") if x.strip()]
-    unknown = sorted(set(kill) - {"tracker", "learner", "rollout", "evaluator", "redis"})
-    if unknown:
-        p.error(f"--kill: unknown service(s) {', '.join(unknown)}")
+    return before
+
+
+def _to_the_end(compose: list[str], env: dict, cfg: dict, a: argparse.Namespace, kill: list[str],
+                before: dict | None, t0: float) -> int:  # fmt: skip
+    """Wait for the run's end (killing what --kill names on the way), report it, stop the stack."""
     killed = wait_for_end(compose, env, cfg, a.replicas, a.timeout, kill)
     finished_before = bool(before and before.get("status") == "finished")
     for line in finished_lines(compose, env):
@@ -709,6 +692,41 @@ def main(argv: list[str] | None = None) -> int:
     say(f"{'run was finished already' if finished_before else 'run finished'} in "
         f"{time.monotonic() - t0:.0f} s; volumes kept (make compose-clean removes them)")  # fmt: skip
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.replicas < 1 or a.max_updates < 1:
+        p.error("--replicas and --max-updates must be at least 1")
+    kill = [x.strip() for x in a.kill.split(",") if x.strip()]
+    unknown = sorted(set(kill) - {"tracker", "learner", "rollout", "evaluator", "redis"})
+    if unknown:
+        p.error(f"--kill: unknown service(s) {', '.join(unknown)}")
+    # As compose reads them: the shell's variables win over the file's (SPOPP_LORA_RANK=8 make
+    # compose-cpu, another SPOPP_RUN or COMPOSE_PROJECT_NAME), so the checks below follow them too.
+    environ = dict(os.environ)
+    if a.flavour == "gpu":  # the GPU images, in a project (and volumes) of their own
+        environ = {**GPU_IMAGES, **environ}
+    cfg = stack_settings(read_env(ENV_FILE), environ, a.max_updates)
+    t0 = time.monotonic()
+    docker = ensure_docker()
+    previous = STACK_FILE.read_text() if STACK_FILE.exists() else None
+    if not a.clean and previous is not None:
+        # Before anything is written or started: a command the run would refuse changes nothing.
+        why = refused_budget(read_env(STACK_FILE), cfg, has_volumes(cfg["COMPOSE_PROJECT_NAME"]))
+        if why:
+            raise SystemExit(f"compose-cpu: {why}; nothing was changed")
+    write_stack(cfg)
+    compose = [*docker, "--env-file", str(STACK_FILE), "--project-directory", str(ROOT),
+               "-f", str(ROOT / "docker-compose.yml"), "-p", cfg["COMPOSE_PROJECT_NAME"]]  # fmt: skip
+    env = compose_environ()
+    if a.clean:
+        sh([*compose, "down", "-v", "--remove-orphans"], env=env)
+        say("containers and volumes removed")
+        return 0
+    before = _up(compose, env, cfg, a, previous)
+    return _to_the_end(compose, env, cfg, a, kill, before, t0)
 
 
 if __name__ == "__main__":

