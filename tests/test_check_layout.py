@@ -127,3 +127,19 @@ def test_tools_is_a_listed_package_and_deploys_scripts_are_held_to_the_size_rule
         "tools: a package that layout.toml does not list: add it with its role",
         "deploy/up.py:1: main has 6 code lines (at most 5)",
     ]
+
+
+def test_a_folder_of_scripts_keeps_its_import_rules(tmp_path):
+    layout = (
+        LAYOUT
+        + '\n[scripts.deploy]\nrole = "d"\nstdlib_only = ["host.py", "gone.py"]\nforbid = ["services"]\n'
+    )
+    root = _tree(tmp_path, {
+        "deploy/host.py": "import json\nimport yaml\nimport step\n",  # step: a sibling script
+        "deploy/step.py": "from services.launch import run\nfrom spopp import stats\n",
+    }, layout)  # fmt: skip
+    assert check_layout.check(root) == [
+        "deploy/host.py: runs under the host's python3 but imports yaml",
+        "deploy/gone.py: listed as stdlib_only in layout.toml but not there",
+        "deploy/step.py: imports services, which deploy/ may not",
+    ]

@@ -11,6 +11,8 @@ Checks, each failure one line naming the file or package and the bound:
   is floor n + 1), and no two of them import each other round a circle;
 - no function (deploy/'s scripts included) has more than `function_code_lines` code lines, and no
   class under runtime/engines more than `engine_class_lines` lines;
+- a folder of scripts (`[scripts.<folder>]`): its `stdlib_only` files import the standard library
+  and their siblings alone, and none of its files imports a top-level package `forbid` names;
 - every file a package's `start` names exists, and docs/development.md's map of the house (between
   its two markers) is the one this file draws from layout.toml (`--write-map` redraws it).
 Imports are read from the source (every import statement, TYPE_CHECKING ones included: a reader
@@ -183,14 +185,14 @@ def check_package(root: Path, name: str, entry: dict) -> list[str]:
     return problems
 
 
-def house_map(listed: dict[str, dict]) -> str:
-    """The map of the house: one row a package, in the order of its folders, with what it holds and
-    where a newcomer starts reading it."""
+def house_map(listed: dict[str, dict], scripts: dict[str, dict] | None = None) -> str:
+    """The map of the house: one row a package (and a folder of scripts), in the order of their
+    folders, with what it holds and where a newcomer starts reading it."""
     rows = ["| folder | what it holds | start at |", "|---|---|---|"]
-    for name in sorted(listed, key=lambda n: n.split(".")):
-        entry = listed[name]
-        folder = name.replace(".", "/") + "/"
-        rows.append(f"| `{folder}` | {entry.get('role', '')} | {entry.get('start', '–')} |")
+    folders = {name.replace(".", "/"): entry for name, entry in {**listed, **(scripts or {})}.items()}
+    for folder in sorted(folders, key=lambda f: f.split("/")):
+        entry = folders[folder]
+        rows.append(f"| `{folder}/` | {entry.get('role', '')} | {entry.get('start', '–')} |")
     return "\n".join(rows)
 
 
@@ -213,7 +215,7 @@ def _map_section(text: str) -> tuple[int, int] | None:
     return begin + len(MAP_BEGIN), end
 
 
-def check_map(root: Path, listed: dict[str, dict]) -> list[str]:
+def check_map(root: Path, listed: dict[str, dict], scripts: dict[str, dict]) -> list[str]:
     """The doc's map is the one drawn from layout.toml (a tree without the doc has none to check)."""
     doc = root / MAP_DOC
     if not doc.is_file():
@@ -222,7 +224,7 @@ def check_map(root: Path, listed: dict[str, dict]) -> list[str]:
     span = _map_section(text)
     if span is None:
         return [f"{MAP_DOC}: no map of the house (its markers are gone): put them back and --write-map"]
-    if text[span[0] : span[1]].strip() != house_map(listed):
+    if text[span[0] : span[1]].strip() != house_map(listed, scripts):
         return [
             f"{MAP_DOC}: the map of the house differs from {LAYOUT}: python -m tools.check_layout --write-map"
         ]
@@ -236,8 +238,47 @@ def write_map(root: Path) -> None:
     span = _map_section(text)
     if span is None:
         raise ValueError(f"{doc}: no markers {MAP_BEGIN!r} ... {MAP_END!r}")
-    listed = tomllib.loads((root / LAYOUT).read_text()).get("packages", {})
-    doc.write_text(text[: span[0]] + "\n" + house_map(listed) + "\n" + text[span[1] :])
+    layout = tomllib.loads((root / LAYOUT).read_text())
+    drawn = house_map(layout.get("packages", {}), layout.get("scripts", {}))
+    doc.write_text(text[: span[0]] + "\n" + drawn + "\n" + text[span[1] :])
+
+
+def _imported(path: Path) -> set[str]:
+    """The top-level names of the modules a file imports (relative imports left out)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def check_scripts(root: Path, scripts: dict[str, dict]) -> list[str]:
+    """A folder of scripts (not a package, so no import contract reaches it): its `stdlib_only`
+    files import the standard library and their sibling scripts alone (they run under the host's
+    python3, without the project's environment); no file of it imports what `forbid` names."""
+    problems = []
+    for folder, entry in sorted(scripts.items()):
+        base = root / folder
+        for name in entry.get("stdlib_only", []):
+            path = base / name
+            if not path.is_file():
+                problems.append(f"{folder}/{name}: listed as stdlib_only in {LAYOUT} but not there")
+                continue
+            siblings = {p.stem for p in path.parent.glob("*.py")}
+            extra = sorted(_imported(path) - set(sys.stdlib_module_names) - siblings - {"__future__"})
+            if extra:
+                problems.append(
+                    f"{folder}/{name}: runs under the host's python3 but imports {', '.join(extra)}"
+                )
+        forbid = set(entry.get("forbid", []))
+        for path in sorted(base.rglob("*.py")):
+            if bad := sorted(_imported(path) & forbid):
+                problems.append(
+                    f"{path.relative_to(root)}: imports {', '.join(bad)}, which {folder}/ may not"
+                )
+    return problems
 
 
 def check(root: Path) -> list[str]:
@@ -259,7 +300,10 @@ def check(root: Path) -> list[str]:
     for name, entry in sorted(listed.items()):
         if name in found:
             problems += check_package(root, name, entry)
-    problems += _starts(root, listed) + check_map(root, listed)
+    scripts = layout.get("scripts", {})
+    problems += (
+        _starts(root, {**listed, **scripts}) + check_map(root, listed, scripts) + check_scripts(root, scripts)
+    )
     return problems + check_sizes(root, layout["limits"])
 
 
