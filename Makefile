@@ -160,7 +160,7 @@ map: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m tools.map --out map-out $(if $(SEEDS),--seeds "$(shell echo $(SEEDS) | tr ' ' ',')")
 
 # The published map (docs/map/map.json, committed) redrawn: docs/map/map.md, map.png and the map
-# section of docs/results.md. tests/test_published.py checks that what is committed is this drawing.
+# section of docs/results.md. tests/docs/test_published.py checks that what is committed is this drawing.
 map-render: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m services.cli map --render docs/map/ --page docs/results.md
 

@@ -100,7 +100,7 @@ GPU = Setup(
 )  # fmt: skip
 # Two cases cover both stages and both checkpointing paths; fp32, since bf16 matmuls on a CPU without
 # bf16 units are emulated and slow, and the code path is the same (DeepSpeed's bf16 optimizer is
-# covered by tests/test_learner_update.py).
+# covered by tests/learner/test_learner_update.py).
 CPU_SMOKE = Setup(
     device="cpu", dtype="fp32", batch=8, budget=1024, repeats=1, matmul=256,
     cases=((False, 2, True, "off", False), (True, 3, False, "off", True)),

@@ -19,7 +19,7 @@ never parses special-token text) and the whole string is encoded in one pass, th
 back to the special tokens' ids. One pass splits the text exactly where the tokenizer itself does,
 so ordinary contents encode exactly as the whole rendered string would, seams included (checked
 token for token on toy-calc's, the ALFWorld demo's, the tiny model's and SmolLM2's tokenizers in
-tests/test_chat_render.py). Added tokens that are not special (toy-calc's `<code>`, `<out>`) are
+tests/runtime/test_chat_render.py). Added tokens that are not special (toy-calc's `<code>`, `<out>`) are
 vocabulary words and still match inside contents. A tokenizer without a Rust backend encodes the
 text between the template's special tokens piece by piece instead (its own flag skips every added
 token, special or not, inside contents).

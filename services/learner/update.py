@@ -13,7 +13,7 @@ divides the loss by its configured gradient_accumulation_steps (whatever number 
 a step really has: run_update marks each step's boundary itself), and the reduction across ranks divides by
 world_size. The loss handed to engine.backward is therefore multiplied by
 world_size * gradient_accumulation_steps, which turns both averages back into sums (checked
-against a single-process PyTorch reference in tests/test_learner_update.py). Gradient clipping
+against a single-process PyTorch reference in tests/learner/test_learner_update.py). Gradient clipping
 then sees the true mini-batch gradient, as in the reference.
 
 old_logp (the learner's log-probs before this update) is computed for all of this rank's

@@ -8,7 +8,7 @@ first names the report.json it is drawn from, relative to the repository's root:
     <!-- report:end -->
 
 `render_page` redraws every such section from its file, so a published number is always the
-rendering of committed data; tests/test_published.py checks that each page is its own rendering.
+rendering of committed data; tests/docs/test_published.py checks that each page is its own rendering.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ MB each) and the CPUs, and the tier's time is what a GPU session is short of.
 
 Each run must finish its budget, its held-out reward must rise, and each of its services must say
 that it computes on CUDA: the learner's start-up line names its device and the NCCL process
-group, the replica's and the evaluator's their engine's device (tests/test_device_report.py checks
+group, the replica's and the evaluator's their engine's device (tests/rollout/test_device_report.py checks
 the same lines and /healthz bodies say `cpu` on a CPU). The LoRA run must publish adapter-only
 snapshots, which the replica and the evaluator swap into their CUDA engines in place.
 """

@@ -1,5 +1,5 @@
 """The GPU tier (`make test-gpu`): the learner's CUDA path against the plain-PyTorch references of
-the CPU tests (tests/test_learner_update.py), computed on the GPU itself and on the CPU.
+the CPU tests (tests/learner/test_learner_update.py), computed on the GPU itself and on the CPU.
 
 Collected only when SPOPP_GPU_TIER=1 (tests/conftest.py); `make test-gpu` sets it after checking
 that torch sees a CUDA GPU, and otherwise says so in one line and stops. What runs: NCCL as the
@@ -117,7 +117,7 @@ def test_the_process_group_is_nccl_on_cuda():
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_liger_keeps_what_the_plan_says_on_cuda(dtype, monkeypatch):
     """The plan's liger figures (services/learner/memory_plan.py) against the bytes liger's own
-    kernels keep for backward, as tests/test_learner_memory_plan.py checks its stand-ins on the
+    kernels keep for backward, as tests/learner/test_learner_memory_plan.py checks its stand-ins on the
     CPU: within 10%."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.qwen3 import modeling_qwen3
@@ -129,7 +129,7 @@ def test_liger_keeps_what_the_plan_says_on_cuda(dtype, monkeypatch):
     # liger patches the family's classes too: put them back for the tests after this one.
     for name in ("Qwen3RMSNorm", "Qwen3MLP", "apply_rotary_pos_emb"):
         monkeypatch.setattr(modeling_qwen3, name, getattr(modeling_qwen3, name))
-    # One of tests/test_learner_memory_plan.py's shapes (that module needs click, which the GPU
+    # One of tests/learner/test_learner_memory_plan.py's shapes (that module needs click, which the GPU
     # machine may lack).
     config = {
         "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,

@@ -64,14 +64,14 @@ EPS = torch.finfo(torch.float32).eps  # 2^-23: fp32's spacing at 1, twice its un
 
 # One update of B = 8 as one mini-batch of two micro-batches of 4 (the second backward adds to the
 # first's gradients, which is where optimizer offload shows) and one AdamW step. The optimizer
-# settings are the CPU equality tests' (tests/test_learner_update.py); clipping binds.
+# settings are the CPU equality tests' (tests/learner/test_learner_update.py); clipping binds.
 CFG = {
     "lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "adam_eps": 1e-6, "grad_clip": 0.3,
     "dual_clip": 2.0, "seed": 0, "batch_size": 8, "mini_batches": 1, "micro_batch_size": 4,
 }  # fmt: skip
 
 # A saving must reach 3/4 of what the sizes predict. The activation formula was checked against what
-# autograd keeps to within 10% (tests/test_learner_memory_plan.py); the rest is room for what the formula
+# autograd keeps to within 10% (tests/learner/test_learner_memory_plan.py); the rest is room for what the formula
 # leaves out on CUDA (kernels' workspaces, the allocator's 512-byte rounding, a parameter's gradient
 # in flight to the CPU, ZeRO 3's gathered working set). A setting that does not act saves ~0.
 MOST = 0.75
