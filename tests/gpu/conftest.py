@@ -1,4 +1,5 @@
-"""The GPU tier's setup: the CPU tests' helpers (tests/) are importable from here, and what the
+"""The GPU tier's setup: the CPU tests' helpers (tests/) and the learner's equality tests
+(tests/learner/test_learner_update.py, whose references the tier reruns on CUDA) are importable from here, and what the
 tier measures (peak memory against what the model's sizes predict, a launched run's rewards and
 devices) is printed at the end of the run, passed or not, through the `gpu_report` fixture."""
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner"))
 
 # test_memory_gpu.py asks for torch's deterministic kernels; cuBLAS is deterministic only with a
 # fixed workspace per stream, which it reads when its first handle is made, so before any CUDA work.
