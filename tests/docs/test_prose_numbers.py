@@ -582,7 +582,25 @@ def _liger_layer_share() -> tuple[str, ...]:
     return tuple(shares)
 
 
+SMOLLM2_STUDY = "docs/results/smollm2-study/README.md"
+
+
+def _design1_last_points() -> tuple[str, ...]:
+    """The last online reward (learner/metrics.jsonl's last reward_mean) of design 1's two pilot runs."""
+    runs = RESULTS / "smollm2-study" / "design-1" / "out" / "pilot" / "runs"
+    last = []
+    for run in ("spo-s1000", "spopp-s1000"):
+        rows = [
+            json.loads(x) for x in (runs / run / "learner" / "metrics.jsonl").read_text().splitlines() if x
+        ]
+        assert [r["step"] for r in rows] == list(range(1, 9)), run  # the whole budget, 8 updates
+        last.append(rows[-1]["reward_mean"])
+    assert all(x >= 0.9 for x in last)  # "at or above the ceiling"
+    return tuple(f(x, ".4f") for x in last)
+
+
 CLAIMS: list[tuple[str, str, Callable[[], tuple[str, ...]]]] = [
+    (SMOLLM2_STUDY, "both runs ended their online curve at {} and {}, at or above", _design1_last_points),
     (README, "on the toy model no cell's difference survives Holm's correction over the {} cells", _no_cell_survives),
     (README, "rerun on one cell, the paired s.d. of Δ area fell from {} to {} points",
      lambda: (f(_crn("before")["delta_sd"], ".2f"), f(_crn("after")["delta_sd"], ".2f"))),
