@@ -135,11 +135,18 @@ def _refuse_design(req: Request, found: dict) -> list[dict]:
     return bad
 
 
-def _refuse_budget(req: Request, found: dict) -> float | None:
-    """The main runs' estimated seconds; StudyRefused when the budget left after the pilot cannot pay."""
+def _main_seconds(req: Request, found: dict) -> float | None:
+    """The main runs' estimated seconds: n pairs of every arm at the pilot's mean run time."""
     if found["mean_run_s"] is None:
         return None
-    need = found["n"] * len(req.arms) * found["mean_run_s"]
+    return found["n"] * len(req.arms) * found["mean_run_s"]
+
+
+def _refuse_budget(req: Request, found: dict) -> float | None:
+    """The main runs' estimated seconds; StudyRefused when the budget left after the pilot cannot pay."""
+    need = _main_seconds(req, found)
+    if need is None:
+        return None
     if req.budget_s is not None and need > req.budget_s - found["pilot_s"]:
         left = max(0.0, req.budget_s - found["pilot_s"])
         affordable = int(left // (len(req.arms) * found["mean_run_s"]))
@@ -268,9 +275,8 @@ def refusal(req: Request, found: dict, why: str, pilot: list[RunMeasures]) -> di
     """study.json of a study refused after its pilot: why, the pilot's numbers (found by
     pilot_design), the n a study that can answer needs, the hours it would take at the pilot's
     run time, and the sentences generated from them."""
-    need_h = None
-    if found["mean_run_s"] is not None:
-        need_h = (found["n"] * len(req.arms) * found["mean_run_s"] + found["pilot_s"]) / 3600
+    need = _main_seconds(req, found)
+    need_h = None if need is None else (need + found["pilot_s"]) / 3600
     bad = [c["name"] for c in found["checks"] if not c["ok"]]
     return {
         "status": "refused", "refusal": why,
@@ -280,7 +286,7 @@ def refusal(req: Request, found: dict, why: str, pilot: list[RunMeasures]) -> di
         "design": found, "forced": bad if req.force else [], "needed_hours": need_h,
         "conclusions": conclusions.refused(found, req.effect, req.arms, need_h),
         "pilot_runs": [_run_row(r) for r in pilot],
-        "machine_hours": math.fsum(r.seconds or 0.0 for r in pilot) / 3600,
+        "machine_hours": found["pilot_s"] / 3600,
         "code": provenance.agree({f"pilot/{r.folder.name}": r.code for r in pilot}),
     }  # fmt: skip
 
