@@ -101,13 +101,14 @@ def alfworld_like_batch(vocab: int, n: int, seed: int = 0):
 
 def median_update_s(engine, trajs, adv, cfg, repeats: int) -> float:
     """Seconds of one run_update: the median of `repeats` after a warm-up."""
+    from services.learner.backend import DeepSpeedBackend
     from services.learner.update import run_update
 
-    run_update(engine, trajs, adv, cfg)  # warm-up
+    run_update(DeepSpeedBackend(engine), trajs, adv, cfg)  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        run_update(engine, trajs, adv, cfg)
+        run_update(DeepSpeedBackend(engine), trajs, adv, cfg)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -236,6 +236,7 @@ def learner_case(
     config: dict, setup: Setup, zero: int, ckpt: bool, trajs, adv, profile: bool = False,
     packing: bool = True, liger: str = "off", persist: bool = False,
 ) -> dict:  # fmt: skip
+    from services.learner.backend import DeepSpeedBackend
     from services.learner.deepspeed_engine import release_engine
     from services.learner.update import run_update
 
@@ -243,8 +244,12 @@ def learner_case(
     base = memory_start(setup)
     engine = learner_engine(config, setup, cfg)
     try:
-        seconds, peak = timed(setup, lambda: run_update(engine, trajs, adv, cfg), base)
-        top = profiled(setup, lambda: run_update(engine, trajs, adv, cfg)) if profile else None
+        seconds, peak = timed(setup, lambda: run_update(DeepSpeedBackend(engine), trajs, adv, cfg), base)
+        top = (
+            profiled(setup, lambda: run_update(DeepSpeedBackend(engine), trajs, adv, cfg))
+            if profile
+            else None
+        )
     finally:
         release_engine(engine)
     return {"seconds": seconds, "peak": peak, "profile": top}

@@ -142,6 +142,7 @@ def _settings(model: Path, batch: int, micro: dict, packing: bool):
 
 def layouts(mixes: dict, repeats: int) -> dict:
     """Per mix: median seconds of one update, padded and packed, and the tokens each forwards."""
+    from services.learner.backend import DeepSpeedBackend
     from services.learner.batch import collate, pack_fill, plan_micro_batches
     from services.learner.deepspeed_engine import build_engine, release_engine
     from services.learner.update import run_update
@@ -161,11 +162,11 @@ def layouts(mixes: dict, repeats: int) -> dict:
         try:
             times: dict[str, list[float]] = {"padded": [], "packed": []}
             for cfg in cfgs.values():
-                run_update(engine, trajs, adv, cfg)  # warm-up
+                run_update(DeepSpeedBackend(engine), trajs, adv, cfg)  # warm-up
             for _ in range(repeats):
                 for layout, cfg in cfgs.items():
                     t0 = time.perf_counter()
-                    run_update(engine, trajs, adv, cfg)
+                    run_update(DeepSpeedBackend(engine), trajs, adv, cfg)
                     times[layout].append(time.perf_counter() - t0)
         finally:
             release_engine(engine)

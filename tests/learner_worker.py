@@ -103,6 +103,7 @@ def run_task(
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
+    from services.learner.backend import DeepSpeedBackend
     from services.learner.config import LearnerSettings
     from services.learner.deepspeed_engine import build_engine, release_engine
     from services.learner.snapshot import gather_state_dict, publish_snapshot
@@ -123,7 +124,7 @@ def run_task(
         )
 
     stats = run_update(
-        engine,
+        DeepSpeedBackend(engine),
         trajs,
         advantages,
         cfg,

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,16 +24,16 @@ import torch.distributed as dist
 from spopp.advantages import normalize_advantages
 from spopp.client import TrackerClient, TrackerError
 
-from .batch import collate, plan_micro_batches
+from .backend import DeepSpeedBackend
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import LearnerSettings
 from .deepspeed_engine import build_engine, init_distributed
 from .failpoints import failpoint
 from .ingest import IntakeLimits, TrajectoryBuffer, ingest_app
-from .logprobs import token_logprobs
 from .metrics import LearnerMetrics
 from .metrics_log import MetricsLog
 from .run_terms import adopt_run_terms
+from .scoring import sequence_logprobs
 from .snapshot import discard_unannounced, publish_snapshot
 from .spo import SpoDriftCache
 from .update import NonFiniteTrajectories, length_advantage_corr, run_update, staleness_stats
@@ -50,6 +50,17 @@ def _broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class Trained(NamedTuple):
+    """One update as _train made it."""
+
+    batch: list  # the trajectories trained on, in receipt order
+    raw: list[float]  # their advantages before normalization
+    lengths: list[int]  # their action tokens
+    waited: float  # seconds waited for the batch
+    dropped: int  # trajectories dropped before it for a non-finite loss term
+    stats: dict  # run_update's statistics
 
 
 class ResumeError(RuntimeError):
@@ -83,6 +94,7 @@ class Learner:
             version = run.policy_version
         self.cfg = cfg = _broadcast(cfg)
         self.engine, self.tokenizer = build_engine(cfg, cfg.model)
+        self.backend = DeepSpeedBackend(self.engine)  # what the PPO step (update.py) trains through
         # What DeepSpeed placed the model on (cuda:<local rank> with a GPU, else cpu): /healthz and
         # the start-up line say it, so a run meant for the GPU cannot train on the CPU unnoticed.
         self.device = str(self.engine.device)
@@ -269,34 +281,7 @@ class Learner:
 
     def _logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Token log-probs of whole sequences under the current weights (SPO's drift)."""
-        model = self.engine.module
-        out: list[list[float]] = [[] for _ in sequences]
-        if not sequences:
-            return []
-        lengths = [len(s) for s in sequences]
-        # The update's micro-batching and layout, on one rank and one mini-batch.
-        (chunks,) = plan_micro_batches(
-            lengths,
-            1,
-            1,
-            micro_batch_size=self.cfg.micro_batch_size,
-            micro_batch_tokens=self.cfg.micro_batch_tokens,
-            packing=self.cfg.packing,
-        )[0]
-        device = self.engine.device
-        with torch.no_grad():
-            for chunk in chunks:
-                b = collate(
-                    [_Sequence(sequences[j]) for j in chunk], [0.0] * len(chunk), packed=self.cfg.packing
-                )
-                lp = token_logprobs(
-                    model, b.input_ids.to(device), _on(b.attention_mask, device),
-                    position_ids=_on(b.position_ids, device),
-                ).cpu()  # fmt: skip
-                # Sequence j's log-probs, whichever the layout: the scored columns it owns.
-                for i, j in enumerate(chunk):
-                    out[j] = lp[b.loss_mask & (b.owners == i)].tolist()
-        return out
+        return sequence_logprobs(self.engine.module, self.engine.device, sequences, self.cfg)
 
     def _drop_nonfinite(self, batch: list, reasons: dict[int, str]) -> None:
         """Rank 0: the trajectories run_update screened out are dropped (logged, counted) and the
@@ -315,9 +300,8 @@ class Learner:
                 "the weights (a NaN or inf in the model), not the trajectories"
             )
 
-    def _train(self) -> tuple[list, list[float], list[int], float, int, dict]:
-        """The update on the next batch the screen lets through: (batch, raw advantages, action
-        tokens, seconds waited, trajectories dropped for a non-finite loss term, stats)."""
+    def _train(self) -> Trained:
+        """The update on the next batch the screen lets through."""
         waited, dropped, whole = 0.0, 0, 0
         while True:
             batch, values, w = self._next_batch()
@@ -328,7 +312,7 @@ class Learner:
                 torch.tensor(raw, dtype=torch.float64), torch.tensor(lengths), measure=self.cfg.normalization
             )
             try:
-                stats = run_update(self.engine, batch, adv.tolist(), self.cfg, version=self.version)
+                stats = run_update(self.backend, batch, adv.tolist(), self.cfg, version=self.version)
             except NonFiniteTrajectories as exc:  # raised before any step: nothing was trained
                 dropped += len(exc.reasons)
                 self._drop_nonfinite(batch, exc.reasons)
@@ -342,10 +326,11 @@ class Learner:
                         "model's weights are not finite (a NaN or inf), not the trajectories"
                     ) from exc
                 continue
-            return batch, raw, lengths, waited, dropped, stats
+            return Trained(batch, raw, lengths, waited, dropped, stats)
 
     def update_once(self) -> dict:
-        batch, raw, lengths, waited, dropped, stats = self._train()
+        trained = self._train()
+        batch, raw, lengths, stats = trained.batch, trained.raw, trained.lengths, trained.stats
         lags = [self.version - t.policy_version for t in batch]
         self.prometheus.observe_update(stats, lags)
         if self.spo is not None:
@@ -378,9 +363,9 @@ class Learner:
             else math.nan,
             advantage_raw_mean=sum(raw) / len(raw),
             length_advantage_corr=length_advantage_corr(lengths, raw),
-            batch_wait_s=waited,
+            batch_wait_s=trained.waited,
             # Trajectories dropped before this update for a non-finite loss term (replaced by later ones).
-            dropped_nonfinite=float(dropped),
+            dropped_nonfinite=float(trained.dropped),
             **staleness_stats(lags, self.cfg.max_staleness),
         )
         if self.step % self.cfg.updates_per_publish == 0:
@@ -447,17 +432,3 @@ class Learner:
             self.metrics.close()
         if self.tracker is not None:
             self.tracker.close()
-
-
-class _Sequence:
-    """A token sequence as collate reads a trajectory, every token after the first scored (so the
-    batch's loss_mask marks each log-prob the drift needs, in either layout)."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.token_ids = tokens
-        self.action_mask = [0] + [1] * (len(tokens) - 1)
-        self.rollout_logprobs = [0.0] * len(tokens)
-
-
-def _on(t: torch.Tensor | None, device: Any) -> torch.Tensor | None:
-    return None if t is None else t.to(device)

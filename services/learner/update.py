@@ -1,20 +1,17 @@
-"""One policy update: B trajectories, M optimizer steps, data-parallel over the ranks.
+"""One policy update, the PPO step: B trajectories, M optimizer steps, data-parallel over the ranks.
 
 Every rank holds all B trajectories (rank 0 broadcast them). The update is one epoch over M
 contiguous mini-batches; within a mini-batch each rank runs its share as micro-batches (by count
-or by a token budget: batch.plan_micro_batches) and DeepSpeed reduces the gradients across ranks
-before the step.
+or by a token budget: batch.plan_micro_batches). The step sees its engine only through a backend
+(backend.py: score a micro-batch, step over a mini-batch's micro-batches given each one's loss, add
+up across ranks); how DeepSpeed averages and where its boundaries fall is the backend's concern.
 
 Target gradient per mini-batch: grad of sum over its action tokens of the per-token loss, divided
-by N = the action tokens of the WHOLE mini-batch (all ranks). Each micro-batch's loss is already
-its token-sum / N (policy_loss with token_count=N), so summing micro-batch gradients over
-micro-batches and ranks gives exactly the target. DeepSpeed instead averages: engine.backward
-divides the loss by its configured gradient_accumulation_steps (whatever number of micro-batches
-a step really has: run_update marks each step's boundary itself), and the reduction across ranks divides by
-world_size. The loss handed to engine.backward is therefore multiplied by
-world_size * gradient_accumulation_steps, which turns both averages back into sums (checked
-against a single-process PyTorch reference in tests/learner/test_learner_update.py). Gradient clipping
-then sees the true mini-batch gradient, as in the reference.
+by N = the action tokens of the WHOLE mini-batch (all ranks). Each micro-batch's loss is its
+token-sum / N (policy_loss with token_count=N), so the sum of the micro-batches' losses over
+micro-batches and ranks is exactly the target, and that sum is what the backend's step takes.
+Gradient clipping then sees the true mini-batch gradient, as in the reference of
+tests/learner/test_learner_update.py.
 
 old_logp (the learner's log-probs before this update) is computed for all of this rank's
 micro-batches before the first step, under no_grad, on the very same padded micro-batches as
@@ -35,29 +32,44 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 from spopp.loss import policy_loss, screen_rows, screened
 
-from .batch import Batch, TrajectoryLike, action_tokens, collate, mini_batches, plan_micro_batches
+from .batch import Batch, TrajectoryLike, action_tokens, collate, mini_batches
 from .config import LearnerSettings
-from .logprobs import token_logprobs, token_logprobs_entropy
-from .zero3_state import forward_stack_depth, trim_forward_stack
+from .scoring import plan as plan_passes
 
 # Token-weighted statistics of policy_loss that are averaged over the whole update.
 _MEAN_STATS = ("clip_fraction", "dual_clip_fraction", "approx_kl", "is_weight_mean", "is_capped_fraction")
 # The same over stale tokens only (weighted by stale_tokens; 0 in an update without any).
 _STALE_STATS = ("behaviour_weight_mean", "behaviour_cut_fraction")
 
-# Called with (engine, mini-batch index) on every rank after the mini-batch's last backward and
-# before its optimizer step, when the reduced gradients are in place (tests read them here).
-BeforeStep = Callable[[Any, int], None]
-
 
 Plan = list[tuple[slice, list[list[int]]]]
+# One micro-batch as the training pass sees it: its tensors and its log-probs before the update.
+Scored = tuple[Batch, torch.Tensor]
+
+
+class Backend(Protocol):
+    """What the step needs of its training engine (backend.DeepSpeedBackend is the learner's)."""
+
+    device: Any
+    rank: int
+    world: int
+
+    def accumulation_steps(self) -> int: ...
+    def lr(self) -> float: ...
+    def training(self) -> Any: ...
+    def logprobs(self, b: Batch) -> torch.Tensor: ...
+    def logprobs_entropy(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def step(
+        self, micro: Sequence[Any], loss_fn: Any, *, before_step: Any = None, index: int = 0
+    ) -> float | None: ...
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
 
 
 class NonFiniteTrajectories(Exception):
@@ -72,14 +84,7 @@ class NonFiniteTrajectories(Exception):
 
 def _plan(trajs: Sequence[TrajectoryLike], cfg: LearnerSettings, rank: int, world: int, gas: int) -> Plan:
     """Per mini-batch: (its slice of the B trajectories, this rank's micro-batches as index lists)."""
-    plan = plan_micro_batches(
-        [len(t.token_ids) for t in trajs],
-        cfg.mini_batches,
-        world,
-        micro_batch_size=cfg.micro_batch_size,
-        micro_batch_tokens=cfg.micro_batch_tokens,
-        packing=cfg.packing,
-    )
+    plan = plan_passes([len(t.token_ids) for t in trajs], cfg, mini_batches=cfg.mini_batches, world=world)
     out = []
     for part, per_rank in zip(mini_batches(len(trajs), cfg.mini_batches), plan, strict=True):
         micro = per_rank[rank]
@@ -94,31 +99,19 @@ def _plan(trajs: Sequence[TrajectoryLike], cfg: LearnerSettings, rank: int, worl
     return out
 
 
-def _own_grad_norm(engine: Any) -> float | None:
-    """The global gradient norm where DeepSpeed does not keep one, else None.
-
-    Without ZeRO and in fp32, DeepSpeed clips with torch's clip_grad_norm_ and discards the
-    norm; there every rank holds the full, already reduced gradient in .grad, so it is read
-    before the step. (ZeRO and bf16 optimizers record it themselves.)
-    """
-    if engine.zero_optimization() or engine.bfloat16_enabled():
-        return None
-    grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-
-
 def run_update(
-    engine: Any,
+    backend: Backend,
     trajs: Sequence[TrajectoryLike],
     advantages: Sequence[float] | torch.Tensor,
     cfg: LearnerSettings,
     *,
-    before_step: BeforeStep | None = None,
+    before_step: Any = None,
     version: int | None = None,
 ) -> dict[str, float]:
     """Run one update (cfg.mini_batches optimizer steps) on `trajs`; every rank calls it alike.
 
     `advantages` are the per-trajectory, already normalised advantages, aligned with `trajs`.
+    `before_step` is handed to the backend's step (backend.BeforeStep).
     Raises NonFiniteTrajectories, before any optimizer step, where some trajectory's loss term is
     not finite (see the module).
     Returns stats identical on every rank: loss (mean over mini-batches of the mini-batch loss),
@@ -129,46 +122,36 @@ def run_update(
     behaviour_cut_fraction, behaviour_weight_max over the tokens that a policy version older than
     `version` (the one being trained; None: none is older) generated.
     """
-    import torch.distributed as dist
-
     started = time.perf_counter()
     adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
     if adv.numel() != len(trajs):
         raise ValueError(f"{len(trajs)} trajectories but {adv.numel()} advantages")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gas = int(engine.gradient_accumulation_steps())
-    plan = _plan(trajs, cfg, rank, world, gas)
-    engine.train()
-    # ZeRO-3 under gradient checkpointing leaves entries on DeepSpeed's forward-module stack every
-    # backward (zero3_state.py): put it back as it was once the update's forwards are done.
-    depth = forward_stack_depth()
-    try:
+    plan = _plan(trajs, cfg, backend.rank, backend.world, backend.accumulation_steps())
+    with backend.training():
         tally = _Tally()
-        batches = _collate_with_old_logp(engine, trajs, adv, plan, cfg, version, tally)
+        batches = _collate_with_old_logp(backend, trajs, adv, plan, cfg, version, tally)
         grad_norms: list[float] = []
-        # Undo DeepSpeed's mean over accumulation steps (engine.backward) and over ranks (reduction).
-        scale = float(world * gas)
         for m, ((part, _), row) in enumerate(zip(plan, batches, strict=True)):
             # Every rank holds the whole mini-batch, so each computes the same global N locally.
             # A mini-batch without action tokens contributes zero loss; 1 avoids dividing by zero.
             denom = max(action_tokens(trajs[part]), 1)
-            norm = _mini_batch_step(engine, row, cfg, denom, scale, tally, before_step, m)
+            norm = backend.step(
+                row, _micro_batch_loss(backend, cfg, denom, tally), before_step=before_step, index=m
+            )
             if norm is not None:
                 grad_norms.append(float(norm))
-    finally:
-        trim_forward_stack(depth)
-    return _update_stats(engine, tally, len(plan), grad_norms, started)
+    return _update_stats(backend, tally, len(plan), grad_norms, started)
 
 
 def _collate_with_old_logp(
-    engine: Any,
+    backend: Backend,
     trajs: Sequence[TrajectoryLike],
     adv: torch.Tensor,
     plan: Plan,
     cfg: LearnerSettings,
     version: int | None,
     tally: _Tally,
-) -> list[list[tuple[Batch, torch.Tensor]]]:
+) -> list[list[Scored]]:
     """This rank's micro-batches, collated once, each with old_logp: the weights as they are
     before any step, on the very layout (packed or padded) the training pass will see. Raises
     NonFiniteTrajectories (on every rank alike) where the screen finds a trajectory that cannot be
@@ -182,18 +165,32 @@ def _collate_with_old_logp(
             row = []
             for rows in micro:
                 b = collate([trajs[i] for i in rows], adv[rows], version=version, packed=cfg.packing)
-                b = b.to(engine.device)
-                old, entropy = token_logprobs_entropy(
-                    engine, b.input_ids, b.attention_mask, position_ids=b.position_ids
-                )
+                b = b.to(backend.device)
+                old, entropy = backend.logprobs_entropy(b)
                 codes[rows] = _screen(old, b, cfg, len(rows)).cpu()
                 tally.add_forward(b, entropy)
                 row.append((b, old))
             batches.append(row)
-    _all_ranks_sum(codes, engine.device)
+    codes = backend.all_reduce(codes)
     if bool(codes.any()):
         raise NonFiniteTrajectories({i: screened(int(c)) for i, c in enumerate(codes.tolist()) if c})
     return batches
+
+
+def _micro_batch_loss(backend: Backend, cfg: LearnerSettings, denom: int, tally: _Tally):
+    """The loss of one scored micro-batch in a mini-batch of `denom` action tokens: its token-sum
+    of the policy loss / denom, under the weights as they are now (tallied as it goes)."""
+
+    def loss_fn(scored: Scored) -> torch.Tensor:
+        b, old = scored
+        logp = backend.logprobs(b)
+        loss, st = policy_loss(
+            logp, old, b.advantages, b.loss_mask, token_count=denom, **_loss_options(b, cfg)
+        )
+        tally.add(loss, st)
+        return loss
+
+    return loss_fn
 
 
 def _loss_options(b: Batch, cfg: LearnerSettings) -> dict[str, Any]:
@@ -215,16 +212,6 @@ def _screen(old: torch.Tensor, b: Batch, cfg: LearnerSettings, n: int) -> torch.
     """screen_rows on one micro-batch of `n` trajectories, with the settings the loss will use:
     a code per trajectory, whichever layout holds them."""
     return screen_rows(old, b.advantages, b.loss_mask, owners=b.owners, n_owners=n, **_loss_options(b, cfg))
-
-
-def _all_ranks_sum(t: torch.Tensor, device: Any) -> None:
-    """`t` summed over the ranks, in place (on `device`: NCCL reduces only CUDA tensors)."""
-    import torch.distributed as dist
-
-    if dist.get_world_size() > 1:
-        on = t.to(device)
-        dist.all_reduce(on, op=dist.ReduceOp.SUM)
-        t.copy_(on.cpu())
 
 
 class _Tally:
@@ -255,59 +242,15 @@ class _Tally:
         self.w_max[0] = max(float(self.w_max[0]), st["is_weight_max"])
         self.w_max[1] = max(float(self.w_max[1]), st["behaviour_weight_max"])
 
-    def reduce(self, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch.distributed as dist
-
-        sums, w_max = torch.cat([self.sums, self.forward]).to(device), self.w_max.to(device)
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        dist.all_reduce(w_max, op=dist.ReduceOp.MAX)
-        return sums.cpu(), w_max.cpu()
-
-
-def _mini_batch_step(
-    engine: Any,
-    row: list[tuple[Batch, torch.Tensor]],
-    cfg: LearnerSettings,
-    denom: int,
-    scale: float,
-    tally: _Tally,
-    before_step: BeforeStep | None,
-    m: int,
-) -> float | None:
-    """One optimizer step over mini-batch `m` (this rank's micro-batches `row`); answers its
-    pre-clip gradient norm, None where neither DeepSpeed nor we can read one."""
-    steps_before = engine.global_steps
-    own_norm: float | None = None
-    for i, (b, old) in enumerate(row):
-        # The step's boundary is marked, not counted, whichever the micro-batching: by tokens steps
-        # differ in how many micro-batches they have (the scale undoes DeepSpeed's division by its
-        # configured count), and by count the mark agrees with DeepSpeed's own count.
-        engine.set_gradient_accumulation_boundary(i == len(row) - 1)
-        logp = token_logprobs(engine, b.input_ids, b.attention_mask, position_ids=b.position_ids)
-        loss, st = policy_loss(
-            logp, old, b.advantages, b.loss_mask, token_count=denom, **_loss_options(b, cfg)
-        )
-        engine.backward(loss * scale)
-        tally.add(loss, st)
-        if i == len(row) - 1:
-            if not engine.is_gradient_accumulation_boundary():
-                raise RuntimeError("DeepSpeed's accumulation boundary is out of step with the mini-batches")
-            if before_step is not None:
-                before_step(engine, m)
-            own_norm = _own_grad_norm(engine)
-        # DeepSpeed's step() is called after every backward: it counts micro-steps and only
-        # reduces, clips and steps the optimizer at the accumulation boundary.
-        engine.step()
-    if engine.global_steps != steps_before + 1:
-        raise RuntimeError(f"mini-batch {m} made {engine.global_steps - steps_before} optimizer steps, not 1")
-    return engine.get_global_grad_norm() if own_norm is None else own_norm
+    def reduce(self, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
+        return backend.all_reduce(torch.cat([self.sums, self.forward])), backend.all_reduce(self.w_max, "max")
 
 
 def _update_stats(
-    engine: Any, tally: _Tally, n_mini: int, grad_norms: list[float], started: float
+    backend: Backend, tally: _Tally, n_mini: int, grad_norms: list[float], started: float
 ) -> dict[str, float]:
     """Statistics over all ranks: sums add up, the maximum is a maximum."""
-    sums, w_max = tally.reduce(engine.device)
+    sums, w_max = tally.reduce(backend)
     elapsed = time.perf_counter() - started
     tokens, stale = float(sums[1]), float(sums[2])
     stats = {"loss": float(sums[0]) / n_mini}
@@ -324,7 +267,7 @@ def _update_stats(
     stats["entropy"] = entropy / tokens if tokens else 0.0
     stats["padding_fraction"] = 1.0 - real / forward if forward else 0.0
     stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
-    stats["lr"] = float(engine.get_lr()[0])
+    stats["lr"] = backend.lr()
     stats["tokens"] = tokens
     stats["update_seconds"] = elapsed
     stats["tokens_per_s"] = tokens / elapsed if elapsed > 0 else math.nan

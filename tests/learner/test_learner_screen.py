@@ -13,7 +13,7 @@ import pytest
 from learner_worker import make_batch
 from procs import cli, learner_config, running
 
-from spopp.wait import wait_http
+from spopp.wait import wait_http, wait_until
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
@@ -62,6 +62,12 @@ def test_unissued_requests_are_dropped_and_the_learner_trains_on(
         )  # fmt: skip
         for b in hostile + good[:1]:  # the batch fills with three of these: all but one to drop
             assert httpx.post(url, json=b).status_code == 200
+        # Until the learner has screened the batch (a call to the tracker), its four places are
+        # taken and a fifth arrival is refused as batch_full; the dropped ones' places open after.
+        wait_until(
+            lambda: log_path.read_text().count("dropped trajectory") >= len(hostile), 120,
+            "the learner to drop the three it cannot train on", proc=learner,
+        )  # fmt: skip
         for b in good[1:]:  # later arrivals take the dropped ones' places
             assert httpx.post(url, json=b).status_code == 200
         assert learner.wait(180) == 0
@@ -95,8 +101,14 @@ def test_spo_drops_an_unknown_task_without_request_checks(tiny_model, tracker, c
             interval=0.2, request_timeout=5, proc=learner,
         )  # fmt: skip
         assert httpx.post(url, json=body(0, "no-such-task")).status_code == 200
-        for i in range(B):
+        for i in range(B - 1):
             assert httpx.post(url, json=body(i, f"task-{i}")).status_code == 200
+        # The batch is full until the learner has screened it (its values call to the tracker).
+        wait_until(
+            lambda: "dropped trajectory" in log_path.read_text(), 120, "the learner to drop the unknown task",
+            proc=learner,
+        )  # fmt: skip
+        assert httpx.post(url, json=body(B - 1, f"task-{B - 1}")).status_code == 200
         assert learner.wait(180) == 0
     assert "dropped trajectory r0-no-such-task: unknown task" in log_path.read_text()
     assert client.policy(run_name).version == 1

@@ -55,13 +55,14 @@ def batch(tiny_model):
 @pytest.fixture(scope="module")
 def learner(tiny_model, batch):
     """(ZeRO-1 engine after one update, its config) in this process."""
+    from services.learner.backend import DeepSpeedBackend
     from services.learner.config import LearnerSettings
     from services.learner.deepspeed_engine import build_engine, release_engine
     from services.learner.update import run_update
 
     cfg = LearnerSettings(run="test", model=tiny_model, **CFG)
     engine, _ = build_engine(cfg)
-    run_update(engine, *batch, cfg)
+    run_update(DeepSpeedBackend(engine), *batch, cfg)
     yield engine
     release_engine(engine)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from learner_worker import dist_env_restored, make_batch
 
+from services.learner.backend import DeepSpeedBackend
 from services.learner.config import LearnerSettings
 from services.learner.deepspeed_engine import build_engine, release_engine
 from services.learner.logprobs import token_logprobs
@@ -40,7 +41,7 @@ def test_updates_leave_the_forward_stack_as_they_found_it(tiny_model, _dist_env)
         depth = forward_stack_depth()
         assert depth >= 1  # the engine's own model, which ZeRO-3 pushes at start
         for _ in range(2):
-            run_update(engine, trajs, adv, cfg)
+            run_update(DeepSpeedBackend(engine), trajs, adv, cfg)
             assert forward_stack_depth() == depth
     finally:
         release_engine(engine)
