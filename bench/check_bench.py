@@ -1,4 +1,4 @@
-"""The cost of an answer check out of process (runtime.check_pool) against the same check in-process.
+"""The cost of an answer check out of process (runtime.sandbox.check_pool) against the same check in-process.
 
     python -m bench.check_bench [--rounds N] [--out BENCHMARKS.md]
 
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from bench.tracker_bench import write_section
-from runtime.check_pool import CheckPool
+from runtime.sandbox.check_pool import CheckPool
 from runtime.verify import check_answer, math_equivalent
 
 
@@ -88,7 +88,7 @@ def markdown(r: dict, command: str) -> str:
         f"{r['rounds']} passes).\n\n"
         "| | ms per check | ratio |\n|---|---:|---:|\n"
         f"| in-process math-verify (baseline; a tower of powers freezes the process) | {r['inproc'] * ms:.2f} | 1.00 |\n"
-        f"| out of process (`runtime.check_pool`, one worker) | {r['pooled'] * ms:.2f} | "
+        f"| out of process (`runtime.sandbox.check_pool`, one worker) | {r['pooled'] * ms:.2f} | "
         f"{r['pooled'] / r['inproc']:.2f} |\n\n"
         f"- a worker's start (its imports of sympy and math-verify): {r['first']:.2f} s, paid at the "
         "service's start (`warm()`), not by an episode\n"

@@ -29,7 +29,7 @@ import httpx
 import yaml
 
 from bench.tracker_bench import write_section
-from spopp.settings import environ_without_settings
+from spopp.settings.base import environ_without_settings
 
 HEAD = "## Demo run profile: updates per hour, waits, drains and swaps"
 

@@ -360,7 +360,7 @@ async def _measure(attacks: Attacks, pids: dict[str, int], names: list[str]) -> 
 
 async def _main(args) -> list[dict]:
     from services.shell.child import Child
-    from spopp.net import free_port
+    from spopp.machine.net import free_port
     from tools.tiny_model import build_tiny_model
     from tools.tracker_process import TrackerProcess
 

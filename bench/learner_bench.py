@@ -28,7 +28,7 @@ HEAD = "## Learner: one update under DeepSpeed against plain PyTorch"
 def synthetic_batch(vocab: int, n: int, seed: int = 0):
     import torch
 
-    from spopp.trajectory import Trajectory
+    from spopp.api.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -39,7 +39,7 @@ from runtime.tasks import generate_arithmetic_tasks
 from services.rollout.config import RolloutSettings
 from services.rollout.worker import Worker, read_run
 from services.tracker.embedded import EmbeddedRedis
-from spopp.client import TrackerClient
+from spopp.api.client import TrackerClient
 from tools.sink import LearnerSink
 from tools.tiny_model import build_tiny_model, perturb_weights, random_adapter
 from tools.tracker_process import TrackerProcess

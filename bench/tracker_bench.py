@@ -27,7 +27,7 @@ import redis
 
 from services.tracker.embedded import EmbeddedRedis
 from services.tracker.store import _load, num, prefix
-from spopp.client import TrackerClient
+from spopp.api.client import TrackerClient
 from spopp.sampler import race_draws
 from tools.tracker_process import TrackerProcess
 

@@ -34,8 +34,8 @@ from pydantic import Field
 
 from runtime.envs.toy_calc import generate_toy_calc_tasks
 from runtime.tasks import generate_arithmetic_tasks, write_jsonl
-from spopp.fields import ApiToken
-from spopp.settings import Settings, SettingsError
+from spopp.settings.base import Settings, SettingsError
+from spopp.settings.fields import ApiToken
 
 
 class DataStepSettings(Settings):

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from spopp.json_keys import RepeatedKey, loads_unique
+from spopp.api.json_keys import RepeatedKey, loads_unique
 
 from .agent_session import AgentSession, AgentSessions, ChatRequestError
 

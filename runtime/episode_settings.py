@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic.fields import FieldInfo
 
-from spopp.settings import SettingsGroup
+from spopp.settings.base import SettingsGroup
 
 from .engines.options import check_engine_options
 from .episode import Budget

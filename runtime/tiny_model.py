@@ -164,7 +164,7 @@ def tiny_model_key(seed: int = 0) -> str:
 def tiny_model_folder(cache: Path | None = None, *, seed: int = 0) -> Path:
     """Where the tiny model of `seed` lives in the model cache (`cache`, else $SPOPP_MODEL_CACHE,
     else ~/.cache/spopp/models), whether or not it has been built there yet."""
-    from spopp.model_cache import models_cache
+    from spopp.files.model_cache import models_cache
 
     return (models_cache() if cache is None else cache) / f"tiny-model-{tiny_model_key(seed)}"
 
@@ -174,7 +174,7 @@ def cached_tiny_model(cache: Path | None = None, *, seed: int = 0) -> Path:
     ~/.cache/spopp/models), built there the first time on a machine (about 20 s) and read from
     there after: `spopp model tiny`, `spopp env check` without a model and the test suite share it.
     The folder is shared: copy it before changing anything in it."""
-    from spopp.model_cache import built_once
+    from spopp.files.model_cache import built_once
 
     return built_once(tiny_model_folder(cache, seed=seed), lambda out: build_tiny_model(out, seed=seed))
 

@@ -3,7 +3,7 @@
 * `check_answer(..., strict=False)`: math-verify decides equivalence (`\\frac{1}{2}` = 0.5 = 1/2,
   `x^2+1` = `1+x^2`, sets, intervals, ...). math-verify runs sympy on what the model wrote, and
   sympy can take minutes and gigabytes on a tower of powers (`9^{9^{9}}`) while holding the GIL,
-  so it runs out of process (`runtime.check_pool`), in a worker that is killed at `timeout_s`. A
+  so it runs out of process (`runtime.sandbox.check_pool`), in a worker that is killed at `timeout_s`. A
   killed or failed check scores 0.0 and says why (`Verdict.reason`). math-verify's own limits use
   `signal.alarm`, so they are off: the pool's deadline replaces them.
 * `check_answer(..., strict=True)`: DAPO's strict boxed match. The boxed string and the reference
@@ -22,7 +22,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from .check_pool import CheckPool, shared_pool
+from runtime.sandbox.check_pool import CheckPool, shared_pool
 
 __all__ = ["Verdict", "check_answer", "extract_boxed", "normalize_answer", "verify_answer"]
 
@@ -124,7 +124,7 @@ def math_equivalent(pred: str, ref: str) -> bool:
 @dataclass(frozen=True)
 class Verdict:
     reward: float
-    # Why a check gave no verdict (`runtime.check_pool.REASONS`: "timeout", "memory", ...); None
+    # Why a check gave no verdict (`runtime.sandbox.check_pool.REASONS`: "timeout", "memory", ...); None
     # when it gave one (right or wrong). Recorded in the episode's info as `answer_check`.
     reason: str | None = None
 

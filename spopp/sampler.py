@@ -3,7 +3,7 @@
 Each idle task holds a key t = now + E / w with E ~ Exp(1); popping the smallest key picks idle
 task i with probability w_i / sum(w) (memorylessness), and a weight change rescales the remaining
 gap (t - now) * w_old / w_new without a fresh draw. The draws come from a counter-based generator
-(seed, stream key (spopp.streams), counter) so that several tracker processes reproduce one run's stream; they are made
+(seed, stream key (spopp.compare.streams), counter) so that several tracker processes reproduce one run's stream; they are made
 outside Redis's Lua, whose math.random is reseeded to the same value on every call in Redis 6.2.
 """
 

@@ -37,8 +37,8 @@ from fixtures_model import (  # noqa: F401  (session fixtures)
 from procs import oom_kills, uptime
 
 from services.tracker.embedded import EmbeddedRedis
-from spopp.client import TrackerClient
-from spopp.net import PORT_RANGE_ENV, port_range
+from spopp.api.client import TrackerClient
+from spopp.machine.net import PORT_RANGE_ENV, port_range
 from tools.tracker_process import TrackerProcess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -51,7 +51,7 @@ os.environ.setdefault(
 
 def _worker_port_range() -> str:
     """This pytest-xdist worker's share of the ports below the ephemeral range (all of it without
-    xdist): every port a test or a process it starts draws (spopp.net.free_port) comes from it, so
+    xdist): every port a test or a process it starts draws (spopp.machine.net.free_port) comes from it, so
     two workers never pick the same port however their tests interleave."""
     lo, hi = port_range()
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -20,7 +20,7 @@ import pytest
 import tools
 import tools.tiny_model
 from runtime.tiny_model import cached_tiny_model, tiny_model_key
-from spopp.model_cache import built_once
+from spopp.files.model_cache import built_once
 
 
 def _shared_root(tmp_path_factory) -> Path:
@@ -180,7 +180,7 @@ def toy_study(tmp_path_factory) -> dict:
     import json
 
     from runtime.envs.toy_calc import write_toy_calc_tasks
-    from spopp.priors import build_prior, write_prior
+    from spopp.files.priors import build_prior, write_prior
     from tools.toy_model import build_toy_model
 
     root = tmp_path_factory.mktemp("toy-study")

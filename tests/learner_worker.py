@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from spopp.advantages import normalize_advantages
-from spopp.net import free_port
-from spopp.trajectory import Trajectory
+from spopp.api.trajectory import Trajectory
+from spopp.machine.net import free_port
 from tools.tiny_model import render, sample_chat
 
 HERE = Path(__file__).resolve().parent

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from spopp.settings import environ_without_settings
+from spopp.settings.base import environ_without_settings
 
 
 @contextlib.contextmanager
@@ -96,7 +96,7 @@ def kill_unless_reused(processes: list) -> None:
 
 def learner_config(tmp: Path, tracker_url: str, model, run: str, **settings) -> tuple[Path, int]:
     """A learner YAML under `tmp` (snapshots, checkpoints and logs beside it) on a free port."""
-    from spopp.net import free_port
+    from spopp.machine.net import free_port
 
     port = free_port()
     cfg = {
@@ -135,7 +135,7 @@ def send_raw(url: str, pieces, timeout: float = 10) -> tuple[bytes, float]:
 
 def wait_learner(url: str, learner: subprocess.Popen) -> None:
     """Until the learner process at `url` answers /healthz (its model loaded), or it exits."""
-    from spopp.wait import wait_http
+    from spopp.machine.wait import wait_http
 
     wait_http(
         url + "/healthz", 180, "the learner intake", ok=None, interval=0.2, request_timeout=5, proc=learner

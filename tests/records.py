@@ -3,7 +3,7 @@ that build a replica's Worker (which takes its run at construction) where nothin
 
 from __future__ import annotations
 
-from spopp.tracker_api import Run
+from spopp.api.tracker_api import Run
 
 NO_COUNTS = dict(tasks=0, idle=0, in_flight=0, dispatches=0, outcomes=0, releases=0, expirations=0,
                  consumed_updates=0)  # fmt: skip

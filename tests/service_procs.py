@@ -9,8 +9,8 @@ from pathlib import Path
 
 from procs import cli, running
 
-from spopp.net import free_port
-from spopp.snapshots import version_dirname
+from spopp.files.snapshots import version_dirname
+from spopp.machine.net import free_port
 from tools.tiny_model import perturb_weights
 
 # The tasks `replica` generates (math-tir arithmetic, seed 0 where a test writes them too).

@@ -2,7 +2,7 @@
 
 The same cell, arms and seeds twice: BEFORE, the committed map's runs, whose draws were keyed on
 each run's name (so the two arms of a seed dispatched different prompts from the first batch on);
-AFTER, the same settings run again with the draws keyed on (seed, study) (spopp.streams). For each:
+AFTER, the same settings run again with the draws keyed on (seed, study) (spopp.compare.streams). For each:
 
 - first batch: each arm's first training batch's mean reward (learner/metrics.jsonl, step 1) and
   whether the two arms' are equal, seed by seed;
@@ -24,8 +24,8 @@ import statistics
 from pathlib import Path
 
 from services.study.summary import run_dir
-from spopp.curves import POINTS, area
-from spopp.runs import read_run
+from spopp.files.runs import read_run
+from spopp.metrics import POINTS, area
 
 METRIC = "eval/sampled/reward_mean"
 

@@ -13,7 +13,7 @@
            their study), then `spopp report`
 5. page    OUT/study.json (everything the page says, from the runs' own files) and OUT/README.md from
            it: the protocol, every run's curve, Δ area per pair, mean ± s.e. with the 95 % t
-           interval, the sign test, the code (spopp.provenance), where n came from, and the n of
+           interval, the sign test, the code (spopp.files.provenance), where n came from, and the n of
            pairs at which the paired t test would detect the paper's effects at the measured s.d.
            (`--render OUT` redraws it from study.json)
 
@@ -141,10 +141,10 @@ T_MIN_PAIRS = 2
 
 def detect_n(sd: float | None, effect: float, power: float = POWER, alpha: float = ALPHA) -> int | None:
     """Pairs at which the two-sided paired t test at `alpha` reaches `power` against a true mean
-    difference `effect`, if the paired s.d. is `sd` (spopp.stats.pairs_for_power: the noncentral t,
+    difference `effect`, if the paired s.d. is `sd` (spopp.compare.stats.pairs_for_power: the noncentral t,
     from 2 pairs); None without an s.d. Not the normal approximation, which at n = 1-3 ignores
     that the t quantile with 1 or 2 degrees of freedom is 12.7 or 4.3, not 1.96."""
-    from spopp.stats import pairs_for_power
+    from spopp.compare.stats import pairs_for_power
 
     if sd is None:
         return None
@@ -202,7 +202,7 @@ def decide(pilot_d: list[float], pilot_seeds: list[int], study_grid: dict, run_s
     """The protocol from the pilot's paired SPO++ − SPO Δ area (`pilot_d`, one per pilot seed) and
     the pilot's run times: services.study.protocol's pilot rule for one cell, the main seeds from 0."""
     from services.study import protocol as map_protocol
-    from spopp.stats import paired
+    from spopp.compare.stats import paired
 
     if len(pilot_d) < 2:
         raise ValueError("a pilot needs two pairs or more: one pair has no standard deviation")
@@ -234,9 +234,9 @@ def _diffs(arms: list[str]) -> list[tuple[str, str]]:
 
 def summarize(report: dict, arms: list[str], seeds: list[int]) -> dict:
     """Each paired difference of the arms over the main seeds from a `spopp report` report.json's
-    curves (areas over the pair's common points), with spopp.stats' t p and Holm p."""
-    from spopp.curves import POINTS, area
-    from spopp.stats import holm, paired, t_p
+    curves (areas over the pair's common points), with spopp.compare.stats' t p and Holm p."""
+    from spopp.compare.stats import holm, paired, t_p
+    from spopp.metrics import POINTS, area
 
     curves = {(r["arm"], r["seed"]): r["rewards"] for r in report["runs"]}
     missing = [f"{a}-s{s}" for a in arms for s in seeds if (a, s) not in curves]
@@ -261,7 +261,7 @@ def summarize(report: dict, arms: list[str], seeds: list[int]) -> dict:
 
 def _code(code: dict | None) -> str:
     """The sentence on the runs' code, and the flag of runs from different code let through."""
-    from spopp import provenance
+    from spopp.files import provenance
 
     line = provenance.describe(code)
     if (code or {}).get("flagged"):
@@ -311,7 +311,7 @@ def _where_n(p: dict, family: str, n: int) -> str:
 def _headroom(study: dict) -> str | None:
     """The largest Δ area SPO++ could have reached in each pair (its curve at 1 after its first
     point, its version 0 as measured), against the paper's effects: an effect above it cannot occur."""
-    from spopp.curves import POINTS, area
+    from spopp.metrics import POINTS, area
 
     total = next((d for d in study["diffs"] if (d["arm"], d["against"]) == ("spopp", "spo")), None)
     if total is None:
@@ -406,7 +406,7 @@ def _result(study: dict) -> list[str]:
 
 def _detect(study: dict, p: dict) -> list[str]:
     """What n would detect the paper's effects, at the pilot's and the main runs' s.d."""
-    from spopp.stats import SIGN_TEST_MIN_PAIRS, sign_floor
+    from spopp.compare.stats import SIGN_TEST_MIN_PAIRS, sign_floor
 
     seeds = p["seeds"][p["grid"]["family"]]
     lines = [
@@ -415,7 +415,7 @@ def _detect(study: dict, p: dict) -> list[str]:
         "",
         f"n = the fewest pairs (at least {T_MIN_PAIRS}, the fewest a t test can use) at which the two-sided paired"
         f" t test at {100 * ALPHA:g} % has {100 * POWER:g} % power against the effect, if the paired s.d. of Δ area is s"
-        " (the noncentral t, `spopp.stats.pairs_for_power`). A sign test needs at least"
+        " (the noncentral t, `spopp.compare.stats.pairs_for_power`). A sign test needs at least"
         f" {SIGN_TEST_MIN_PAIRS} pairs to reach p < {ALPHA:g} (its smallest p, every pair won, is"
         f" {sign_floor(SIGN_TEST_MIN_PAIRS - 1):g} over {SIGN_TEST_MIN_PAIRS - 1} pairs,"
         f" {sign_floor(SIGN_TEST_MIN_PAIRS):g} over {SIGN_TEST_MIN_PAIRS} and {sign_floor(len(seeds)):g} over"
@@ -484,7 +484,7 @@ def build_study(out: Path, protocol: dict) -> dict:
 
 def run_seconds(folder: Path) -> list[float]:
     """Wall seconds of each finished run under folder/runs (run.json's first launch to its finish)."""
-    from spopp.records import RunRecord
+    from spopp.files.records import RunRecord
 
     out = []
     for path in sorted(folder.glob("runs/*/run.json")):
@@ -527,7 +527,7 @@ def pilot_d_area(report: dict, seeds: list[int]) -> list[float]:
 def _asked(a: argparse.Namespace) -> tuple[dict, list[str], list[int]]:
     """The runs' size, the arms and the pilot's seeds the command line asks for (SystemExit naming
     what is wrong)."""
-    from spopp.arms import parse_arm
+    from spopp.compare.arms import parse_arm
 
     size = dict(TINY if a.tiny else FULL)
     size.update(

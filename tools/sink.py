@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from services.learner.ingest import TrajectoryBuffer, ingest_app
 from services.shell.server import ThreadedServer
-from spopp.trajectory import Trajectory
-from spopp.wait import wait_until
+from spopp.api.trajectory import Trajectory
+from spopp.machine.wait import wait_until
 
 
 class LearnerSink:

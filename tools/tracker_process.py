@@ -13,8 +13,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from services.shell.child import Child, ChildFailed
-from spopp.net import free_port
-from spopp.settings import environ_without_settings
+from spopp.machine.net import free_port
+from spopp.settings.base import environ_without_settings
 
 
 class TrackerProcess:

@@ -10,8 +10,8 @@ if [ -z "${SPOPP_API_TOKEN:-}" ] && [ -r "$secrets/api-token" ]; then
     export SPOPP_API_TOKEN
 fi
 # The node's NVIDIA driver against this image's CUDA build of torch, before any work: a driver too old
-# stops here with one line naming both (spopp/cuda_driver.py; SPOPP_DRIVER_CHECK=0 skips it).
+# stops here with one line naming both (spopp/machine/cuda_driver.py; SPOPP_DRIVER_CHECK=0 skips it).
 if [ "${SPOPP_DRIVER_CHECK:-1}" != 0 ]; then
-    python3 -m spopp.cuda_driver || exit $?
+    python3 -m spopp.machine.cuda_driver || exit $?
 fi
 exec "$@"

@@ -1,7 +1,7 @@
 """The child side of an engine process (runtime/engines/process.py starts it as `python -m
 runtime.engines.engine_child SPEC`): build the engine by name, then serve the parent's calls over
 the authenticated socket until told to close or the parent goes. Apart from the parent's module,
-as runtime/check_worker.py is apart from runtime/check_pool.py: the factory that builds engines
+as runtime/sandbox/check_worker.py is apart from runtime/sandbox/check_pool.py: the factory that builds engines
 imports the parent, and only the child imports the factory.
 """
 

@@ -150,7 +150,7 @@ class VllmEngine(Engine):
         import psutil
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from spopp.lifetime import guard_children
+        from spopp.machine.lifetime import guard_children
 
         before = {c.pid for c in psutil.Process().children(recursive=True)}
         self.engine = AsyncLLM.from_engine_args(args)
@@ -213,7 +213,7 @@ class VllmEngine(Engine):
         cache keyed by the adapter (the prefix cache) can serve the old version's state."""
         from vllm.lora.request import LoRARequest
 
-        from spopp.adapters import read_adapter
+        from spopp.files.adapters import read_adapter
 
         config, _tensors = read_adapter(folder)  # checked here: vLLM's own errors kill requests
         if not self.lora_rank:
@@ -239,7 +239,7 @@ class VllmEngine(Engine):
             await self.engine.resume_generation()
 
     async def load_weights(self, snapshot_dir: str | Path) -> None:
-        from spopp.adapters import is_adapter_folder
+        from spopp.files.adapters import is_adapter_folder
 
         if self._closed:
             raise RuntimeError("engine is closed")

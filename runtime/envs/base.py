@@ -25,9 +25,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-# The environments' seed of one episode's stream lives beside the engine's sampling seed (spopp.streams:
+# The environments' seed of one episode's stream lives beside the engine's sampling seed (spopp.compare.streams:
 # one module holds every stream of a run that is not the method's); environments import it from here.
-from spopp.streams import episode_seed
+from spopp.compare.streams import episode_seed
 
 from ..chat import ChatRenderer
 from ..engines.base import Engine, SamplingConfig

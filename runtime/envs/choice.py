@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from spopp.settings import SettingsGroup
+from spopp.settings.base import SettingsGroup
 
 from .registry import ENV_HELP, EnvName, EnvOptions
 

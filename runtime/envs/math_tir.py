@@ -29,7 +29,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..sandbox import SandboxConfig, SandboxResult, run_python
+from runtime.sandbox.bubblewrap import SandboxConfig, SandboxResult, run_python
+
 from ..verify import check_answer
 from .base import Environment, StepResult, Task
 
@@ -119,8 +120,8 @@ class MathTIREnv(Environment):
         answer checks' first worker starts now, not in the first episode."""
         import logging
 
-        from ..check_pool import shared_pool
-        from ..sandbox import bounds, check_sandbox
+        from runtime.sandbox.bubblewrap import bounds, check_sandbox
+        from runtime.sandbox.check_pool import shared_pool
 
         if "sandbox_config" in options:
             raise ValueError("sandbox_config is not an env_option (the sandbox's bounds are the machine's)")

@@ -40,7 +40,7 @@ HELDOUT_SEED_OFFSET = 1_000_000_007
 SHOTS_SEED = 3 * HELDOUT_SEED_OFFSET
 MAX_SHOTS = 8
 # The scorer lives in a module of its own that imports reasoning-gym at its top: a reward worker
-# imports it before it is ready (runtime.check_pool's preload), so the package's import, several
+# imports it before it is ready (runtime.sandbox.check_pool's preload), so the package's import, several
 # seconds on a loaded machine, is not charged to the first answers' reward_timeout_s (at 5 s, 5 of
 # 8 first checks of a pilot were killed and scored 0 when the import happened inside the check).
 SCORER = "runtime.envs.reasoning_gym_score:score"

@@ -7,7 +7,7 @@ of the task file).
 
 The reward function is untrusted in the same way as the answer check (it reads what the model
 wrote, and may parse it with a library that does not return): it runs in a worker process of a
-`runtime.check_pool.CheckPool`, one pool per reward function per process, with a wall-clock limit
+`runtime.sandbox.check_pool.CheckPool`, one pool per reward function per process, with a wall-clock limit
 (`reward_timeout_s`) and an address-space cap (`reward_memory_mb`). A call killed at its limit, one
 that raised, or a value that is not a finite number in [0, 1] scores the answer 0, with the reason
 in the step's `info["answer_check"]` (counted by the replica's and the evaluator's metrics, and
@@ -22,7 +22,8 @@ import threading
 from dataclasses import asdict
 from typing import Any
 
-from ..check_pool import CheckPool
+from runtime.sandbox.check_pool import CheckPool
+
 from ..episode import reward_verdict
 from ..faults import Fault
 from .base import Environment, StepResult, Task

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from spopp.settings import settings_command
+from spopp.settings.base import settings_command
 
 from .config import EvaluatorSettings, ScoreSettings
 from .prior_config import PriorSettings
@@ -27,7 +27,7 @@ def _claimed(s: EvaluatorSettings) -> EvaluatorSettings:
     must be in CUDA_VISIBLE_DEVICES before torch or vLLM start."""
     import logging
 
-    from spopp.claim import ClaimError, claim_at_start
+    from spopp.machine.claim import ClaimError, claim_at_start
 
     try:
         _, port = claim_at_start(

@@ -16,11 +16,11 @@ from pydantic import Field, model_validator
 from runtime.envs.choice import EnvChoice
 from runtime.episode_settings import EpisodeTuning, with_default
 from services.shell.http_settings import HttpServerSettings
-from spopp.claim_settings import ClaimSettings
-from spopp.fields import Seed
-from spopp.run_binding import RunBinding
-from spopp.settings import Settings
-from spopp.snapshots import HOLDER_PATTERN
+from spopp.files.snapshots import HOLDER_PATTERN
+from spopp.settings.base import Settings
+from spopp.settings.claim_settings import ClaimSettings
+from spopp.settings.fields import Seed
+from spopp.settings.run_binding import RunBinding
 
 
 class EvaluatorEpisodes(EpisodeTuning):

@@ -5,7 +5,7 @@ The loop reads the tracker's policy version every `poll_seconds`. Each version v
 is off) is scored on the held-out tasks and recorded (see records.py), in version order, or, when
 its snapshot is gone or cannot be read, recorded as skipped with the reason and a warning. The
 learner knows nothing of this process: it never waits for it. What keeps a snapshot on disk
-until it is scored is a hold file under `<snapshots>/.holds/` (spopp.snapshots), which this
+until it is scored is a hold file under `<snapshots>/.holds/` (spopp.files.snapshots), which this
 process writes at start, refreshes every `hold_seconds / 3` from a thread of its own (so a long
 evaluation does not let it lapse), advances after each version and removes on a clean exit; if
 the process dies, the hold expires and the learner prunes as usual.
@@ -33,8 +33,8 @@ from fastapi import FastAPI
 
 from services.shell import server as http
 from services.shell.routes import service_app
-from spopp.client import AsyncTrackerClient, TrackerError
-from spopp.snapshots import (
+from spopp.api.client import AsyncTrackerClient, TrackerError
+from spopp.files.snapshots import (
     Hold,
     read_manifest,
     remove_hold,

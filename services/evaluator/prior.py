@@ -1,7 +1,7 @@
 """`spopp prior`: play the cold-start policy on the training tasks and write the prior file.
 
 Step 3 of SPO++'s protocol: `rollouts` sampled episodes per training task with the base policy,
-then a Jeffreys prior of mass `prior_mass` per task (`spopp.priors`), written once and loaded by
+then a Jeffreys prior of mass `prior_mass` per task (`spopp.files.priors`), written once and loaded by
 every run of a comparison. The episodes are the evaluator's (`Scorer`: the agent loop the rollout
 replicas use, the same environment and engines, seeds fixed per (task, rollout)), played with
 greedy off and `samples = rollouts`, so the same settings give the same prior.
@@ -25,7 +25,7 @@ from runtime.agent import prompts_over_budget
 from runtime.engines.base import Engine
 from runtime.envs.base import Task
 from runtime.episode import Episode
-from spopp.priors import PriorFile, build_prior, write_prior
+from spopp.files.priors import PriorFile, build_prior, write_prior
 
 from .config import ScoreSettings
 from .prior_config import PriorSettings
@@ -85,7 +85,7 @@ def _check_out(s: PriorSettings) -> None:
 def _training_tasks(s: PriorSettings) -> list[Task]:
     """The first max_tasks tasks of the file, each with an id the tracker accepts."""
     from runtime.tasks import load_tasks
-    from spopp.tracker_api import TASK_ID
+    from spopp.api.tracker_api import TASK_ID
 
     if not Path(s.tasks).is_file():
         raise PriorError(f"tasks file {s.tasks} does not exist")

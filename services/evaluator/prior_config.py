@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from spopp.tracker_api import MIN_PRIOR, Prior
+from spopp.api.tracker_api import MIN_PRIOR, Prior
 
 from .config import EpisodeSettings
 

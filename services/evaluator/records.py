@@ -10,7 +10,7 @@ A version's episodes file is written first (temporary name, fsync, rename), then
 appended, flushed and fsynced: a version has been handled exactly when its line is whole. A
 restart continues after the last line; a version killed mid-evaluation has no line and is scored
 again (its episodes file is replaced). A partial last line, from a kill during the write, is cut.
-Each line is read and written through `spopp.records.EvalRecord`, so a bad line is refused with its
+Each line is read and written through `spopp.files.records.EvalRecord`, so a bad line is refused with its
 file, line number and field.
 """
 
@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spopp.jsonfile import FileFormatError, validate
-from spopp.records import EvalRecord
-from spopp.snapshots import version_dirname
+from spopp.files.jsonfile import FileFormatError, validate
+from spopp.files.records import EvalRecord
+from spopp.files.snapshots import version_dirname
 
 log = logging.getLogger("spopp.evaluator")
 

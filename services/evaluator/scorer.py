@@ -285,7 +285,7 @@ async def score_folders(s: ScoreSettings, folders: list[Path]) -> list[dict]:
     Every folder is checked before the engine starts: FileNotFoundError names those that are not
     model folders.
     """
-    from spopp.snapshots import read_manifest, version_dirname
+    from spopp.files.snapshots import read_manifest, version_dirname
 
     missing = [str(f) for f in folders if not (Path(f) / "config.json").is_file()]
     if missing:

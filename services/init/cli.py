@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from services.shell.logs import command_echo
-from spopp.settings import settings_command
+from spopp.settings.base import settings_command
 
 from .create import InitSettings, run_init
 

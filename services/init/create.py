@@ -2,7 +2,7 @@
 
 Compose and Kubernetes run it once before the learner, the replicas and the evaluator start (they
 wait for it to complete). It waits for the tracker, then registers through the same code as
-`spopp launch` (`spopp.registration`): the same settings again change nothing, so every `up`
+`spopp launch` (`spopp.api.registration`): the same settings again change nothing, so every `up`
 may run it; a run that exists with another recipe, prior or budget (max_updates) is refused before
 anything trains. Init never grows a budget: a stack's settings are fixed with its run.
 """
@@ -14,11 +14,11 @@ from typing import ClassVar
 
 from pydantic import Field, ValidationError
 
-from spopp.fields import Recipe, Seed
-from spopp.run_binding import RunBinding
-from spopp.settings import Settings
-from spopp.tracker_api import RunConfig
-from spopp.wait import WaitTimeout, wait_http
+from spopp.api.tracker_api import RunConfig
+from spopp.machine.wait import WaitTimeout, wait_http
+from spopp.settings.base import Settings
+from spopp.settings.fields import Recipe, Seed
+from spopp.settings.run_binding import RunBinding
 
 
 class InitSettings(RunBinding, Settings):
@@ -46,8 +46,8 @@ class InitSettings(RunBinding, Settings):
 
 def run_init(s: InitSettings, echo=print) -> None:
     from runtime.tasks import load_tasks
-    from spopp.client import TrackerClient
-    from spopp.registration import register, task_bodies
+    from spopp.api.client import TrackerClient
+    from spopp.api.registration import register, task_bodies
 
     for key in ("recipe", "seed", "base_snapshot", "max_updates"):
         if key in s.run_config:

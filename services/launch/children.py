@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.shell.child import Child
-from spopp.settings import API_TOKEN_ENV, environ_without_settings
+from spopp.settings.base import API_TOKEN_ENV, environ_without_settings
 
 
 def child_env(token: str | None, devices: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ import click
 import yaml
 
 from services.shell.logs import command_echo
-from spopp.settings import SettingsError, read_config_file
+from spopp.settings.base import SettingsError, read_config_file
 
 from .config import LaunchSettings
 
@@ -177,9 +177,9 @@ launch_command = click.Command(
 
 
 def _scale(run_dir: Path, replicas: int, wait: float) -> None:
-    from spopp.jsonfile import read_model, write_text
-    from spopp.records import RunRecord
-    from spopp.wait import WaitTimeout, wait_until
+    from spopp.files.jsonfile import read_model, write_text
+    from spopp.files.records import RunRecord
+    from spopp.machine.wait import WaitTimeout, wait_until
 
     from .run import SCALE_FILE, parse_replicas
 

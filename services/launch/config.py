@@ -52,12 +52,12 @@ from services.evaluator.config import EvaluatorSettings, EvaluatorTuning
 from services.learner.config import LearnerSettings, LearnerTuning
 from services.rollout.config import RolloutSettings, RolloutTuning
 from services.tracker.config import TrackerSettings, TrackerTuning
-from spopp.arms import arm_of
-from spopp.fields import ApiToken, Id, MaxStaleness, Recipe, RunId, Seed
-from spopp.recipes import RECIPE_DEFAULTS
-from spopp.run_binding import RunBinding
-from spopp.settings import Settings, SettingsError
-from spopp.tracker_api import RunConfig
+from spopp.api.tracker_api import RunConfig
+from spopp.compare.arms import arm_of
+from spopp.settings.base import Settings, SettingsError
+from spopp.settings.fields import ApiToken, Id, MaxStaleness, Recipe, RunId, Seed
+from spopp.settings.recipes import RECIPE_DEFAULTS
+from spopp.settings.run_binding import RunBinding
 
 from .gpus import GpuPlan
 from .supervision_settings import SupervisionSettings
@@ -285,7 +285,7 @@ class ProcessPlan:
         }
 
     def arm(self) -> str:
-        """The comparison arm (spopp/arms.py) of this run's recipe and learner settings, with -k<N> under
+        """The comparison arm (spopp/compare/arms.py) of this run's recipe and learner settings, with -k<N> under
         bounded staleness max_staleness N > 0."""
         arm = arm_of(self.launch.recipe, self.learner.normalization, self.learner.dual_clip)
         k = self.launch.max_staleness

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from services.models.sources import PACKAGE_NAME, PACKAGE_PREFIX
-from spopp.model_cache import models_cache
+from spopp.files.model_cache import models_cache
 
 
 def _model_command(*args: str, capture: bool) -> subprocess.CompletedProcess:

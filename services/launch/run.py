@@ -28,13 +28,14 @@ import time
 from pathlib import Path
 
 from services.shell.child import Child, ChildFailed
-from spopp import cuda_driver, provenance
-from spopp.client import TrackerClient
-from spopp.gpus import count_gpus
-from spopp.net import free_port, port_free
-from spopp.records import RunRecord
-from spopp.registration import RegistrationError, register, task_bodies
-from spopp.settings import SettingsError
+from spopp.api.client import TrackerClient
+from spopp.api.registration import RegistrationError, register, task_bodies
+from spopp.files import provenance
+from spopp.files.records import RunRecord
+from spopp.machine import cuda_driver
+from spopp.machine.gpus import count_gpus
+from spopp.machine.net import free_port, port_free
+from spopp.settings.base import SettingsError
 
 from . import gpus as gpu
 from .config import LaunchSettings, ProcessPlan, port_requests, process_plan

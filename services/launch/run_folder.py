@@ -16,10 +16,10 @@ from typing import Any
 
 import yaml
 
-from spopp import provenance
-from spopp.client import TrackerClient
-from spopp.jsonfile import read_model, write_text
-from spopp.records import RunRecord
+from spopp.api.client import TrackerClient
+from spopp.files import provenance
+from spopp.files.jsonfile import read_model, write_text
+from spopp.files.records import RunRecord
 
 from .config import LaunchSettings, ProcessPlan
 from .progress import last_line
@@ -86,7 +86,7 @@ class RunFolder:
 
     def write(self, p: ProcessPlan, metrics_url: str) -> None:
         """launch.yaml (secrets left out), each child's config, and run.json: running, with the code
-        and the machine of this launch (spopp/provenance.py; a resume on other code keeps the earlier
+        and the machine of this launch (spopp/files/provenance.py; a resume on other code keeps the earlier
         launch's in `code.earlier_launches`)."""
         from runtime.envs import resolved_env_options
 

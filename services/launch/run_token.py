@@ -18,7 +18,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spopp.fields import MAX_TOKEN_CHARS, MIN_TOKEN_CHARS
+from spopp.settings.fields import MAX_TOKEN_CHARS, MIN_TOKEN_CHARS
 
 if TYPE_CHECKING:
     from .config import LaunchSettings

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from spopp.net import free_port
+from spopp.machine.net import free_port
 
 from .config import LaunchSettings, ProcessPlan, rollout_settings
 

@@ -14,7 +14,7 @@ budget in about the sum of its backoffs and the run stops with its log, while a 
 dies now and then over a week-long run is restarted for as long as the deaths stay apart.
 
 The delay before restart k within the window is `backoff_seconds * 2**(k-1)`, at most
-`max_backoff_seconds` (spopp.retry's schedule, without jitter: one process, nobody to fall in
+`max_backoff_seconds` (spopp.machine.retry's schedule, without jitter: one process, nobody to fall in
 step with). Deaths older than the window are forgotten, so after a quiet window the delay is
 short again.
 """
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 import httpx
 
 from services.shell.child import Child, ChildFailed
-from spopp.restarts import RestartWindow
-from spopp.retry import backoff
-from spopp.wait import WaitTimeout, wait_until
+from spopp.machine.restarts import RestartWindow
+from spopp.machine.retry import backoff
+from spopp.machine.wait import WaitTimeout, wait_until
 
 from . import gpus as gpu
 from .children import child_env, launch_child

@@ -45,11 +45,11 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from spopp.trajectory import count_action_tokens
+from spopp.api.trajectory import count_action_tokens
 
 
 class TrajectoryLike(Protocol):
-    """What collation reads of a trajectory (spopp.trajectory.Trajectory has it). Staleness reads
+    """What collation reads of a trajectory (spopp.api.trajectory.Trajectory has it). Staleness reads
     `policy_version` and `token_versions` too, where the object has them."""
 
     token_ids: Sequence[int]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from spopp.settings import settings_command
+from spopp.settings.base import settings_command
 
 from .config import LearnerSettings
 
@@ -17,7 +17,7 @@ def _finished_already(settings: LearnerSettings) -> bool:
     learner exits 0 before it loads anything (a restarted or relaunched learner, a resume)."""
     import logging
 
-    from spopp.client import TrackerClient
+    from spopp.api.client import TrackerClient
 
     with TrackerClient(settings.tracker, token=settings.api_token) as tracker:
         run = tracker.get_run(settings.run)
@@ -140,7 +140,7 @@ lora_group = click.Group("lora", help="LoRA snapshots: adapters the learner publ
 def lora_merge_command(snapshot: Path, out: Path, base: Path | None) -> None:
     """Merge an adapter SNAPSHOT into its base model: a Hugging Face folder (full weights, the
     base's config and tokenizer) that vLLM and transformers load as any model."""
-    from spopp.adapters import merge_adapter_folder
+    from spopp.files.adapters import merge_adapter_folder
 
     try:
         folder = merge_adapter_folder(snapshot, out, base)

@@ -14,9 +14,9 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from services.shell.http_settings import HttpServerSettings
-from spopp.fields import MaxStaleness, Recipe, Seed
-from spopp.run_binding import RunBinding
-from spopp.settings import Settings
+from spopp.settings.base import Settings
+from spopp.settings.fields import MaxStaleness, Recipe, Seed
+from spopp.settings.run_binding import RunBinding
 
 
 class LearnerTuning(HttpServerSettings):

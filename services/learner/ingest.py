@@ -14,7 +14,7 @@ the buffer is a queue of at most `capacity` waiting trajectories (see Trajectory
 
 Checks at the door, in this order, and nothing refused is ever buffered: the bearer token (401,
 when one is configured; /healthz and /metrics stay open), the body size (413), the record's own
-schema (spopp.trajectory), then IntakeLimits, what this model and recipe require beyond the wire
+schema (spopp.api.trajectory), then IntakeLimits, what this model and recipe require beyond the wire
 schema: token ids inside the vocabulary, a sequence inside the context, an advantage for SPO++.
 A 422 names the field. Every answer is counted in the learner's Prometheus metrics.
 """
@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from services.shell.middleware import BearerAuth, BodyLimit, UniqueJsonKeys, invalid_detail, short_errors
 from services.shell.routes import add_service_routes
 from spopp import staleness
-from spopp.trajectory import INTAKE, INTAKE_BATCH, Delivered, Trajectory, TrajectoryBatch
+from spopp.api.trajectory import INTAKE, INTAKE_BATCH, Delivered, Trajectory, TrajectoryBatch
 
 from .metrics import LearnerMetrics
 

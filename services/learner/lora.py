@@ -12,7 +12,7 @@ A snapshot carries the adapters alone (`lora_publish: adapter`, the default), in
 
 so a replica keeps its base weights and swaps a few megabytes; `lora_publish: merged` writes the
 full merged weights instead (W + (alpha / rank) B A under the base's own names), for replicas
-that cannot take adapters. spopp.adapters reads such folders and merges
+that cannot take adapters. spopp.files.adapters reads such folders and merges
 them (`spopp lora merge`), for the learner, the replicas and the CLI alike. The adapters are initialised from `seed` in a forked RNG, so the same
 settings give the same starting adapters whatever ran before.
 """
@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from spopp.adapters import (
+from spopp.files.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_NAME,
     adapter_scaling,

@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from spopp.settings import API_TOKEN_ENV
+from spopp.settings.base import API_TOKEN_ENV
 
 from .config import LearnerSettings
 
@@ -57,7 +57,7 @@ def die_with_launcher() -> None:
     reparented by then. The expected parent is only known when our CLI launched torchrun itself
     (--nproc); under a torchrun started by hand, only the prctl applies.
     """
-    from spopp.lifetime import die_with_parent
+    from spopp.machine.lifetime import die_with_parent
 
     die_with_parent(signal.SIGKILL)
     launcher = os.environ.get(LAUNCHER_PID_ENV)

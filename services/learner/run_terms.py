@@ -5,14 +5,14 @@ once; only `POST .../budget` grows the budget), so a learner reads them from the
 rather than from a second copy in its own settings. A learner may still be given them (a compose
 stack's settings file does): then they must be the run's, and a difference is refused naming both
 sides, so that a learner restarted with other settings never trains the run to another budget or
-rule. Normalization and Dual-Clip not given follow the run's recipe (spopp/recipes.py), so that a
+rule. Normalization and Dual-Clip not given follow the run's recipe (spopp/settings/recipes.py), so that a
 learner given nothing but its run trains that run's recipe.
 """
 
 from __future__ import annotations
 
-from spopp.recipes import RECIPE_DEFAULTS
-from spopp.tracker_api import RunConfig
+from spopp.api.tracker_api import RunConfig
+from spopp.settings.recipes import RECIPE_DEFAULTS
 
 from .config import LearnerSettings
 

@@ -1,13 +1,13 @@
 """Publishing the policy: full weights as an ordinary Hugging Face folder, atomically, newest K kept.
 
 Layout under `root` (the naming, the manifest's `version` and `step` and the holds are the shared
-contract in `spopp.snapshots`):
+contract in `spopp.files.snapshots`):
 
     v000007/                   one published policy version, never modified once it exists
       model.safetensors        full weights in the training dtype, tied aliases left out
       config.json, generation_config.json, tokenizer files   copied from the base model folder
       manifest.json            version, step (updates so far), sha256 and size of each weights
-                               file, base model, time (`spopp.snapshots.Manifest`)
+                               file, base model, time (`spopp.files.snapshots.Manifest`)
     v000008.tmp/               being written (or left by a crash; removed by the next publish)
     v000003.del/               being deleted (renamed first, so no half-deleted vNNNNNN exists)
     .holds/<holder>.json       an evaluator's hold: versions it has still to score
@@ -43,8 +43,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from spopp.adapters import ADAPTER_WEIGHTS, base_name
-from spopp.snapshots import (
+from spopp.files.adapters import ADAPTER_WEIGHTS, base_name
+from spopp.files.snapshots import (
     Manifest,
     ManifestFile,
     held,

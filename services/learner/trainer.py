@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from spopp.advantages import normalize_advantages
-from spopp.client import TrackerClient, TrackerError
+from spopp.api.client import TrackerClient, TrackerError
 
 from .backend import DeepSpeedBackend
 from .checkpoint import load_checkpoint, save_checkpoint

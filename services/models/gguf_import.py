@@ -27,7 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from spopp.model_cache import models_cache
+from spopp.files.model_cache import models_cache
 
 from .sources import PACKAGE_NAME, PACKAGE_PREFIX
 

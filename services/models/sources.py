@@ -1,6 +1,6 @@
 """Names of model sources, torch-free: what `pkg:<package>` may name. Shared by the importer and by
 `spopp launch`, which may not import the importer (it pulls in torch). Where imports are cached is
-spopp/model_cache.py."""
+spopp/files/model_cache.py."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from spopp.runs import Run
+    from spopp.files.runs import Run
 
 DEFAULT_METRIC = "eval/sampled/reward_mean"
 DEFAULT_TITLE = "SPO++ vs SPO: held-out evaluation reward"
@@ -113,8 +113,8 @@ def command(
         return
     if not run_dirs:
         raise click.UsageError("Missing argument 'RUN_DIR...'")
-    from spopp.provenance import MixedCode, check
-    from spopp.runs import RunError, read_runs
+    from spopp.files.provenance import MixedCode, check
+    from spopp.files.runs import RunError, read_runs
 
     from .tables import build, to_json, to_markdown
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from spopp.runs import Run
+from spopp.files.runs import Run
 
 from .tables import EVENTTIME, SPO, SPOPP, TRAJNORM, arm_name
 

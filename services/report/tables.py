@@ -15,13 +15,13 @@ import json
 import math
 from typing import Any
 
-from spopp import provenance
-from spopp.curves import C10_POINTS, POINTS, area, c10, c10_label, end_reward
-from spopp.runs import Run
-from spopp.stats import summarize, wins
+from spopp.compare.stats import summarize, wins
+from spopp.files import provenance
+from spopp.files.runs import Run
+from spopp.metrics import C10_POINTS, POINTS, area, c10, c10_label, end_reward
 
 SPO, SPOPP, TRAJNORM, EVENTTIME = "spo", "spopp", "spopp-trajnorm", "spo-eventtime"
-# The arms of spopp/arms.py, each named for what it changes.
+# The arms of spopp/compare/arms.py, each named for what it changes.
 ARM_NAMES = {
     SPO: "SPO",
     EVENTTIME: "SPO + event-time evidence",
@@ -238,7 +238,7 @@ def build(
     code: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole report as one JSON-ready dict (see the module docstring); `code` is what the runs'
-    code says (spopp.provenance.check's summary; by default their agreement, nothing refused)."""
+    code says (spopp.files.provenance.check's summary; by default their agreement, nothing refused)."""
     for run in runs:
         if run.arm not in ARM_NAMES and staleness_arm(run.arm) is None:
             warnings.append(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from spopp.settings import settings_command
+from spopp.settings.base import settings_command
 
 from .config import RolloutSettings
 
@@ -15,7 +15,7 @@ def _claimed(s: RolloutSettings) -> RolloutSettings:
     in the engines, and a claimed GPU must be in CUDA_VISIBLE_DEVICES before torch or vLLM start."""
     import logging
 
-    from spopp.claim import ClaimError, claim_at_start
+    from spopp.machine.claim import ClaimError, claim_at_start
 
     try:
         worker_id, port = claim_at_start(s, "rollout", logging.getLogger("spopp.rollout"))

@@ -13,10 +13,10 @@ from pydantic import Field
 from runtime.envs.choice import EnvChoice
 from runtime.episode_settings import EpisodeTuning
 from services.shell.http_settings import HttpServerSettings
-from spopp.claim_settings import ClaimSettings
-from spopp.fields import WorkerId
-from spopp.run_binding import RunBinding
-from spopp.settings import Settings
+from spopp.settings.base import Settings
+from spopp.settings.claim_settings import ClaimSettings
+from spopp.settings.fields import WorkerId
+from spopp.settings.run_binding import RunBinding
 
 
 class RolloutTuning(EpisodeTuning, ClaimSettings, HttpServerSettings):
@@ -24,7 +24,7 @@ class RolloutTuning(EpisodeTuning, ClaimSettings, HttpServerSettings):
     budgets per episode, declared once for every service that plays), draining, sampling, timings,
     its server and claim (also the `rollout:` section of a launch file). RolloutSettings
     adds what binds it to a run: the run, tracker, learner, model, tasks, environment and name (the
-    sampling seeds come from the run's seed and study at the tracker: spopp.streams)."""
+    sampling seeds come from the run's seed and study at the tracker: spopp.compare.streams)."""
 
     task_seed: int = Field(0, ge=0, description="seed of the generated tasks")
     prefetch: int | None = Field(

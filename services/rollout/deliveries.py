@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import httpx
 
-from spopp.retry import RETRYABLE_ERRORS, RetryPolicy, retry_after
-from spopp.trajectory import INTAKE, INTAKE_BATCH, MAX_TRAJECTORIES_PER_CALL, Delivered
+from spopp.api.trajectory import INTAKE, INTAKE_BATCH, MAX_TRAJECTORIES_PER_CALL, Delivered
+from spopp.machine.retry import RETRYABLE_ERRORS, RetryPolicy, retry_after
 
 from .coalesce import Coalescer, settle
 

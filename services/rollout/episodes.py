@@ -4,7 +4,7 @@ trajectory to the learner.
 A slot frees the moment its episode's generation ends: the outcome report and the trajectory POST
 go on beside the next episode. Outcome reports and trajectory deliveries are coalesced
 (services/rollout/outcomes.py, deliveries.py): those that finish while a call is on its way leave
-together in the next. What still fails after the retry bound (spopp.retry) is logged and counted
+together in the next. What still fails after the retry bound (spopp.machine.retry) is logged and counted
 (`spopp_rollout_lost`), never dropped silently.
 """
 
@@ -24,11 +24,11 @@ from runtime.chat_endpoint import Endpoint
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Playable, Task, episode_seed
 from runtime.episode import Episode, within_context
-from spopp.client import AsyncTrackerClient, TrackerError
-from spopp.retry import RetryPolicy
-from spopp.streams import sampling_seed
-from spopp.tracker_api import Lease
-from spopp.trajectory import Trajectory
+from spopp.api.client import AsyncTrackerClient, TrackerError
+from spopp.api.tracker_api import Lease
+from spopp.api.trajectory import Trajectory
+from spopp.compare.streams import sampling_seed
+from spopp.machine.retry import RetryPolicy
 
 from .config import RolloutSettings
 from .deliveries import TrajectoryBatcher, Undelivered
@@ -105,7 +105,7 @@ class Episodes:
         self.fatal: Exception | None = None
         # The run's seed and stream key at the tracker: the base of each episode's sampling seed
         # and environment stream, the same whichever replica plays a request and, for the arms of
-        # one study, whichever arm (spopp.streams).
+        # one study, whichever arm (spopp.compare.streams).
         self.run_seed = run_seed
         self.stream = stream
         # This replica's counts for its heartbeats: trajectories the learner accepted, episodes

@@ -16,9 +16,9 @@ from collections.abc import Callable, Coroutine
 
 import httpx
 
-from spopp.client import AsyncTrackerClient, RunFinished, StalePolicy, TrackerError
-from spopp.retry import RETRYABLE_STATUS
-from spopp.tracker_api import Lease
+from spopp.api.client import AsyncTrackerClient, RunFinished, StalePolicy, TrackerError
+from spopp.api.tracker_api import Lease
+from spopp.machine.retry import RETRYABLE_STATUS
 
 from .config import RolloutSettings
 from .metrics import RolloutMetrics

@@ -60,7 +60,7 @@ class RolloutMetrics:
         self.sandbox_failures = Counter("spopp_rollout_sandbox_failures", "tool runs that failed", registry=r)
         self.answer_checks_failed = Counter(
             "spopp_rollout_answer_checks_failed",
-            "answer checks killed at their deadline or failed (runtime.check_pool), scored as wrong",
+            "answer checks killed at their deadline or failed (runtime.sandbox.check_pool), scored as wrong",
             ["reason"],
             registry=r,
         )

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 
-from spopp.client import AsyncTrackerClient, TrackerError
-from spopp.tracker_api import OutcomeResult
+from spopp.api.client import AsyncTrackerClient, TrackerError
+from spopp.api.tracker_api import OutcomeResult
 
 from .coalesce import Coalescer, settle
 
-# Reports per call at most (the tracker takes up to spopp.tracker_api.MAX_BATCH).
+# Reports per call at most (the tracker takes up to spopp.api.tracker_api.MAX_BATCH).
 MAX_REPORTS_PER_CALL = 256
 
 Report = tuple[str, float]  # (request_id, reward)

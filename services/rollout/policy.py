@@ -16,8 +16,8 @@ import logging
 import time
 
 from spopp import staleness
-from spopp.client import AsyncTrackerClient
-from spopp.snapshots import snapshot_path
+from spopp.api.client import AsyncTrackerClient
+from spopp.files.snapshots import snapshot_path
 
 from .config import RolloutSettings
 from .episodes import Episodes

@@ -15,9 +15,9 @@ import logging
 
 import httpx
 
-from spopp.client import AsyncTrackerClient, RunFinished
-from spopp.tracker_api import Run
-from spopp.wait import WaitTimeout, wait_until_async
+from spopp.api.client import AsyncTrackerClient, RunFinished
+from spopp.api.tracker_api import Run
+from spopp.machine.wait import WaitTimeout, wait_until_async
 
 from .config import RolloutSettings
 

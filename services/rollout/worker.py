@@ -16,7 +16,7 @@ answering a dispatch), it stops: running episodes are cancelled, every lease it 
 released, and `run` returns, so the process exits 0.
 
 Outages: every call to the tracker and the learner is retried for up to `retry_seconds`
-(spopp.retry), so a replica rides out a restart of either, or of Redis, keeping its in-flight
+(spopp.machine.retry), so a replica rides out a restart of either, or of Redis, keeping its in-flight
 episodes, which report once the service is back. What still fails after that bound is logged and
 counted (`spopp_rollout_lost`), never dropped silently; a dispatch that fails is tried again on
 the next turn of the loop, so a replica outlives any outage. On SIGTERM it stops dispatching and
@@ -35,9 +35,9 @@ import httpx
 from runtime.agent import reserve_env_threads
 from runtime.engines.base import Engine
 from runtime.envs.base import Environment, Task
-from spopp.client import AsyncTrackerClient, RunFinished, StalePolicy
-from spopp.streams import stream_key
-from spopp.tracker_api import Lease, Run
+from spopp.api.client import AsyncTrackerClient, RunFinished, StalePolicy
+from spopp.api.tracker_api import Lease, Run
+from spopp.compare.streams import stream_key
 
 from .config import RolloutSettings
 from .episodes import Episodes, token_versions

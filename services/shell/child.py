@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from spopp.lifetime import die_with_parent
-from spopp.wait import ProcessExited, WaitTimeout, wait_http
+from spopp.machine.lifetime import die_with_parent
+from spopp.machine.wait import ProcessExited, WaitTimeout, wait_http
 
 
 def _start_child(parent: int, with_parent: bool, file_limit: int | None) -> None:

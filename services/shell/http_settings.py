@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from spopp.settings import SettingsGroup
+from spopp.settings.base import SettingsGroup
 
 from .connections import ServerLimits
 

@@ -17,7 +17,7 @@ import secrets
 
 from starlette.requests import ClientDisconnect
 
-from spopp.json_keys import RepeatedKey, loads_unique
+from spopp.api.json_keys import RepeatedKey, loads_unique
 
 from .overload import RETRY_AFTER_SECONDS
 

@@ -1,6 +1,6 @@
 """The one "not now" answer of every service: 503 with a `Retry-After` header.
 
-A client (spopp.retry) reads a 503 as "retry as it is", and waits what the header says. The tracker's
+A client (spopp.machine.retry) reads a 503 as "retry as it is", and waits what the header says. The tracker's
 API errors, the probes' 503s and the connection cap's raw reply all give the same header from here,
 so a client never sees two waits for one condition.
 """

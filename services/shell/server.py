@@ -27,7 +27,7 @@ from typing import Any
 import click
 import uvicorn
 
-from spopp.wait import WaitTimeout, wait_until
+from spopp.machine.wait import WaitTimeout, wait_until
 
 from .connections import ACCEPT_BURST, ServerLimits, protocol_class
 
@@ -197,7 +197,7 @@ class ThreadedServer:
         limits: ServerLimits | None = None,
     ) -> None:
         # Bound here, so port 0 is the OS's choice at once: no other process can take it between
-        # a draw and the bind (spopp.net's draw is for ports handed to a process not started yet).
+        # a draw and the bind (spopp.machine.net's draw is for ports handed to a process not started yet).
         self.sock = listen(host, port)
         port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{port}"

@@ -9,14 +9,14 @@ in points of [0, 1] × 100) of the paper's metrics over the common budget.
   scored at the same versions, at least HELDOUT_MIN_VERSIONS of them (fewer points make an area
   that a single version decides).
 
-Each metric gets the paired summary of spopp.stats (mean, s.d., s.e., 95 % t interval, sign test),
+Each metric gets the paired summary of spopp.compare.stats (mean, s.d., s.e., 95 % t interval, sign test),
 the two-sided paired t test's p, and Holm's adjustment over the metrics the protocol planned.
 """
 
 from __future__ import annotations
 
-from spopp.curves import POINTS, area, final_mean
-from spopp.stats import holm, paired, t_p
+from spopp.compare.stats import holm, paired, t_p
+from spopp.metrics import POINTS, area, final_mean
 
 from .measures import RunMeasures
 

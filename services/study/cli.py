@@ -14,7 +14,7 @@ import click
 
 from services.launch.cli import CONFIG_ARGUMENT, SET_OPTION, import_package_model, resolve
 from services.launch.config import LaunchSettings
-from spopp.settings import SettingsError
+from spopp.settings.base import SettingsError
 
 
 def _fail(message: str) -> None:
@@ -48,7 +48,7 @@ _MIXED_CODE = click.Option(
 
 def _check_code(folders: list[Path], out: Path, policy: str, what: str, planned: bool = True) -> None:
     """services.study.same_code.check, its refusal a ClickException and its flag said."""
-    from spopp import provenance
+    from spopp.files import provenance
 
     from .same_code import check
 
@@ -67,7 +67,7 @@ def _matched(
 ) -> tuple[LaunchSettings, list[int], list[str]]:
     """The base config, the seeds and the arms of `spopp ablate` and `spopp map`; UsageError
     naming the option of any problem."""
-    from spopp.arms import ARMS, parse_arm
+    from spopp.compare.arms import ARMS, parse_arm
 
     try:
         base = resolve(config, sets)
@@ -371,7 +371,7 @@ compare_command = click.Command(
             ["--arms"],
             default="spo,spopp",
             show_default=True,
-            help="the control and the treatment, which differ in one thing (spopp/arms.py)",
+            help="the control and the treatment, which differ in one thing (spopp/compare/arms.py)",
         ),
         click.Option(
             ["--pilot-seeds"],

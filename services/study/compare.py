@@ -1,10 +1,10 @@
 """Matched runs: one base config, several arms, several seeds, then `spopp report` over them.
 
 An arm changes the recipe and nothing else (the paper's protocol: same checkpoint, tasks, prior,
-decoding, budget and optimizer); the arms are in spopp/arms.py. `--arms spopp,spopp-k1` pairs the paper's
+decoding, budget and optimizer); the arms are in spopp/compare/arms.py. `--arms spopp,spopp-k1` pairs the paper's
 protocol against one version of staleness on the same seeds. The arms of one seed share a study
 (the comparison's folder name unless the base config names one), so they draw the same prompts,
-samples and environment streams: the pair differs by its method only (spopp.streams).
+samples and environment streams: the pair differs by its method only (spopp.compare.streams).
 
 Runs go one after another (each uses the whole machine) into `<out>/runs/<arm>-s<seed>/`, and
 the report (report.json, report.md, curves.png) into `<out>`; an
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from services.launch.config import LaunchSettings
-from spopp.arms import ARM_FIELDS, ARMS, parse_arm
+from spopp.compare.arms import ARM_FIELDS, ARMS, parse_arm
 
 
 def arm_settings(
@@ -37,7 +37,7 @@ def arm_settings(
     spec = ARMS[recipe_arm]
     name = f"{arm}-s{seed}"
     values = base.model_dump(exclude={"run", "run_dir"})
-    # Every arm of one seed draws the same prompts, samples and environment streams (spopp.streams):
+    # Every arm of one seed draws the same prompts, samples and environment streams (spopp.compare.streams):
     # the study is the comparison's folder (a map's cell), so pairs pair and comparisons stay apart.
     study = base.study or (re.sub(r"[^A-Za-z0-9_.:@+=-]", "_", out.resolve().name)[:128] or "study")
     values.update(recipe=spec["recipe"], seed=seed, study=study, run=name, run_dir=out / "runs" / name)

@@ -6,7 +6,7 @@ outcomes back after newer policies were published (`make map` also sets `time_ne
 the coupled side's extra turns do not also make it arrive later). Each cell of the grid is the base
 config with those two env_options set and nothing else changed; in each cell every arm runs on
 every seed from the same checkpoint, prior and budget. The arms walk from SPO to SPO++ one change
-at a time (spopp/arms.py), so each step's paired difference is that change alone.
+at a time (spopp/compare/arms.py), so each step's paired difference is that change alone.
 
 How many seeds each cell gets is fixed before its main runs (protocol.py): by a pilot on seeds
 of its own, or the given seeds. Pilot runs go into `<out>/pilot/cells/<cell>/runs/<arm>-s<seed>/`,
@@ -223,7 +223,7 @@ def run_map(
     code. `runner` runs a list of (cell, settings) in turn and answers (launchers, exit code):
     compare.run_in_turn. `budget_s` (seconds from this call's start, the pilot's runs included)
     bounds the main runs the pilot rule plans. A cell (pilot or main) whose runs do not come from one
-    clean commit is refused (spopp.provenance.MixedCode, a ValueError), or flagged with `mixed_code`
+    clean commit is refused (spopp.files.provenance.MixedCode, a ValueError), or flagged with `mixed_code`
     "flag"."""
     if (seeds is None) == (pilot_seeds is None):
         raise ValueError(

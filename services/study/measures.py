@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from spopp.records import RunRecord
-from spopp.runs import EVALS_FILE, LEARNER_FILE, RUN_FILE, RunError, read_run
+from spopp.files.records import RunRecord
+from spopp.files.runs import EVALS_FILE, LEARNER_FILE, RUN_FILE, RunError, read_run
 
 HELDOUT_METRIC = "eval/sampled/reward_mean"
 
@@ -77,7 +77,7 @@ def online_curve(folder: Path) -> list[float]:
     return [by_step[s] for s in steps]
 
 
-# Where a run's wall time goes, from the learner's own records (spopp.runs sums the same parts):
+# Where a run's wall time goes, from the learner's own records (spopp.files.runs sums the same parts):
 # its updates, its waits for a batch (generation behind), publishing and checkpoints; the rest of
 # the run's wall time is starting and stopping the processes and the evaluator's last versions.
 TIME_PARTS = {"update_seconds": "updates", "batch_wait_s": "waiting for batches", "publish_s": "publishing",

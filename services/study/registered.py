@@ -6,7 +6,7 @@ paired comparison that refuses a design which cannot answer and writes its own c
    `<out>/pilot/runs/<arm>-s<seed>/`. From them: version-0 success, the last point, outcomes per
    prompt (the design checks, services/study/design.py) and the paired s.d. of the primary metric.
 3. **size**: n for 80 % power of the paired t test against the planned effect at the pilot's s.d.,
-   never under 6 pairs (spopp.stats.pairs_for_power); a budget that cannot pay for n pairs at the
+   never under 6 pairs (spopp.compare.stats.pairs_for_power); a budget that cannot pay for n pairs at the
    pilot's mean run time is refused, naming n. A refusal after the pilot (a design check or the
    budget) is the study's result: study.json and README.md say why, with the pilot's numbers, the
    n it would need and the command that runs it.
@@ -15,7 +15,7 @@ paired comparison that refuses a design which cannot answer and writes its own c
    carrying the protocol's hash; common random numbers (the arms of one seed share their study).
 6. **page**: `<out>/study.json` (every number) and `<out>/README.md` (services/study/study_page.py).
 
-Every run must record its code, and one code for them all (spopp.provenance). Each stage is
+Every run must record its code, and one code for them all (spopp.files.provenance). Each stage is
 skipped when its output is there, so a stopped study resumes where it stopped; a resumed study is
 checked against its protocol first.
 """
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.launch.config import LaunchSettings
-from spopp import provenance
-from spopp.stats import pairs_for_power
+from spopp.compare.stats import pairs_for_power
+from spopp.files import provenance
 
 from . import conclusions, design, registration, same_code
 from .analysis import analyse, heldout_usable, metrics_planned
@@ -242,7 +242,7 @@ def run_study(req: Request, echo=print) -> int:
 
 def measure_protocol(folder: Path) -> str | None:
     """The protocol hash a run folder's run.json carries (FileNotFoundError before it started)."""
-    from spopp.records import RunRecord
+    from spopp.files.records import RunRecord
 
     text = (folder / "run.json").read_text(encoding="utf-8")
     try:

@@ -12,8 +12,8 @@ import json
 import math
 from pathlib import Path
 
-from spopp import provenance
-from spopp.curves import c10_label
+from spopp.files import provenance
+from spopp.metrics import c10_label
 
 from .summary import TOTAL, diff_key
 

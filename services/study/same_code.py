@@ -1,13 +1,13 @@
-"""One code for every run of a comparison (spopp.provenance), checked before any run starts rather
+"""One code for every run of a comparison (spopp.files.provenance), checked before any run starts rather
 than refused at the summary: `spopp ablate`, `spopp map` and `spopp study compare` all ask here."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from spopp import provenance
-from spopp.jsonfile import read_model
-from spopp.records import RunRecord
+from spopp.files import provenance
+from spopp.files.jsonfile import read_model
+from spopp.files.records import RunRecord
 
 
 def check(folders: list[Path], out: Path, policy: str, what: str, planned: bool = True) -> dict:

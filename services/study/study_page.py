@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from spopp import provenance
+from spopp.files import provenance
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:

@@ -2,7 +2,7 @@
 differences of the chain's steps and of SPO++ against SPO (each with its t interval and sign test),
 and what each knob measurably did.
 
-A step of the chain is one change alone (spopp/arms.py): spo → spo-eventtime is event-time evidence,
+A step of the chain is one change alone (spopp/compare/arms.py): spo → spo-eventtime is event-time evidence,
 spo-eventtime → spopp-trajnorm Dual-Clip 2, spopp-trajnorm → spopp the action-token measure. Of
 the arms a map has, each step pairs one arm with the one before it in the chain; with two or more
 steps the total (SPO++ − SPO) is reported beside them.
@@ -11,7 +11,7 @@ Over the cells (across_cells): each difference's two-sided t test p, Holm's adju
 the cells that make the same comparison (a map tests each comparison once per cell, so a reader
 looking for the cell where it "works" has as many chances as cells), and per comparison Fisher's
 combination of the cells' p's, the test of "no difference in any cell" (the tests are the
-library's, spopp.stats).
+library's, spopp.compare.stats).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import json
 import math
 from pathlib import Path
 
-from spopp import provenance
-from spopp.arms import ARMS, step_label
-from spopp.curves import POINTS, area, c10
-from spopp.records import RunRecord
-from spopp.runs import read_run
-from spopp.stats import fisher, holm, paired, t_p
+from spopp.compare.arms import ARMS, step_label
+from spopp.compare.stats import fisher, holm, paired, t_p
+from spopp.files import provenance
+from spopp.files.records import RunRecord
+from spopp.files.runs import read_run
+from spopp.metrics import POINTS, area, c10
 
 MEASURES = (
     "length_advantage_corr",
@@ -153,7 +153,7 @@ def summarize_cell(
 ) -> dict:
     """One cell over its seeds: per arm the per-seed areas (and their mean, C10 and measures), each
     paired difference in area points, the environment options its runs had, warnings, and the code
-    of its runs (spopp.provenance: runs from different code are refused, or flagged by `mixed_code`)."""
+    of its runs (spopp.files.provenance: runs from different code are refused, or flagged by `mixed_code`)."""
     warnings: list[str] = []
     curves: dict[str, dict[int, list[float]]] = {arm: {} for arm in arms}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}

@@ -32,8 +32,8 @@ from services.shell.middleware import (
     short_errors,
 )
 from spopp import __version__
-from spopp.retry import RetryPolicy
-from spopp.tracker_api import MAX_TASKS_PER_CALL
+from spopp.api.tracker_api import MAX_TASKS_PER_CALL
+from spopp.machine.retry import RetryPolicy
 
 from .config import TrackerSettings, metrics_need_token, password_from_file
 from .errors import ApiError, error_response, unavailable

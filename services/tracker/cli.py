@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from spopp.settings import settings_command
+from spopp.settings.base import settings_command
 
 from .config import TrackerSettings
 

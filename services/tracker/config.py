@@ -8,9 +8,9 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from services.shell.http_settings import HttpServerSettings
-from spopp.fields import ApiToken
-from spopp.settings import Settings
-from spopp.tracker_api import MAX_RUNS, MAX_WORKERS_PER_RUN
+from spopp.api.tracker_api import MAX_RUNS, MAX_WORKERS_PER_RUN
+from spopp.settings.base import Settings
+from spopp.settings.fields import ApiToken
 
 
 class TrackerTuning(HttpServerSettings):

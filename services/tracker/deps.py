@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
-from spopp.fields import Id
+from spopp.settings.fields import Id
 
 from .store import Store
 

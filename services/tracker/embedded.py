@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from spopp.lifetime import die_with_parent
-from spopp.net import free_port
-from spopp.restarts import RestartWindow
-from spopp.retry import RetryPolicy
-from spopp.wait import ProcessExited, WaitTimeout, wait_until
+from spopp.machine.lifetime import die_with_parent
+from spopp.machine.net import free_port
+from spopp.machine.restarts import RestartWindow
+from spopp.machine.retry import RetryPolicy
+from spopp.machine.wait import ProcessExited, WaitTimeout, wait_until
 
 log = logging.getLogger("spopp.tracker")
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from spopp.api.tracker_api import LIMITS, MAX_RUNS, MAX_WORKERS_PER_RUN, RunConfig, TaskPrior
+from spopp.compare.streams import stream_key
 from spopp.evidence import jeffreys_init
 from spopp.sampler import SAMPLER_FLOOR, race_draws
-from spopp.streams import stream_key
-from spopp.tracker_api import LIMITS, MAX_RUNS, MAX_WORKERS_PER_RUN, RunConfig, TaskPrior
 
 from .errors import ApiError
 

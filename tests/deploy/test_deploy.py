@@ -31,7 +31,7 @@ from services.init.create import InitSettings
 from services.learner.config import LearnerSettings
 from services.rollout.config import RolloutSettings
 from services.tracker.config import TrackerSettings
-from spopp.settings import API_TOKEN_ENV
+from spopp.settings.base import API_TOKEN_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -447,7 +447,7 @@ def test_replicas_scale_by_claims_not_by_names():
         assert SERVICE_SETTINGS[name].resolve(env=service_env(spec)).claim_ports  # port + slot
         assert f"{prefix}DEVICES" in gpu[name]["environment"]  # a pool of GPUs on GPU nodes
     # The default pools are disjoint from each other and from the learner's GPUs.
-    from spopp.claim import visible_devices
+    from spopp.machine.claim import visible_devices
 
     learner = set(visible_devices(ENV_EXAMPLE["SPOPP_GPUS_LEARNER"]))
     rollout = set(visible_devices(ENV_EXAMPLE["SPOPP_ROLLOUT_DEVICES"]))
@@ -672,7 +672,7 @@ def _redis_files(secrets: Path) -> tuple[str, str]:
 
 
 def test_data_step_refuses_a_token_the_tracker_would_refuse_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    # The step reads the token through the settings (spopp.fields.ApiToken): a .env token of 5
+    # The step reads the token through the settings (spopp.settings.fields.ApiToken): a .env token of 5
     # characters is refused here, exit 2, before a secret or a task file is written.
     monkeypatch.setenv(API_TOKEN_ENV, "short")
     data, secrets = tmp_path / "data", tmp_path / "secrets"
@@ -719,7 +719,7 @@ def test_redis_as_compose_starts_it_refuses_clients_without_the_password(tmp_pat
     import redis as redis_client
 
     from services.tracker.embedded import find_redis_server
-    from spopp.net import free_port
+    from spopp.machine.net import free_port
 
     secrets, state = tmp_path / "secrets", tmp_path / "redis"
     state.mkdir()
@@ -854,14 +854,14 @@ def test_unset_token_from_compose_means_no_auth():
 
 
 def test_short_token_is_refused():
-    from spopp.settings import SettingsError
+    from spopp.settings.base import SettingsError
 
     with pytest.raises(SettingsError, match="api_token .environment SPOPP_API_TOKEN."):
         TrackerSettings.resolve(env={"SPOPP_API_TOKEN": "short"})
 
 
 def test_learner_example_config_loads_and_bad_configs_say_why(tmp_path):
-    from spopp.settings import SettingsError
+    from spopp.settings.base import SettingsError
 
     cfg = LearnerSettings.resolve(ROOT / "deploy" / "learner.example.yaml", env={})
     assert (cfg.batch_size, cfg.mini_batches, cfg.lr, cfg.weight_decay) == (128, 4, 1e-6, 0.1)
@@ -885,7 +885,7 @@ def test_replica_containers_have_a_memory_limit_that_covers_their_episodes():
     """Issue 48: the sandbox bounds each run (1 GiB of memory, 256 MiB of files); a container of N
     episodes in flight needs N x 1.25 GiB beside its engine, and a limit so that past it the kernel
     kills inside the container, not elsewhere on the node."""
-    from runtime.sandbox import SandboxConfig
+    from runtime.sandbox.bubblewrap import SandboxConfig
     from services.evaluator.config import EvaluatorTuning
     from services.rollout.config import RolloutTuning
 

@@ -33,7 +33,7 @@ from test_deploy import (
 )
 
 from services.init.create import InitSettings
-from spopp.settings import API_TOKEN_ENV, SHARED_ENV, TRACKER_URL_ENV
+from spopp.settings.base import API_TOKEN_ENV, SHARED_ENV, TRACKER_URL_ENV
 
 K8S = ROOT / "deploy" / "k8s"
 BASE = K8S / "base"  # the manifests; deploy/k8s/kustomization.yaml and every overlay build on it
@@ -521,7 +521,7 @@ def test_redis_config_step_and_probes_work_with_a_real_redis(tmp_path):
     import redis as redis_client
 
     from services.tracker.embedded import find_redis_server
-    from spopp.net import free_port
+    from spopp.machine.net import free_port
 
     config, redis = container("StatefulSet/redis", "config"), container("StatefulSet/redis", "redis")
     script = config["args"][0].replace("/conf", str(tmp_path))

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from spopp.settings import environ_without_settings
+from spopp.settings.base import environ_without_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "environments.md"

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from services.study.render import p_value
-from spopp.curves import POINTS, area, end_reward
-from spopp.stats import sign_test
+from spopp.compare.stats import sign_test
+from spopp.metrics import POINTS, area, end_reward
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
@@ -468,7 +468,7 @@ def _study_n() -> tuple[str, ...]:
 
 
 def _study_sign_floor() -> tuple[str, ...]:
-    from spopp.stats import SIGN_TEST_MIN_PAIRS, sign_floor
+    from spopp.compare.stats import SIGN_TEST_MIN_PAIRS, sign_floor
 
     [d] = _study()["diffs"]
     assert sign_floor(SIGN_TEST_MIN_PAIRS) < 0.05 <= sign_floor(SIGN_TEST_MIN_PAIRS - 1)  # "needs 6 pairs"

@@ -130,7 +130,7 @@ def test_the_map_and_crn_runs_were_made_before_runs_recorded_their_code():
     """Every committed map run (pilot and main) and every common-random-numbers run has no `code` in
     its run.json, so nothing can check which commit made them; their pages must say so rather than
     name one. A run added with its code would fail here, and the pages would need rewriting."""
-    from spopp import provenance
+    from spopp.files import provenance
 
     result = _map()
     runs = sorted((MAP / "data").rglob("run.json"))

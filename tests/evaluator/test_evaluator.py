@@ -31,8 +31,7 @@ from runtime.tasks import generate_arithmetic_tasks, write_jsonl
 from services.evaluator.config import EvaluatorSettings
 from services.evaluator.scorer import sample_seed
 from services.learner.snapshot import prune_snapshots
-from spopp.settings import environ_without_settings
-from spopp.snapshots import (
+from spopp.files.snapshots import (
     Hold,
     hold_file,
     list_snapshots,
@@ -42,7 +41,8 @@ from spopp.snapshots import (
     version_dirname,
     write_hold,
 )
-from spopp.wait import wait_until
+from spopp.machine.wait import wait_until
+from spopp.settings.base import environ_without_settings
 from tools.tiny_model import perturb_weights
 
 N_TASKS, K = 6, 3
@@ -189,7 +189,7 @@ def test_summaries_count_successes_truncations_and_pass_at_k():
 
 
 def test_settings_refuse_nothing_to_play_and_bad_holders(held_out):
-    from spopp.settings import SettingsError
+    from spopp.settings.base import SettingsError
 
     with pytest.raises(SettingsError, match="nothing to score"):
         EvaluatorSettings.resolve(
@@ -313,7 +313,7 @@ def test_holds_spare_their_versions_until_they_expire(tmp_path, caplog):
         json.dumps({"holder": "negative", "from_version": -1, "every": 1, "expires_at": now + 100})
     )
     (tmp_path / ".holds" / ".evaluator-b.json.1-2.tmp").write_text("half written")
-    with caplog.at_level(logging.WARNING, logger="spopp.snapshots"):
+    with caplog.at_level(logging.WARNING, logger="spopp.files.snapshots"):
         holds = read_holds(tmp_path, now)
         assert [h.holder for h in holds] == ["evaluator-a"]
         deleted = prune_snapshots(tmp_path, keep=2, now=now)

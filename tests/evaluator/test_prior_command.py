@@ -28,9 +28,9 @@ from runtime.engines.base import Engine, Generation, SamplingConfig
 from runtime.envs.toy_calc import generate_toy_calc_tasks, write_toy_calc_tasks
 from services.evaluator.prior_config import PriorSettings
 from services.evaluator.scorer import sample_seed
-from spopp.priors import read_prior
-from spopp.settings import SettingsError, environ_without_settings
-from spopp.tracker_api import PutTasks
+from spopp.api.tracker_api import PutTasks
+from spopp.files.priors import read_prior
+from spopp.settings.base import SettingsError, environ_without_settings
 
 N_TASKS, ROLLOUTS, MASS, SEED = 10, 8, 8.0, 5
 EPISODE = dict(env="toy-calc", max_turns=2, max_tokens_per_turn=16, max_total_tokens=64)

@@ -30,8 +30,8 @@ import torch
 import yaml
 from procs import cli
 
-from spopp.net import PORT_RANGE_ENV, port_range
-from spopp.settings import environ_without_settings
+from spopp.machine.net import PORT_RANGE_ENV, port_range
+from spopp.settings.base import environ_without_settings
 
 pytestmark = [
     pytest.mark.process,

@@ -33,10 +33,10 @@ from procs import learner_config
 
 from runtime.tasks import generate_arithmetic_tasks
 from services.tracker.embedded import EmbeddedRedis
-from spopp.client import TrackerClient
-from spopp.net import free_port
-from spopp.settings import environ_without_settings
-from spopp.wait import WaitTimeout, wait_until
+from spopp.api.client import TrackerClient
+from spopp.machine.net import free_port
+from spopp.machine.wait import WaitTimeout, wait_until
+from spopp.settings.base import environ_without_settings
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

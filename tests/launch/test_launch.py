@@ -23,10 +23,10 @@ from services.launch import gpus
 from services.launch.cli import resolve
 from services.launch.config import LaunchSettings
 from services.study.compare import arm_settings
-from spopp.client import TrackerClient
-from spopp.priors import build_prior, read_prior, write_prior
-from spopp.settings import SettingsError, environ_without_settings
-from spopp.wait import ProcessExited, WaitTimeout, wait_until
+from spopp.api.client import TrackerClient
+from spopp.files.priors import build_prior, read_prior, write_prior
+from spopp.machine.wait import ProcessExited, WaitTimeout, wait_until
+from spopp.settings.base import SettingsError, environ_without_settings
 from tools.chaos import launched_child
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
@@ -269,7 +269,7 @@ def test_every_child_is_bound_to_the_one_run(toy, tmp_path):
     """spopp launch builds the run binding once (plan.binding) and every run-bound child carries
     it: the same run, the tracker it started, the token; the tracker itself gets only the token."""
     from services.launch.config import port_requests, process_plan
-    from spopp.run_binding import RunBinding
+    from spopp.settings.run_binding import RunBinding
 
     token = "t" * 24
     s = resolve(config(toy, tmp_path, api_token=token), ("rollout.replicas=2", "seed=3"))
@@ -350,7 +350,7 @@ def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
 
 def test_staleness_arms_set_k_for_the_tracker_run_which_the_learner_reads(toy, tmp_path):
     from services.launch.config import port_requests, process_plan
-    from spopp.arms import parse_arm
+    from spopp.compare.arms import parse_arm
 
     base = resolve(config(toy, tmp_path))
     for arm, k in (("spopp", 0), ("spopp-k1", 1), ("spo-k2", 2)):
@@ -590,7 +590,7 @@ def test_a_killed_launcher_takes_its_children_with_it(toy, tmp_path):
 
 def _records_its_code_and_machine(record: dict) -> None:
     """run.json, written before the first child starts, names the code (this checkout's commit,
-    whether tracked code differs from it, the lock's sha256) and the machine (spopp/provenance.py)."""
+    whether tracked code differs from it, the lock's sha256) and the machine (spopp/files/provenance.py)."""
     import hashlib
     import platform
     from importlib.metadata import version
@@ -617,7 +617,7 @@ def _records_its_code_and_machine(record: dict) -> None:
 def test_the_tracker_run_must_match_the_recipe(toy, tmp_path, redis_server):
     """With an external Redis that already holds the run under another recipe: refused, and only the
     tracker was started (and stopped)."""
-    from spopp.client import TrackerClient
+    from spopp.api.client import TrackerClient
     from tools.tracker_process import TrackerProcess
 
     tracker = TrackerProcess(redis_server.url)

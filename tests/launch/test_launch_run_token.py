@@ -23,8 +23,8 @@ import yaml
 from procs import cli
 from test_launch import _start, _wait_for, config, toy, updates  # noqa: F401  (toy: the module's fixture)
 
-from spopp.settings import API_TOKEN_ENV, environ_without_settings
-from spopp.wait import wait_until
+from spopp.machine.wait import wait_until
+from spopp.settings.base import API_TOKEN_ENV, environ_without_settings
 from tools.tracker_process import TrackerProcess
 
 RUN = "spopp-s0"

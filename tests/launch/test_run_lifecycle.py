@@ -21,8 +21,8 @@ from procs import cli, learner_config, running
 from service_procs import REPLICA_TASKS, evaluator_args, publish, recorded, replica
 
 from runtime.tasks import generate_arithmetic_tasks, write_jsonl
-from spopp.client import RunFinished, TrackerClient, TrackerError
-from spopp.net import free_port
+from spopp.api.client import RunFinished, TrackerClient, TrackerError
+from spopp.machine.net import free_port
 from tools.sink import LearnerSink
 from tools.tracker_process import TrackerProcess
 

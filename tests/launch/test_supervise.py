@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from services.launch.supervise import GaveUp, RestartBudget, describe_exit
 from services.launch.supervision_settings import SupervisionSettings
-from spopp.records import RunRecord
+from spopp.files.records import RunRecord
 
 
 def budget(**over) -> RestartBudget:
@@ -76,7 +76,7 @@ def test_bad_settings_are_refused_naming_the_field(over, field):
 
 def test_a_launch_file_names_the_supervision_field_at_fault(tmp_path):
     from services.launch.config import LaunchSettings
-    from spopp.settings import SettingsError
+    from spopp.settings.base import SettingsError
 
     path = tmp_path / "launch.yaml"
     path.write_text("model: m\ntasks: t.jsonl\nsupervision: {max_restarts: many}\n")

@@ -20,7 +20,7 @@ import psutil
 import pytest
 from test_launch import _start, _wait_for, config, toy, updates  # noqa: F401  (toy: the module's fixture)
 
-from spopp.wait import wait_until
+from spopp.machine.wait import wait_until
 from tools.chaos import Descendants, check, launched_child
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)

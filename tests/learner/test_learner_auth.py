@@ -13,7 +13,7 @@ import pytest
 from learner_worker import make_batch
 from procs import cli, learner_config, running
 
-from spopp.client import TrackerClient
+from spopp.api.client import TrackerClient
 from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)

@@ -15,7 +15,7 @@ import pytest
 from procs import cli, learner_config, running
 
 from runtime.tasks import generate_arithmetic_tasks
-from spopp.net import free_port
+from spopp.machine.net import free_port
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

@@ -8,7 +8,7 @@ import pytest
 
 from services.learner.ingest import TrajectoryBuffer, ingest_app
 from services.shell.server import ThreadedServer
-from spopp.trajectory import Trajectory
+from spopp.api.trajectory import Trajectory
 
 
 def traj(i, version=0, run="r", **change):

@@ -22,8 +22,8 @@ from services.learner.batch import collate, trainable_tokens
 from services.learner.ingest import IntakeLimits, TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
 from services.shell.server import ThreadedServer
-from spopp.trajectory import FLOAT32_MAX, Trajectory, count_action_tokens
-from spopp.wait import WaitTimeout, wait_until
+from spopp.api.trajectory import FLOAT32_MAX, Trajectory, count_action_tokens
+from spopp.machine.wait import WaitTimeout, wait_until
 
 TOKEN = "intake-token-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -29,8 +29,8 @@ from test_learner_intake_security import refused, scrape
 
 from services.learner.batch import collate
 from services.learner.ingest import TrajectoryBuffer
+from spopp.api.trajectory import FLOAT32_MAX, Trajectory
 from spopp.loss import policy_loss, screen_rows, screened
-from spopp.trajectory import FLOAT32_MAX, Trajectory
 
 POISON = -1e308  # finite in float64, -inf in float32
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from services.learner.op_build import FLOCK, TORCH_LOCK, build_lock
-from spopp.settings import environ_without_settings
+from spopp.settings.base import environ_without_settings
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

@@ -30,8 +30,8 @@ from services.learner.batch import (
     plan_micro_batches,
 )
 from services.learner.logprobs import token_logprobs, token_logprobs_entropy
+from spopp.api.trajectory import count_action_tokens
 from spopp.loss import screen_rows
-from spopp.trajectory import count_action_tokens
 
 VOCAB = 256  # ids drawn below this: within the tiny model's vocabulary
 

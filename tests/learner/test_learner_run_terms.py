@@ -10,7 +10,7 @@ import pytest
 
 from services.learner.config import LearnerSettings
 from services.learner.run_terms import adopt_run_terms, check_run
-from spopp.tracker_api import RunConfig
+from spopp.api.tracker_api import RunConfig
 
 
 def settings(**over) -> LearnerSettings:

@@ -13,7 +13,7 @@ import pytest
 from learner_worker import make_batch
 from procs import cli, learner_config, running
 
-from spopp.wait import wait_http, wait_until
+from spopp.machine.wait import wait_http, wait_until
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

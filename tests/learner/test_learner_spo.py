@@ -5,7 +5,7 @@ import math
 import pytest
 
 from services.learner.spo import SpoDriftCache
-from spopp.trajectory import Trajectory
+from spopp.api.trajectory import Trajectory
 
 
 def traj(task, tokens, mask):

@@ -142,7 +142,7 @@ def test_an_adapter_snapshot_is_peft_layout_and_merges_to_the_same_model(tiny_mo
     from transformers import AutoModelForCausalLM
 
     from services.cli import build
-    from spopp.snapshots import read_manifest
+    from spopp.files.snapshots import read_manifest
 
     trajs, adv = batch
     task = {"cfg": {**_cfg(3, 2, 2), **SETTINGS}, "publish": {"root": str(tmp_path), "version": 1, "keep": 2}}

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from spopp.net import port_range
-from spopp.settings import environ_without_settings
+from spopp.machine.net import port_range
+from spopp.settings.base import environ_without_settings
 
 _SCRIPT = """
 import json, os, psutil
@@ -36,5 +36,5 @@ def test_a_world_of_one_meets_in_process_and_draws_no_port():
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["rank_world"] == [0, 1] and seen["master_port"] is None
-    lo, hi = port_range()  # where spopp.net draws (this worker's share, inherited by the child)
+    lo, hi = port_range()  # where spopp.machine.net draws (this worker's share, inherited by the child)
     assert not [port for port in seen["listening"] if lo <= port <= hi], seen

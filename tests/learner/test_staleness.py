@@ -20,8 +20,8 @@ from services.learner.ingest import Refused, TrajectoryBuffer, ingest_app
 from services.learner.update import staleness_stats
 from services.shell.server import ThreadedServer
 from spopp import staleness
+from spopp.api.trajectory import Trajectory
 from spopp.loss import policy_loss
-from spopp.trajectory import Trajectory
 
 F64 = torch.float64
 

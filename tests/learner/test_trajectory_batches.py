@@ -31,9 +31,9 @@ from services.learner.ingest import TrajectoryBuffer, ingest_app
 from services.learner.metrics import LearnerMetrics
 from services.rollout.deliveries import TrajectoryBatcher, Undelivered
 from services.shell.server import ThreadedServer
-from spopp.net import free_port
-from spopp.retry import RetryPolicy
-from spopp.trajectory import INTAKE_BATCH, MAX_TRAJECTORIES_PER_CALL
+from spopp.api.trajectory import INTAKE_BATCH, MAX_TRAJECTORIES_PER_CALL
+from spopp.machine.net import free_port
+from spopp.machine.retry import RetryPolicy
 
 
 def post_batch(url, records, headers=AUTH):

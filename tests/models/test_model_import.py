@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from services.models.gguf_import import MANIFEST, ImportRefused, import_model, read_manifest
-from spopp.settings import environ_without_settings
+from spopp.settings.base import environ_without_settings
 
 pytestmark = pytest.mark.process  # the import runs pip (a process): the process tier
 

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from services.rollout.outcomes import OutcomeBatcher
-from spopp.client import AsyncTrackerClient, TrackerError
+from spopp.api.client import AsyncTrackerClient, TrackerError
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

@@ -18,8 +18,8 @@ from test_rollout_service import N_TASKS, _metric
 
 from runtime.tasks import generate_arithmetic_tasks
 from services.tracker.embedded import EmbeddedRedis
-from spopp.client import TrackerClient
-from spopp.net import free_port
+from spopp.api.client import TrackerClient
+from spopp.machine.net import free_port
 from tools.sink import LearnerSink
 from tools.tracker_process import TrackerProcess
 

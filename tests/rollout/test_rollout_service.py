@@ -16,8 +16,8 @@ from service_procs import replica
 from transformers import AutoModelForCausalLM
 
 from runtime.tasks import generate_arithmetic_tasks
-from spopp.net import free_port
-from spopp.wait import wait_until
+from spopp.machine.net import free_port
+from spopp.machine.wait import wait_until
 from tools.sink import LearnerSink
 from tools.tiny_model import perturb_weights
 

@@ -16,8 +16,8 @@ from runtime.envs.base import Environment, StepResult, Task
 from runtime.episode import Budget
 from services.rollout.swap import VersionedEngine
 from services.rollout.worker import token_versions
-from spopp.tracker_api import Lease
-from spopp.trajectory import Trajectory
+from spopp.api.tracker_api import Lease
+from spopp.api.trajectory import Trajectory
 
 TASK = Task("t1", "What is 123*45+6?", "5541")
 LONG = SamplingConfig(max_tokens=48, temperature=1.0, seed=3)
@@ -166,7 +166,7 @@ def test_a_worker_is_built_with_what_its_run_fixes(engine, tiny_model, runner):
     key and (a restarted worker id) the counts the tracker had of it: nothing is patched later."""
     from services.rollout.config import RolloutSettings
     from services.rollout.worker import Worker
-    from spopp.streams import stream_key
+    from spopp.compare.streams import stream_key
 
     s = RolloutSettings(run="r", model=tiny_model, tracker="http://127.0.0.1:9", learner="http://127.0.0.1:9",
                         worker_id="rollout-2")  # fmt: skip

@@ -29,7 +29,7 @@ from runtime.envs.agent import AgentEnv
 from runtime.envs.base import Environment, StepResult, Task
 from runtime.episode import Budget
 from runtime.tool_calls import ToolFormat, parse, tool_format
-from spopp.trajectory import Trajectory
+from spopp.api.trajectory import Trajectory
 
 TASK = Task("t1", "What is 123*45+6?", "5541")
 BUDGET = Budget(4, 48, 2048)

@@ -506,7 +506,7 @@ def test_a_replica_refuses_a_huge_call_at_once_and_scores_episodes_that_generate
     from procs import cli, running
 
     from runtime.tasks import generate_arithmetic_tasks
-    from spopp.net import free_port
+    from spopp.machine.net import free_port
     from tools.sink import LearnerSink
 
     (tmp_path / "pkg").mkdir()

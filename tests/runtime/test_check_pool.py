@@ -1,4 +1,4 @@
-"""Answer checks out of process (runtime.check_pool): a hostile answer cannot freeze the caller.
+"""Answer checks out of process (runtime.sandbox.check_pool): a hostile answer cannot freeze the caller.
 
 Issue 48, finding 1: sympy evaluated `\\boxed{9^{9^{9}}}` in C holding the GIL, in a thread of the
 replica's own process, so the thread's "limit" could not stop it and the event loop (health route,
@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from runtime.check_pool import CheckPool
 from runtime.envs.base import Task
 from runtime.envs.math_tir import MathTIREnv
+from runtime.sandbox.check_pool import CheckPool
 from runtime.verify import check_answer
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
@@ -136,7 +136,7 @@ def test_a_worker_outliving_its_pool_ends_on_its_own_cpu_budget():
     script = textwrap.dedent(
         """
         import os, sys, threading, time
-        from runtime.check_pool import CheckPool
+        from runtime.sandbox.check_pool import CheckPool
         pool = CheckPool(size=1, preload=("sympy", "math_verify"))
         pool.call("runtime.verify:math_equivalent", "1", "1", timeout_s=60)
         worker = pool._idle[0]

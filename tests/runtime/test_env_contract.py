@@ -12,7 +12,7 @@ NAME` checks it (no options, a few arithmetic questions).
 Where an environment starts processes, its check is in the process tier (tests/conftest.py refuses
 child processes elsewhere) but still runs in this process: math-tir runs the model's code in a
 bubblewrap sandbox and its answer check in a worker process; single-turn and reasoning-gym score
-out of process (runtime/check_pool.py). The others (toy-calc, agent, verifiers, alfworld with its
+out of process (runtime/sandbox/check_pool.py). The others (toy-calc, agent, verifiers, alfworld with its
 engine in this process: `workers: 0`) run in the default tier.
 """
 

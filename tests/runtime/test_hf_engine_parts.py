@@ -517,7 +517,7 @@ def adapters(tiny_model, tmp_path_factory):
 def holds_adapter(model, folder):
     from safetensors.torch import load_file
 
-    from spopp.adapters import adapter_targets
+    from spopp.files.adapters import adapter_targets
 
     tensors = load_file(folder / "adapter_model.safetensors")
     params = dict(model.named_parameters())

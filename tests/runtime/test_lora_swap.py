@@ -103,7 +103,7 @@ def test_adapter_swaps_match_the_merged_model_and_keep_the_base(
     for g, p, t in zip(before, requests, temperatures, strict=True):
         check_against_reference(g, p, reference(tiny_model), t, LOGPROB_TOL[kind])
     # `spopp lora merge`'s folder is a plain model: loaded as full weights, it is the adapted model.
-    from spopp.adapters import merge_adapter_folder
+    from spopp.files.adapters import merge_adapter_folder
 
     merged = merge_adapter_folder(adapters[1][0], tmp_path / "merged", tiny_model)
     runner.run(engine.load_weights(merged))

@@ -10,7 +10,7 @@ import pytest
 
 from runtime.envs.base import Task
 from runtime.envs.math_tir import MathTIREnv, find_tool_call
-from runtime.sandbox import SandboxConfig
+from runtime.sandbox.bubblewrap import SandboxConfig
 from runtime.tasks import (
     DAPO_PREFIX,
     DAPO_SUFFIX,
@@ -36,7 +36,7 @@ def test_extract_boxed_takes_the_last_box_with_nested_braces():
     assert extract_boxed(r"\boxed{3} and a cut \boxed{4") is None  # the last box never closed
 
 
-# math-verify runs in a worker process (runtime.check_pool; tests/runtime/test_check_pool.py has its limits).
+# math-verify runs in a worker process (runtime.sandbox.check_pool; tests/runtime/test_check_pool.py has its limits).
 @pytest.mark.process
 @pytest.mark.parametrize(
     ("response", "reference"),

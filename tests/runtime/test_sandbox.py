@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sandbox import SandboxConfig, SandboxUnavailable, run_python
+from runtime.sandbox.bubblewrap import SandboxConfig, SandboxUnavailable, run_python
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
@@ -349,7 +349,7 @@ def test_forked_children_share_one_memory_bound():
     """RLIMIT_AS is per process: 8 children of 400 MiB were all resident at once (3.1 GiB). In the
     run's cgroup, 4 children of 200 MiB under a 512 MiB bound cannot all hold their memory: the
     kernel kills within the run, and the run says which limit."""
-    from runtime import sandbox_cgroup
+    from runtime.sandbox import cgroup as sandbox_cgroup
 
     assert not isinstance(sandbox_cgroup.detect(), str), sandbox_cgroup.detect()  # root, as the replica
     config = SandboxConfig(
@@ -368,7 +368,7 @@ def test_forked_children_share_one_memory_bound():
 def test_without_a_cgroup_the_process_cap_keeps_the_total():
     """The fallback (no writable cgroup, e.g. a container's read-only /sys/fs/cgroup): RLIMIT_AS of
     256 MiB times a cap of 512 // 256 = 2 processes: the first child forks, the second cannot."""
-    from runtime.sandbox import process_cap
+    from runtime.sandbox.bubblewrap import process_cap
 
     config = SandboxConfig(
         wall_seconds=15, cpu_seconds=10, memory_bytes=256 * MiB, total_memory_bytes=512 * MiB, cgroups=False
@@ -382,7 +382,7 @@ def test_without_a_cgroup_the_process_cap_keeps_the_total():
 
 
 def test_run_groups_are_removed_after_each_run_and_swept_after_a_dead_owner():
-    from runtime import sandbox_cgroup
+    from runtime.sandbox import cgroup as sandbox_cgroup
 
     hierarchies = sandbox_cgroup.detect()
     assert not isinstance(hierarchies, str), hierarchies

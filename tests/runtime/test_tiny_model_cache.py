@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from runtime.tiny_model import cached_tiny_model, tiny_model_folder, tiny_model_key
-from spopp.model_cache import built_once, models_cache
+from spopp.files.model_cache import built_once, models_cache
 
 
 def _digest(folder: Path) -> dict[str, str]:

@@ -49,9 +49,9 @@ from services.rollout.serve import health_app as replica_app
 from services.shell.middleware import repeated_key
 from services.shell.server import ThreadedServer
 from services.tracker.embedded import EmbeddedRedis
-from spopp import tracker_api as api
-from spopp.client import TrackerClient
-from spopp.trajectory import INTAKE, INTAKE_BATCH, Trajectory, TrajectoryBatch
+from spopp.api import tracker_api as api
+from spopp.api.client import TrackerClient
+from spopp.api.trajectory import INTAKE, INTAKE_BATCH, Trajectory, TrajectoryBatch
 from tools.tracker_process import TrackerProcess
 
 TOKEN = "fuzz-token-for-tests-0123456789abc"

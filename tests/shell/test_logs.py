@@ -189,7 +189,7 @@ def test_tracker_with_json_logs_writes_only_json_lines(tmp_path):
 
 def test_launch_passes_its_log_format_to_every_process_and_sections_may_not_differ(tmp_path):
     from services.launch.config import LaunchSettings, process_plan
-    from spopp.settings import SettingsError
+    from spopp.settings.base import SettingsError
 
     base = {"model": tmp_path / "m", "tasks": tmp_path / "t.jsonl", "heldout": tmp_path / "h.jsonl"}
     ports = {"tracker": 1, "learner": 2, "evaluator": 3, "rollout-0": 4, "rollout-1": 5}

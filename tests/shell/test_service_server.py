@@ -257,7 +257,7 @@ def test_a_threaded_server_holds_its_port_from_construction_a_taken_one_is_refus
     can take it before the server starts (the race a drawn port would have); `url` names it. A
     port the caller gave that another process holds is CannotListen, never a silent other port."""
     from services.shell.server import CannotListen
-    from spopp.net import port_free
+    from spopp.machine.net import port_free
 
     server = ThreadedServer(_app())
     port = int(server.url.rsplit(":", 1)[1])
@@ -277,8 +277,8 @@ def test_a_tracker_whose_port_or_redis_fails_at_start_exits_3_with_one_clear_err
     uvicorn's start-up error, without the torn-down loop's traceback of every task."""
     from procs import cli
 
-    from spopp.net import port_free
-    from spopp.settings import environ_without_settings
+    from spopp.machine.net import port_free
+    from spopp.settings.base import environ_without_settings
 
     env = {**environ_without_settings(), "OMP_NUM_THREADS": "1", "SPOPP_API_TOKEN": "t" * 16}
     with held_port() as port:

@@ -1,4 +1,4 @@
-"""Claims of a device or a numbered slot (spopp.claim), with real processes: several claimers
+"""Claims of a device or a numbered slot (spopp.machine.claim), with real processes: several claimers
 started at once get distinct claims, a full pool names its holders, a SIGKILLed holder's claim goes
 to its successor, a child process never keeps its parent's claim; and two real `spopp rollout
 serve` processes started alike come up on distinct ports with distinct worker ids."""
@@ -22,10 +22,10 @@ from procs import cli, kill_unless_reused, running
 from runtime.tasks import generate_arithmetic_tasks
 from services.evaluator.config import EvaluatorSettings
 from services.rollout.config import RolloutSettings
-from spopp.claim import ClaimError, DeviceSpecError, claim, visible_devices
-from spopp.net import free_port, port_free
-from spopp.settings import SettingsError, environ_without_settings
-from spopp.wait import http_answer, wait_until
+from spopp.machine.claim import ClaimError, DeviceSpecError, claim, visible_devices
+from spopp.machine.net import free_port, port_free
+from spopp.machine.wait import http_answer, wait_until
+from spopp.settings.base import SettingsError, environ_without_settings
 from tools.sink import LearnerSink
 
 # A claimer: claims as told (JSON in argv[1]), prints its claim as one JSON line, then sleeps until
@@ -34,7 +34,7 @@ from tools.sink import LearnerSink
 HOLDER = r"""
 import json, os, subprocess, sys, time
 from pathlib import Path
-from spopp.claim import ClaimError, claim_process
+from spopp.machine.claim import ClaimError, claim_process
 a = json.loads(sys.argv[1])
 try:
     held, port = claim_process(Path(a["dir"]), a.get("role", "rollout"), a.get("devices"),
@@ -253,8 +253,8 @@ def test_visible_devices_auto_asks_nvidia_smi(tmp_path, monkeypatch):
 
 @pytest.mark.process
 def test_the_launcher_counts_the_same_gpus_and_none_where_nvidia_smi_fails(tmp_path, monkeypatch):
-    # One lister (spopp/gpus.py) for the claim and the launcher's plan check.
-    from spopp.gpus import GpuListError, NoNvidiaSmi, count_gpus, list_gpus
+    # One lister (spopp/machine/gpus.py) for the claim and the launcher's plan check.
+    from spopp.machine.gpus import GpuListError, NoNvidiaSmi, count_gpus, list_gpus
 
     bin_dir = tmp_path / "bin"
     _fake_nvidia_smi(bin_dir, 'printf "0\\n1\\n3\\n"')

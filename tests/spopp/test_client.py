@@ -6,8 +6,8 @@ import time
 import httpx
 import pytest
 
-from spopp.client import TrackerClient, TrackerError
-from spopp.net import free_port
+from spopp.api.client import TrackerClient, TrackerError
+from spopp.machine.net import free_port
 from tools.tracker_process import TrackerProcess
 
 
@@ -90,7 +90,7 @@ def test_client_rides_out_a_redis_restart_behind_the_tracker(tmp_path, run_name)
 def test_export_lines_end_at_newline_only():
     # The tracker escapes non-ASCII in its export today; a raw U+2028 or U+0085 inside a string is
     # still valid JSON and must not split a record (str.splitlines() would).
-    from spopp.client import _jsonl
+    from spopp.api.client import _jsonl
 
     text = '{"a": "x\u2028y"}\n{"a": "p\x85q"}\n\n'
     assert _jsonl(text) == [{"a": "x\u2028y"}, {"a": "p\x85q"}]

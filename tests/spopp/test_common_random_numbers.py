@@ -1,4 +1,4 @@
-"""Common random numbers: the arms of one seed and study draw alike (spopp.streams).
+"""Common random numbers: the arms of one seed and study draw alike (spopp.compare.streams).
 
 A paired comparison measures the method only if what is not the method draws the same numbers in
 both arms: which prompts the tracker dispatches, which tokens the engine samples, what the
@@ -19,9 +19,9 @@ from runtime.envs.base import episode_seed
 from runtime.envs.toy_calc import ToyCalcEnv, generate_toy_calc_tasks
 from services.rollout.config import RolloutSettings
 from services.rollout.worker import Worker, read_run
+from spopp.api.tracker_api import RunConfig
+from spopp.compare.streams import sampling_seed, stream_key
 from spopp.sampler import race_draws
-from spopp.streams import sampling_seed, stream_key
-from spopp.tracker_api import RunConfig
 from tools.sink import LearnerSink
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)

@@ -1,4 +1,4 @@
-"""The driver check every container runs first (spopp/cuda_driver.py, deploy/image/entrypoint.sh):
+"""The driver check every container runs first (spopp/machine/cuda_driver.py, deploy/image/entrypoint.sh):
 a node whose NVIDIA driver is older than the image's CUDA build of torch is refused before any
 work, with one line naming both; a fitting driver, a CPU torch or no GPU at all pass.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from spopp.cuda_driver import EXIT_TOO_OLD, Driver, TorchBuild, parse_banner, torch_build, verdict
+from spopp.machine.cuda_driver import EXIT_TOO_OLD, Driver, TorchBuild, parse_banner, torch_build, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,7 +161,7 @@ def test_the_check_can_be_turned_off(tmp_path):
 @pytest.mark.process
 def test_refusal_asks_the_nodes_nvidia_smi(tmp_path, monkeypatch):
     """What `spopp launch` asks before it starts a GPU plan (services/launch/run.py)."""
-    from spopp.cuda_driver import refusal
+    from spopp.machine.cuda_driver import refusal
 
     env = fake_node(tmp_path, f"cat <<'EOF'\n{banner('550.54.15', '12.4')}EOF", "13.0")
     version_file = Path(env["PYTHONPATH"].split(os.pathsep)[0]) / "torch" / "version.py"

@@ -1,4 +1,4 @@
-"""The files the system keeps, read and written through their models (spopp.jsonfile and the models
+"""The files the system keeps, read and written through their models (spopp.files.jsonfile and the models
 beside each file's owner): a file in today's format loads and is written back byte for byte; a
 missing field, a wrong type and broken JSON are refused with `<file>: <field>: <what>`; a value
 JSON cannot hold leaves the old file whole and no temporary file behind."""
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from services.evaluator.records import Records
-from spopp.jsonfile import FileFormatError, read_model, write_text
-from spopp.priors import read_prior, write_prior
-from spopp.records import EvalRecord, RunRecord
-from spopp.runs import RunError, read_run
-from spopp.snapshots import MANIFEST, Manifest, read_manifest, write_manifest
+from spopp.files.jsonfile import FileFormatError, read_model, write_text
+from spopp.files.priors import read_prior, write_prior
+from spopp.files.records import EvalRecord, RunRecord
+from spopp.files.runs import RunError, read_run
+from spopp.files.snapshots import MANIFEST, Manifest, read_manifest, write_manifest
 
 # Each file as the code before the models wrote it (format, key order, indentation).
 PRIOR = """{

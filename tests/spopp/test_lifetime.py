@@ -12,7 +12,7 @@ import psutil
 import pytest
 from procs import kill_unless_reused
 
-from spopp.lifetime import guard_children
+from spopp.machine.lifetime import guard_children
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 
@@ -57,7 +57,7 @@ def test_guarded_children_die_with_a_killed_parent_and_only_then():
     proc, kids = _parent(
         """
         import subprocess, time
-        from spopp.lifetime import guard_children
+        from spopp.machine.lifetime import guard_children
         # New sessions: nothing else would stop them when this process dies.
         kids = [subprocess.Popen(["sleep", "300"], start_new_session=True) for _ in range(2)]
         guard_children([k.pid for k in kids], poll_s=0.1)

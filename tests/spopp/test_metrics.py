@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spopp.curves import (
+from spopp.metrics import (
     auc_trapezoid,
     final_mean,
     learning_composite,

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from spopp.net import PORT_RANGE_ENV, ephemeral_range, free_port, port_free, port_range
+from spopp.machine.net import PORT_RANGE_ENV, ephemeral_range, free_port, port_free, port_range
 
 
 def test_draws_stay_in_the_given_range_and_skip_taken_and_held_ports(monkeypatch):

@@ -1,4 +1,4 @@
-"""The prior file (spopp/priors.py): built in closed form, written atomically, read back strictly.
+"""The prior file (spopp/files/priors.py): built in closed form, written atomically, read back strictly.
 
 `build_prior` counts successes (reward >= 1; partial rewards fail) and gives each task the Jeffreys
 prior of its counts; `write_prior` leaves either the old file or the whole new one; `read_prior`
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from spopp.api.tracker_api import MAX_TASKS_PER_CALL, PutTasks
 from spopp.evidence import jeffreys_init
-from spopp.priors import FORMAT, PriorFile, PriorTask, build_prior, read_prior, write_prior
-from spopp.tracker_api import MAX_TASKS_PER_CALL, PutTasks
+from spopp.files.priors import FORMAT, PriorFile, PriorTask, build_prior, read_prior, write_prior
 
 META = {"model": "/m", "tasks_file": "/t.jsonl", "env": "toy-calc", "temperature": 1.0, "seed": 0,
         "created": 1.7e9, "seconds": 1.5}  # fmt: skip

@@ -1,4 +1,4 @@
-"""Provenance (spopp/provenance.py): run.json records the code that made a run, and the commands
+"""Provenance (spopp/files/provenance.py): run.json records the code that made a run, and the commands
 that compare runs (`spopp map`, `spopp ablate`, `spopp report`) refuse runs from different code, or
 let them through flagged with `--mixed-code flag`; runs recorded before provenance existed are "not
 recorded", a value of their own, and their pages say so.
@@ -20,8 +20,8 @@ from click.testing import CliRunner
 
 from services.study.map import cell_name, summarize
 from services.study.render import markdown
-from spopp import provenance
-from spopp.provenance import MixedCode, agree, check, code, describe, relaunched
+from spopp.files import provenance
+from spopp.files.provenance import MixedCode, agree, check, code, describe, relaunched
 
 ROOT = Path(__file__).resolve().parents[2]
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "commit.gpgsign=false"]

@@ -1,9 +1,9 @@
-"""The one restart budget (spopp/restarts.py) that the launcher's supervision and the tracker's
+"""The one restart budget (spopp/machine/restarts.py) that the launcher's supervision and the tracker's
 embedded Redis both keep."""
 
 import pytest
 
-from spopp.restarts import RestartWindow
+from spopp.machine.restarts import RestartWindow
 
 
 def test_at_most_max_restarts_within_the_window_and_old_ones_are_forgotten():

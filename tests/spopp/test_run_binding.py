@@ -1,4 +1,4 @@
-"""The run binding (spopp/run_binding.py): the run, the tracker and the token are one model, read
+"""The run binding (spopp/settings/run_binding.py): the run, the tracker and the token are one model, read
 under one set of variables by every process that joins a run, and refused at start when wrong."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from services.init.create import InitSettings
 from services.learner.config import LearnerSettings
 from services.rollout.config import RolloutSettings
 from services.tracker.config import TrackerSettings
-from spopp.run_binding import RunBinding
-from spopp.settings import SettingsError
+from spopp.settings.base import SettingsError
+from spopp.settings.run_binding import RunBinding
 
 TOKEN = "k" * 32
 # Each run-bound settings class with what else it needs to validate.

@@ -8,7 +8,7 @@ import yaml
 from click.testing import CliRunner
 
 from services.cli import build
-from spopp.settings import Settings
+from spopp.settings.base import Settings
 
 # (command, settings needed to validate at all, a numeric field to probe precedence with)
 COMMANDS = {
@@ -100,7 +100,7 @@ def test_a_renamed_launch_key_is_refused_with_its_new_name(tmp_path):
     # `updates` of a launch file from before the rename: in the file, by --set, or in the environment.
     from services.launch.cli import resolve
     from services.launch.config import LaunchSettings
-    from spopp.settings import SettingsError
+    from spopp.settings.base import SettingsError
 
     hint = "updates: renamed max_updates (the run's budget in learner updates)"
     config = tmp_path / "launch.yaml"

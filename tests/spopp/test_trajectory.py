@@ -5,7 +5,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from spopp.trajectory import Trajectory
+from spopp.api.trajectory import Trajectory
 
 GOOD = dict(
     run="r",

@@ -1,4 +1,4 @@
-"""spopp/wait.py: the waits every process uses, on a clock of their own (sync and async alike)."""
+"""spopp/machine/wait.py: the waits every process uses, on a clock of their own (sync and async alike)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from spopp.wait import ProcessExited, WaitTimeout, wait_until, wait_until_async
+from spopp.machine.wait import ProcessExited, WaitTimeout, wait_until, wait_until_async
 
 
 def test_wait_until_answers_the_first_truthy_value_and_says_once_what_it_waits_for():

@@ -168,7 +168,7 @@ def by_cell(seeds: list[int], *cells: str) -> dict[str, list[int]]:
 
 def test_the_chain_pairs_each_arm_with_the_one_before_it_and_names_the_change():
     from services.study.summary import pairs
-    from spopp.arms import step_label
+    from spopp.compare.arms import step_label
 
     assert pairs(FOUR) == [("spo-eventtime", "spo"), ("spopp-trajnorm", "spo-eventtime"),
                            ("spopp", "spopp-trajnorm"), ("spopp", "spo")]  # fmt: skip
@@ -184,7 +184,7 @@ def test_the_chain_pairs_each_arm_with_the_one_before_it_and_names_the_change():
 
 
 def test_the_sign_test_and_the_t_quantile_by_hand():
-    from spopp.stats import sign_test, t_quantile
+    from spopp.compare.stats import sign_test, t_quantile
 
     # Two-sided exact: 2 * P(X <= min(won, lost)), X ~ Binomial(won + lost, 1/2).
     assert sign_test(3, 0) == pytest.approx(2 / 8)
@@ -640,12 +640,12 @@ def test_render_redraws_the_map_and_the_pages_section_from_map_json_alone(tmp_pa
 
 
 def test_the_arms_of_a_comparison_share_a_study_and_the_evaluator_follows_the_run_seed(tmp_path):
-    """Common random numbers (spopp.streams): every arm of a comparison runs in one study (its
+    """Common random numbers (spopp.compare.streams): every arm of a comparison runs in one study (its
     folder's name: a map cell's, an ablation's), which the tracker run carries; two cells are two
     studies; a study in the base config wins; the evaluator's seed is left to the run's."""
     from services.launch.config import LaunchSettings, port_requests, process_plan
     from services.study.compare import arm_settings
-    from spopp.settings import SettingsError
+    from spopp.settings.base import SettingsError
 
     base = LaunchSettings.model_validate(
         {"model": "m", "tasks": "t.jsonl", "heldout": "h.jsonl", "env": "toy-calc", "max_updates": 2}

@@ -18,8 +18,8 @@ import pytest
 from services.study.protocol import PLANNED_TESTS, decide, fixed
 from services.study.render import markdown, p_value
 from services.study.summary import across_cells
-from spopp.curves import c10_label
-from spopp.stats import fisher, holm, t_p
+from spopp.compare.stats import fisher, holm, t_p
+from spopp.metrics import c10_label
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from services.report.cli import command
 from services.report.plot import mean_band, trailing_mean
-from spopp.curves import area, c10, end_reward
-from spopp.stats import summarize, wins
+from spopp.compare.stats import summarize, wins
+from spopp.metrics import area, c10, end_reward
 
 ROOT = Path(__file__).resolve().parents[2]
 METRIC = "eval/sampled/reward_mean"

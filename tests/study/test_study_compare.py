@@ -17,7 +17,7 @@ from services.study import design, registration
 from services.study.analysis import analyse
 from services.study.conclusions import conclude
 from services.study.measures import RunMeasures, StudyDataError, online_curve
-from spopp.stats import paired, pairs_for_power, sign_floor, t_p, t_power
+from spopp.compare.stats import paired, pairs_for_power, sign_floor, t_p, t_power
 
 
 @pytest.fixture
@@ -230,7 +230,7 @@ def test_a_refused_study_says_what_n_needs_and_claims_no_direction():
 
 
 def test_the_sentences_match_the_library_statistics():
-    # The page's numbers are spopp.stats' own: the t test's p, the interval.
+    # The page's numbers are spopp.compare.stats' own: the t test's p, the interval.
     result = _study([0.03, -0.01, 0.04, 0.02, 0.0, 0.05])
     d = result["diffs"]["area (trapezoid)"]
     again = paired([3.0, -1.0, 4.0, 2.0, 0.0, 5.0])

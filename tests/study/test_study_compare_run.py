@@ -24,8 +24,8 @@ from procs import cli
 
 from services.launch.cli import resolve
 from services.study.compare import arm_settings
-from spopp.curves import POINTS, area
-from spopp.stats import pairs_for_power, summarize
+from spopp.compare.stats import pairs_for_power, summarize
+from spopp.metrics import POINTS, area
 
 pytestmark = pytest.mark.process  # the launcher's checks and git (provenance): the process tier
 
@@ -217,7 +217,7 @@ def test_a_registered_study_runs_its_last_pair_for_real_and_writes_its_page(toy_
     protocol's hash, and the page is written from all six."""
     from services.study.measures import measure
     from services.study.registered import Request, pilot_design, register
-    from spopp import provenance
+    from spopp.files import provenance
 
     config, out = _config(toy_study, tmp_path, max_updates=2, evaluator=False), tmp_path / "study"
     code = provenance.code()

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from spopp.priors import read_prior
-from spopp.settings import environ_without_settings
+from spopp.files.priors import read_prior
+from spopp.settings.base import environ_without_settings
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from test_demo import DEMO_LIMIT_S, check_runs_and_report, run_demo
 
-from spopp.priors import read_prior
+from spopp.files.priors import read_prior
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from spopp.settings import environ_without_settings
+from spopp.settings.base import environ_without_settings
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

@@ -17,7 +17,7 @@ import pytest
 
 from services.launch.config import LaunchSettings
 from services.study import protocol as map_protocol
-from spopp.settings import environ_without_settings
+from spopp.settings.base import environ_without_settings
 from tools import pretrained_study as ps
 
 
@@ -113,7 +113,7 @@ def test_a_study_that_cannot_be_sized_is_refused_before_it_runs(tmp_path):
 def _t_power(n: int, effect: float, sd: float) -> float:
     """The two-sided paired t test's power at 5 % over n pairs, by quadrature over the s.d.'s
     chi-square (T = (Z + d) / sqrt(V / df), V ~ chi2(df), d = effect / sd * sqrt(n)): another route
-    than scipy's noncentral t, which spopp.stats uses (and which gives nan at 1 d.f. for large d)."""
+    than scipy's noncentral t, which spopp.compare.stats uses (and which gives nan at 1 d.f. for large d)."""
     from scipy import integrate, stats
 
     df, d = n - 1, effect / sd * math.sqrt(n)
@@ -342,7 +342,7 @@ def test_the_tiny_study_runs_end_to_end(tmp_path, tiny_model):
     args = [sys.executable, "-m", "tools.pretrained_study", "--tiny", "--out", str(out), "--model", str(tiny_model),
             "--budget-minutes", "0.1", "--n-min", "1"]  # fmt: skip
     # Mixed code let through, flagged: in a shared checkout a commit or an edit between two runs is
-    # someone else's (the refusal itself is spopp.provenance's, tested there).
+    # someone else's (the refusal itself is spopp.files.provenance's, tested there).
     env = {**environ_without_settings(), "OMP_NUM_THREADS": "1", "SPOPP_MIXED_CODE": "flag"}
     r = subprocess.run(args, capture_output=True, text=True, timeout=STUDY_LIMIT_S, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

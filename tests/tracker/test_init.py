@@ -10,8 +10,8 @@ from procs import cli
 
 from runtime.envs.toy_calc import write_toy_calc_tasks
 from runtime.tasks import load_tasks
-from spopp.priors import build_prior, write_prior
-from spopp.settings import environ_without_settings
+from spopp.files.priors import build_prior, write_prior
+from spopp.settings.base import environ_without_settings
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
 

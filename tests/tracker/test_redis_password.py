@@ -15,9 +15,9 @@ import redis.exceptions
 from procs import cli
 
 from services.tracker.embedded import EmbeddedRedis
-from spopp.client import TrackerClient
-from spopp.net import free_port
-from spopp.settings import environ_without_settings
+from spopp.api.client import TrackerClient
+from spopp.machine.net import free_port
+from spopp.settings.base import environ_without_settings
 from tools.tracker_process import TrackerProcess
 
 

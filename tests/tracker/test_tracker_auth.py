@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from spopp.client import TrackerClient, TrackerError
+from spopp.api.client import TrackerClient, TrackerError
 from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from spopp.client import AsyncTrackerClient, TrackerError
+from spopp.api.client import AsyncTrackerClient, TrackerError
 from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)

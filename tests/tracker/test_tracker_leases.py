@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from spopp.client import TrackerError
+from spopp.api.client import TrackerError
 
 
 def test_duplicate_outcome_counts_once(client, make_run):

@@ -20,10 +20,10 @@ from procs import held_port
 from services.tracker.embedded import EmbeddedRedis, SupervisedRedis
 from services.tracker.errors import ApiError
 from services.tracker.store import Store, prefix
-from spopp.client import TrackerClient
-from spopp.net import free_port
-from spopp.tracker_api import RunConfig, TaskPrior
-from spopp.wait import wait_http
+from spopp.api.client import TrackerClient
+from spopp.api.tracker_api import RunConfig, TaskPrior
+from spopp.machine.net import free_port
+from spopp.machine.wait import wait_http
 from tools.tracker_process import TrackerProcess
 
 

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from spopp.client import TrackerClient
+from spopp.api.client import TrackerClient
 from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)
@@ -87,7 +87,7 @@ def test_tracker_waits_for_redis_that_starts_late(tmp_path, run_name):
     import time
 
     from services.tracker.embedded import EmbeddedRedis, redis_password
-    from spopp.net import free_port
+    from spopp.machine.net import free_port
 
     port = free_port()
     got = {}

@@ -5,7 +5,7 @@ import math
 import httpx
 import pytest
 
-from spopp.client import StalePolicy, TrackerError
+from spopp.api.client import StalePolicy, TrackerError
 from spopp.evidence import jeffreys_init
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)

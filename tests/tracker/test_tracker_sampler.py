@@ -7,8 +7,8 @@ import redis.asyncio as aioredis
 from scipy import stats
 
 from services.tracker.store import Store
+from spopp.api.tracker_api import RunConfig, TaskPrior
 from spopp.sampler import uncertainty_weight
-from spopp.tracker_api import RunConfig, TaskPrior
 
 PRIORS = {"p50": (4.0, 4.0), "p25": (2.0, 6.0), "p10": (0.8, 7.2), "p02": (0.16, 7.84), "p90": (7.2, 0.8)}
 

@@ -10,7 +10,7 @@ import pytest
 import redis as redis_sync
 
 from services.tracker.embedded import EmbeddedRedis
-from spopp.client import TrackerClient
+from spopp.api.client import TrackerClient
 from tools.tracker_process import TrackerProcess
 
 pytestmark = pytest.mark.process  # starts processes: the process tier (tests/conftest.py)

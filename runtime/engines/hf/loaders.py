@@ -21,7 +21,7 @@ class WeightLoader:
     def prepare(self, model, folder: Path) -> Callable[[], None]:
         """The copy that swaps the snapshot in `folder` into `model`; ValueError (or
         FileNotFoundError) when it does not fit, before anything changes."""
-        from spopp.adapters import is_adapter_folder
+        from spopp.files.adapters import is_adapter_folder
 
         if is_adapter_folder(folder):
             return self._adapter(model, folder)
@@ -35,7 +35,7 @@ class WeightLoader:
     def _adapter(self, model, folder: Path) -> Callable[[], None]:
         """A LoRA snapshot: the first injects PEFT's adapter layers into the base (loaded once, at
         start-up); every one copies its adapter tensors into them in place."""
-        from spopp.adapters import adapter_targets, check_adapter_fits, read_adapter
+        from spopp.files.adapters import adapter_targets, check_adapter_fits, read_adapter
 
         config, tensors = read_adapter(folder)
         layout = (config["r"], config["lora_alpha"], tuple(sorted(config["target_modules"])),

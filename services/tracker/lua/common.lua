@@ -1,4 +1,4 @@
--- Shared helpers, prepended to every script (after the LIMITS of spopp.tracker_api, which the
+-- Shared helpers, prepended to every script (after the LIMITS of spopp.api.tracker_api, which the
 -- store writes as `local NAME = value` lines). ARGV[1] is the run's key prefix "spopp:{run}:";
 -- the braces are a hash tag, so a run's keys live on one shard.
 -- Floats cross the Lua boundary as strings formatted with 17 digits: Redis would truncate a Lua

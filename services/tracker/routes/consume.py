@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from spopp.tracker_api import ConsumeBody, ConsumeResult
+from spopp.api.tracker_api import ConsumeBody, ConsumeResult
 
 from ..deps import RunName, StoreDep
 

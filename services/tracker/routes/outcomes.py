@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from spopp.tracker_api import OutcomesBody, OutcomesResult
+from spopp.api.tracker_api import OutcomesBody, OutcomesResult
 
 from ..deps import RunName, StoreDep
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from spopp.fields import Id
-from spopp.tracker_api import LookupBody, LookupResult, RequestState
+from spopp.api.tracker_api import LookupBody, LookupResult, RequestState
+from spopp.settings.fields import Id
 
 from ..deps import RunName, StoreDep
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from spopp.tracker_api import BudgetBody, FinishBody, ReopenBody, Run, RunConfig
+from spopp.api.tracker_api import BudgetBody, FinishBody, ReopenBody, Run, RunConfig
 
 from ..deps import RunName, StoreDep
 

@@ -6,8 +6,8 @@ from collections import Counter
 
 from fastapi import APIRouter
 
-from spopp.fields import Id
-from spopp.tracker_api import PutTasks, PutTasksResult, TaskState
+from spopp.api.tracker_api import PutTasks, PutTasksResult, TaskState
+from spopp.settings.fields import Id
 
 from ..deps import RunName, StoreDep
 from ..errors import ApiError

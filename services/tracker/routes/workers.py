@@ -15,8 +15,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path
 
-from spopp.fields import WorkerId
-from spopp.tracker_api import HeartbeatBody, WorkerBeat, WorkerReleased
+from spopp.api.tracker_api import HeartbeatBody, WorkerBeat, WorkerReleased
+from spopp.settings.fields import WorkerId
 
 from ..deps import RunName, StoreDep
 

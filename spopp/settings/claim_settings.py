@@ -1,6 +1,6 @@
 """The claim settings shared by every service that claims a device or slot at start-up (replicas,
 the evaluator): one definition, so both read the same names (SPOPP_<SERVICE>_CLAIM_DIR, ...) with
-the same bounds and checks. The claim itself is spopp/claim.py."""
+the same bounds and checks. The claim itself is spopp/machine/claim.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from .claim import devices_setting
-from .settings import SettingsGroup
+from spopp.machine.claim import devices_setting
+from spopp.settings.base import SettingsGroup
 
 
 class ClaimSettings(SettingsGroup):

@@ -5,7 +5,7 @@ a description and their bounds. `resolve()` merges four sources, each overriding
 
     defaults  <  config file (YAML)  <  SPOPP_<SERVICE>_<FIELD> environment  <  command-line flags
 
-The run binding is the one exception to the naming (spopp/run_binding.py): the bearer token is
+The run binding is the one exception to the naming (spopp/settings/run_binding.py): the bearer token is
 `SPOPP_API_TOKEN` in every service, and the run's name and the tracker's URL are `SPOPP_RUN` and
 `SPOPP_TRACKER_URL` in every service bound to a run, so one secret and one run configure the
 tracker, the replicas, the learner and the evaluator.
@@ -231,7 +231,7 @@ def _explain(cls: type[Settings], exc: ValidationError, source: dict[str, str]) 
 
 
 def _kinds(annotation: Any) -> set:
-    """The types a field takes, None left out; an alias of spopp.fields (`ApiToken | None` is
+    """The types a field takes, None left out; an alias of spopp.settings.fields (`ApiToken | None` is
     `Annotated[str, ...] | None`: pydantic keeps the Annotated inside a union) counts as its type."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         kinds = set(typing.get_args(annotation)) - {type(None)}

@@ -3,7 +3,7 @@
 The tracker's run fixes the recipe at its creation; a learner that is not told its normalization
 or Dual-Clip takes its run's recipe's (services/learner/run_terms.py), and `spopp launch` writes
 them into the learner's config the same way, under what its learner section gives
-(spopp/arms.py builds the comparison's arms on them).
+(spopp/compare/arms.py builds the comparison's arms on them).
 """
 
 from __future__ import annotations

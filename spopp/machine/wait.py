@@ -7,7 +7,7 @@ truthy, and answers that. A wait that times out names what it waited for; with `
 that exits first ends the wait at once (no point waiting out the timeout for a dead server).
 `wait_until_async` is the same inside an event loop (the services' own waits: a replica for its
 learner), with a predicate that may be a coroutine function.
-Retrying calls to a service that may be restarting is spopp.retry's, not this.
+Retrying calls to a service that may be restarting is spopp.machine.retry's, not this.
 """
 
 from __future__ import annotations

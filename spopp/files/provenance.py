@@ -138,7 +138,7 @@ def _cpu_model() -> str | None:
 
 def _gpu_names() -> list[str] | None:
     """The GPUs' names as nvidia-smi lists them; [] without nvidia-smi, None when it fails."""
-    from .gpus import GpuListError, NoNvidiaSmi, run_nvidia_smi
+    from spopp.machine.gpus import GpuListError, NoNvidiaSmi, run_nvidia_smi
 
     try:
         out = run_nvidia_smi(["--query-gpu=name", "--format=csv,noheader"], timeout=GIT_SECONDS)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .gpus import GpuListError, NoNvidiaSmi, list_gpus
+from spopp.machine.gpus import GpuListError, NoNvidiaSmi, list_gpus
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 MAX_DEVICE_INDEX = 1023

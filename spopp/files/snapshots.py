@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .jsonfile import FileFormatError, read_json, read_model, to_text
+from spopp.files.jsonfile import FileFormatError, read_json, read_model, to_text
 
 log = logging.getLogger("spopp.snapshots")
 

@@ -21,10 +21,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from .fields import ID_CHARS, MAX_ID_CHARS, Id, MaxStaleness, Recipe, Seed, WorkerId
+from spopp.settings.fields import ID_CHARS, MAX_ID_CHARS, Id, MaxStaleness, Recipe, Seed, WorkerId
 
 # The prior file and `spopp prior` check task ids against TASK_ID, so no file carries a task PUT
-# /tasks would refuse; the id types themselves are spopp.fields' (an id is a path segment).
+# /tasks would refuse; the id types themselves are spopp.settings.fields' (an id is a path segment).
 TASK_ID = re.compile(rf"^(?!\.{{1,2}}$)[{ID_CHARS}]{{1,{MAX_ID_CHARS}}}$")
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .recipes import RECIPE_DEFAULTS
+from spopp.settings.recipes import RECIPE_DEFAULTS
 
 # Each arm: the tracker's recipe and the learner fields it sets, in the order of the chain.
 ARMS: dict[str, dict[str, Any]] = {

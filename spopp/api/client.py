@@ -3,7 +3,7 @@
 Each API method is written once in `_Api` and describes its call; the two subclasses only differ
 in how they send it. Connection errors and 502/503/504 answers (a tracker or its Redis
 restarting) are retried with capped exponential backoff and jitter for up to `retry_seconds`
-(five minutes by default; see spopp.retry). That is safe because every state-changing route is
+(five minutes by default; see spopp.machine.retry). That is safe because every state-changing route is
 idempotent: dispatch through an idempotency key that the client makes up once per call when the
 caller gives none, outcomes by request, consume by update, policy by version.
 """
@@ -20,8 +20,7 @@ from typing import Any
 
 import httpx
 
-from .retry import DEFAULT_RETRY_SECONDS, RETRYABLE_ERRORS, RETRYABLE_STATUS, RetryPolicy, retry_after
-from .tracker_api import (
+from spopp.api.tracker_api import (
     ConsumeResult,
     Dispatched,
     LookupResult,
@@ -36,6 +35,13 @@ from .tracker_api import (
     TaskValue,
     WorkerBeat,
     WorkerReleased,
+)
+from spopp.machine.retry import (
+    DEFAULT_RETRY_SECONDS,
+    RETRYABLE_ERRORS,
+    RETRYABLE_STATUS,
+    RetryPolicy,
+    retry_after,
 )
 
 log = logging.getLogger("spopp.client")

@@ -12,7 +12,7 @@ hierarchy, when this process's group delegates `memory` (and `pids`) to its chil
 "no internal processes" rule refuses for a group holding processes, such as a container's root
 group). Creating groups needs write access to them (root, as the sandbox already needs).
 
-When no group can be made (`detect()` says why), `runtime.sandbox` falls back to rlimits alone,
+When no group can be made (`detect()` says why), `runtime.sandbox.bubblewrap` falls back to rlimits alone,
 chosen so that RLIMIT_AS times the process cap stays within the same total: docs/rollout.md.
 """
 

@@ -18,7 +18,7 @@ Each call of `run_python` starts a fresh sandbox and throws it away afterwards:
   starts. RLIMIT_NPROC counts every process of that uid on the host, so concurrent sandboxes share
   it (a fork bomb in one can make `fork` fail in another while it lasts); give concurrent
   sandboxes distinct `uid`s where that matters;
-* the run as a whole: a cgroup of its own (`runtime.sandbox_cgroup`) caps the memory of all its
+* the run as a whole: a cgroup of its own (`runtime.sandbox.cgroup`) caps the memory of all its
   processes together with the files they wrote (`total_memory_bytes`) and the count of its
   processes (`max_processes`); a run the kernel killed for that limit ends with
   "sandbox_memory_limit". Where no cgroup can be made, the process cap is lowered to
@@ -48,8 +48,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import sandbox_cgroup
-from .sandbox_cgroup import RunGroup
+from runtime.sandbox import cgroup as sandbox_cgroup
+from runtime.sandbox.cgroup import RunGroup
 
 log = logging.getLogger("spopp.sandbox")
 

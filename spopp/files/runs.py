@@ -1,5 +1,5 @@
 """Reading run folders: `run.json` (arm, seed, status) and the evaluator's `eval/evals.jsonl`,
-through their models (`spopp.records`). `spopp report` and the studies (services/study) both read
+through their models (`spopp.files.records`). `spopp report` and the studies (services/study) both read
 runs this way, and may not import each other, so the reader lives in the library.
 
 A run's curve is its scored evaluation lines in policy-version order, at the chosen metric; the
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .jsonfile import FileFormatError, read_model, validate
-from .records import EvalRecord, RunRecord
+from spopp.files.jsonfile import FileFormatError, read_model, validate
+from spopp.files.records import EvalRecord, RunRecord
 
 RUN_FILE = "run.json"
 EVALS_FILE = Path("eval") / "evals.jsonl"
@@ -44,7 +44,7 @@ class Run:
     # Seconds from the learner's start to the publication of each scored version (None where the
     # learner's log does not say); `--x time` draws against them.
     seconds: list[float | None] = field(default_factory=list)
-    # The code that made the run (run.json's, spopp/provenance.py); None: launched before runs recorded it.
+    # The code that made the run (run.json's, spopp/files/provenance.py); None: launched before runs recorded it.
     code: dict[str, Any] | None = None
 
     @property

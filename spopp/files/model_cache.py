@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from .settings import Settings
+from spopp.settings.base import Settings
 
 MODEL_CACHE_ENV = "SPOPP_MODEL_CACHE"
 

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .client import TrackerClient, TrackerError
-from .priors import read_prior
-from .tracker_api import RunConfig
+from spopp.api.client import TrackerClient, TrackerError
+from spopp.api.tracker_api import RunConfig
+from spopp.files.priors import read_prior
 
 PUT_CHUNK = 10_000  # the tracker's per-call task limit
 

@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
-from spopp.fields import ApiToken, RunId
-from spopp.settings import API_TOKEN_ENV, RUN_ENV, TRACKER_URL_ENV, SettingsGroup
+from spopp.settings.base import API_TOKEN_ENV, RUN_ENV, TRACKER_URL_ENV, SettingsGroup
+from spopp.settings.fields import ApiToken, RunId
 
 DEFAULT_TRACKER = "http://127.0.0.1:8000"
 

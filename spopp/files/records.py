@@ -8,7 +8,7 @@ reader can do without is optional; keys a later writer adds are kept (extra="all
     run.json     {"run", "arm", "recipe", "normalization", "seed", "max_updates", "final_version",
                   "identity": {...}, "env", "env_options": {...}, "status", "started", "launches", "updates_done", "finished",
                   "running_s",
-                  "code": {"commit", "dirty", "lock_sha256", ...}, "machine": {...}}  (spopp/provenance.py)
+                  "code": {"commit", "dirty", "lock_sha256", ...}, "machine": {...}}  (spopp/files/provenance.py)
     evals.jsonl  {"policy_version", "step", "snapshot", "time", "eval/...": ...} when scored,
                  {"policy_version", "skipped": "<reason>", "time"} when not; one line a version
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictInt
 
-from .jsonfile import to_text
+from spopp.files.jsonfile import to_text
 
 __all__ = ["EvalRecord", "RunRecord"]
 
@@ -80,14 +80,15 @@ class RunRecord(BaseModel):
     )
     code: dict[str, Any] | None = Field(
         None,
-        description="the code that made the run (spopp/provenance.py: commit, dirty, lock_sha256, earlier "
+        description="the code that made the run (spopp/files/provenance.py: commit, dirty, lock_sha256, earlier "
         "launches on other code); absent in runs launched before run.json recorded it",
     )
     protocol: str | None = Field(
         None, description="the sha256 of the study's pre-registered protocol.json (spopp study compare)"
     )
     machine: dict[str, Any] | None = Field(
-        None, description="the machine of its last launch (spopp/provenance.py: platform, CPU, cores, GPUs)"
+        None,
+        description="the machine of its last launch (spopp/files/provenance.py: platform, CPU, cores, GPUs)",
     )
 
     @property

@@ -35,10 +35,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from .evidence import jeffreys_init
-from .fields import Id
-from .jsonfile import read_json, to_text, validate, write_text
-from .tracker_api import MAX_PRIOR, MIN_PRIOR, TASK_ID, Prior
+from spopp.api.tracker_api import MAX_PRIOR, MIN_PRIOR, TASK_ID, Prior
+from spopp.evidence import jeffreys_init
+from spopp.files.jsonfile import read_json, to_text, validate, write_text
+from spopp.settings.fields import Id
 
 __all__ = ["FORMAT", "PriorFile", "PriorTask", "build_prior", "read_prior", "write_prior"]
 
@@ -108,7 +108,7 @@ class PriorFile(BaseModel):
 
     def task_bodies(self) -> list[dict]:
         """The tasks as the tracker's `PUT /v1/runs/{run}/tasks` takes them (explicit priors);
-        callers send them in chunks of at most `spopp.tracker_api.MAX_TASKS_PER_CALL`."""
+        callers send them in chunks of at most `spopp.api.tracker_api.MAX_TASKS_PER_CALL`."""
         return [{"task_id": t.task_id, "alpha0": t.alpha0, "beta0": t.beta0} for t in self.tasks]
 
     def to_json(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The machine's NVIDIA GPUs, as nvidia-smi lists them: the one place that asks.
 
 `spopp launch` checks its GPU plan against them (services/launch/gpus.py) and a replica's
-`devices: auto` claims among them (spopp/claim.py). No CUDA library is loaded: the launcher and
+`devices: auto` claims among them (spopp/machine/claim.py). No CUDA library is loaded: the launcher and
 the claim run before, and without, torch.
 """
 

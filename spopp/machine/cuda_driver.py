@@ -2,7 +2,7 @@
 
 A driver older than the CUDA release torch (and vLLM, built against the same one) was compiled for
 fails at the first CUDA call: in a GPU image, after the model step, the prior and init have run.
-Every spopp container asks here first (deploy/image/entrypoint.sh, `python3 -m spopp.cuda_driver`):
+Every spopp container asks here first (deploy/image/entrypoint.sh, `python3 -m spopp.machine.cuda_driver`):
 
 * torch's CUDA release is read from the installed torch's `torch/version.py` as text (no import of
   torch or of a CUDA library; the tracker's image has no torch and is never stopped);
@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from spopp.gpus import GpuListError, NoNvidiaSmi, run_nvidia_smi
+from spopp.machine.gpus import GpuListError, NoNvidiaSmi, run_nvidia_smi
 
 # The oldest Linux driver of each CUDA major (NVIDIA's CUDA toolkit release notes, "minor version
 # compatibility"): what to tell a user whose driver is too old, and the fallback when nvidia-smi's

@@ -51,7 +51,7 @@ def guard_children(pids: list[int], poll_s: float = 0.5) -> subprocess.Popen | N
     if not pids:
         return None
     return subprocess.Popen(
-        [sys.executable, "-m", "spopp.lifetime", str(os.getpid()), str(poll_s), *map(str, pids)],
+        [sys.executable, "-m", "spopp.machine.lifetime", str(os.getpid()), str(poll_s), *map(str, pids)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

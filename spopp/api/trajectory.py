@@ -19,8 +19,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from .fields import Id
-from .tracker_api import MAX_VERSION
+from spopp.api.tracker_api import MAX_VERSION
+from spopp.settings.fields import Id
 
 MAX_TOKENS = 1 << 20
 # Token ids fit an int32 (what an embedding is indexed with); the learner's own check is the model's
@@ -54,7 +54,7 @@ def count_action_tokens(action_mask: Sequence[int]) -> int:
 
 
 class Trajectory(BaseModel):
-    # As the tracker's bodies (spopp.tracker_api._Body): unknown fields refused, strict types (JSON's
+    # As the tracker's bodies (spopp.api.tracker_api._Body): unknown fields refused, strict types (JSON's
     # true is no token id or count, "0.5" no reward, 1.0 no integer; an integer is a float).
     model_config = ConfigDict(extra="forbid", strict=True)
 

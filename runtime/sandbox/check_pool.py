@@ -3,7 +3,7 @@
 An answer check runs math-verify, hence sympy, on text the model wrote. sympy evaluates
 `\\boxed{9^{9^{9}}}` in C while holding the GIL: a thread with a time limit cannot stop it, and the
 whole process (a replica's event loop, its health route, its SIGTERM handler) stalls with it. So
-such checks run in a small pool of child processes (`runtime.check_worker`): the caller's thread
+such checks run in a small pool of child processes (`runtime.sandbox.check_worker`): the caller's thread
 waits on a pipe (the GIL is free, the event loop runs), and a check past its deadline has its
 worker SIGKILLed and replaced. The verdict of a killed or failed check is a wrong answer with its
 reason ("timeout", "memory", "error: ...", "busy", "unavailable").
@@ -63,7 +63,7 @@ class _Worker:
 
     def __init__(self, memory_bytes: int, preload: tuple[str, ...]):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.check_worker", str(memory_bytes), *preload],
+            [sys.executable, "-m", "runtime.sandbox.check_worker", str(memory_bytes), *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

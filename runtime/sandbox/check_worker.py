@@ -1,6 +1,6 @@
-"""The child side of `runtime.check_pool`: a process that runs checks one at a time.
+"""The child side of `runtime.sandbox.check_pool`: a process that runs checks one at a time.
 
-It is started by the pool as `python -m runtime.check_worker MEMORY_BYTES PRELOAD...`, caps its own
+It is started by the pool as `python -m runtime.sandbox.check_worker MEMORY_BYTES PRELOAD...`, caps its own
 address space, imports the modules named in PRELOAD (math-verify and sympy take about a second,
 paid once per worker, not per check) and says `ready`. Then, per line on stdin, a JSON request
 `{"id": N, "fn": "module:attribute", "args": [...], "cpu_s": N}`, and per request one JSON line
