@@ -121,8 +121,8 @@ def memory_settings(model: Path, repeats: int) -> dict:
     largest micro-batch, with and without checkpointing."""
     import torch
 
+    from services.config.learner import LearnerSettings
     from services.learner.batch import collate
-    from services.learner.config import LearnerSettings
     from services.learner.deepspeed_engine import build_engine, release_engine
     from services.learner.logprobs import token_logprobs
     from services.learner.memory_plan import saved_bytes
@@ -188,7 +188,7 @@ def _padding(lengths: list[int], batch: int) -> dict:
 
 
 def _config(model: Path, stage: int, batch: int, snapshots: Path):
-    from services.learner.config import LearnerSettings
+    from services.config.learner import LearnerSettings
 
     return LearnerSettings(
         run="bench",

@@ -110,7 +110,7 @@ CPU_SMOKE = Setup(
 def settings(
     setup: Setup, zero: int, ckpt: bool, packing: bool = True, liger: str = "off", persist: bool = False
 ):
-    from services.learner.config import LearnerSettings
+    from services.config.learner import LearnerSettings
 
     return LearnerSettings(
         run="bench", model=Path("unused"), zero_stage=zero, dtype=setup.dtype, batch_size=setup.batch,

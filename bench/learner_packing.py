@@ -126,7 +126,7 @@ def demo_real_batch(vocab: int, n: int = 16, seed: int = 0):
 
 
 def _settings(model: Path, batch: int, micro: dict, packing: bool):
-    from services.learner.config import LearnerSettings
+    from services.config.learner import LearnerSettings
 
     return LearnerSettings(
         run="bench",

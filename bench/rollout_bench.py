@@ -36,7 +36,7 @@ from runtime.engines.factory import make_engine
 from runtime.envs.base import StepResult
 from runtime.envs.math_tir import MathTIREnv
 from runtime.tasks import generate_arithmetic_tasks
-from services.rollout.config import RolloutSettings
+from services.config.rollout import RolloutSettings
 from services.rollout.worker import Worker, read_run
 from services.tracker.embedded import EmbeddedRedis
 from spopp.api.client import TrackerClient

@@ -2,8 +2,8 @@
 for, nucleus sampling, the episodes in flight, and the budgets of one episode (turns, tokens per
 turn, tokens per episode, prompt included).
 
-The rollout replica (services/rollout/config.py), the evaluator and `spopp prior`
-(services/evaluator/config.py) take these fields from here, with one set of bounds; a service
+The rollout replica (services/config/rollout.py), the evaluator and `spopp prior`
+(services/config/evaluator.py) take these fields from here, with one set of bounds; a service
 whose default differs (the evaluator's engine and concurrency) changes the default alone
 (`with_default`), and a test holds every service's fields to this declaration. `budget()` is the
 episode's `Budget`; `spopp env check` takes its bounds from here too. Torch-free, so that the

@@ -84,8 +84,8 @@ def tracker_http(redis_server):
     the routes. Answers an httpx client whose paths are the API's (`tracker_http.get("/healthz")`)."""
     from fastapi.testclient import TestClient
 
+    from services.config.tracker import TrackerSettings
     from services.tracker.app import create_app
-    from services.tracker.config import TrackerSettings
 
     app = create_app(TrackerSettings(redis_url=redis_server.url))
     # As a server would: an exception in a route is a 500 answer, not an exception in the test.

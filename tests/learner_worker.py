@@ -103,8 +103,8 @@ def run_task(
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
+    from services.config.learner import LearnerSettings
     from services.learner.backend import DeepSpeedBackend
-    from services.learner.config import LearnerSettings
     from services.learner.deepspeed_engine import build_engine, release_engine
     from services.learner.snapshot import gather_state_dict, publish_snapshot
     from services.learner.update import run_update

@@ -202,7 +202,7 @@ def constant_share(tasks: list) -> float:
 
 def score_settings(c: Candidate, tasks_file: Path, out_dir: Path, seed: int):
     """The evaluator's settings: the demo's evaluator section (engine, budget, sampling) for this env."""
-    from services.evaluator.config import ScoreSettings
+    from services.config.evaluator import ScoreSettings
 
     tuning = {k: v for k, v in demo_evaluator().items() if k != "every"}
     return ScoreSettings(**tuning, env=c.env, env_options=c.env_options, tasks=tasks_file,

@@ -496,7 +496,7 @@ def run_seconds(folder: Path) -> list[float]:
 
 def base_settings(out: Path, model: Path, family: str, size: dict, device: str, tiny: bool):
     """The launch settings every run shares (compare sets the recipe, seed, study and run per run)."""
-    from services.launch.config import LaunchSettings
+    from services.config.launch import LaunchSettings
 
     f = FAMILIES[family]
     config = demo_real.launch_config(out, model, size, "spopp", device)

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import click
 
+from services.config.evaluator import EvaluatorSettings, ScoreSettings
+from services.config.prior import PriorSettings
 from spopp.settings.base import settings_command
-
-from .config import EvaluatorSettings, ScoreSettings
-from .prior_config import PriorSettings
 
 
 def _logging(service: str, settings, **context) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
+from services.config.evaluator import EvaluatorSettings
 from services.shell import server as http
 from services.shell.routes import service_app
 from spopp.api.client import AsyncTrackerClient, TrackerError
@@ -43,7 +44,6 @@ from spopp.files.snapshots import (
     write_hold,
 )
 
-from .config import EvaluatorSettings
 from .metrics import EvaluatorMetrics
 from .records import Records
 from .scorer import Scorer, SnapshotUnreadable, check_model_folder

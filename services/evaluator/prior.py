@@ -25,10 +25,10 @@ from runtime.agent import prompts_over_budget
 from runtime.engines.base import Engine
 from runtime.envs.base import Task
 from runtime.episode import Episode
+from services.config.evaluator import ScoreSettings
+from services.config.prior import PriorSettings
 from spopp.files.priors import PriorFile, build_prior, write_prior
 
-from .config import ScoreSettings
-from .prior_config import PriorSettings
 from .scorer import Job, Scorer
 
 log = logging.getLogger("spopp.prior")

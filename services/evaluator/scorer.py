@@ -30,8 +30,7 @@ from runtime.envs import env_factory
 from runtime.envs.base import Task, episode_seed
 from runtime.episode import Episode, within_context
 from runtime.tasks import load_tasks
-
-from .config import ScoreSettings
+from services.config.evaluator import ScoreSettings
 
 _SEED_MASK = (1 << 63) - 1
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
+from services.config.init import InitSettings
+from services.init.create import run_init
 from services.shell.logs import command_echo
 from spopp.settings.base import settings_command
-
-from .create import InitSettings, run_init
 
 
 def _init(settings: InitSettings) -> None:

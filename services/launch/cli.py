@@ -16,10 +16,9 @@ from typing import Any
 import click
 import yaml
 
+from services.config.launch import LaunchSettings
 from services.shell.logs import command_echo
 from spopp.settings.base import SettingsError, read_config_file
-
-from .config import LaunchSettings
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _SET_HELP = (

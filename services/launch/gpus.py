@@ -9,21 +9,7 @@ at start and a learner beside it would run out.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
-
-
-class GpuPlan(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    learner: list[int] = Field(default_factory=list, description="devices of the learner's ranks")
-    rollout: list[list[int]] = Field(
-        default_factory=list, description="devices of each replica, one list per replica"
-    )
-    evaluator: list[int] = Field(default_factory=list, description="devices of the evaluator")
-    share: bool = Field(False, description="allow two processes on one device")
-
-    def used(self) -> bool:
-        return bool(self.learner or self.evaluator or any(self.rollout))
+from services.config.launch import GpuPlan
 
 
 def assignment(plan: GpuPlan, replicas: int) -> dict[str, list[int]]:

@@ -27,6 +27,8 @@ import signal
 import time
 from pathlib import Path
 
+from services.config.launch import LaunchSettings
+from services.launch.process_plan import ProcessPlan, port_requests, process_plan
 from services.shell.child import Child, ChildFailed
 from spopp.api.client import TrackerClient
 from spopp.api.registration import RegistrationError, register, task_bodies
@@ -38,7 +40,6 @@ from spopp.machine.net import free_port, port_free
 from spopp.settings.base import SettingsError
 
 from . import gpus as gpu
-from .config import LaunchSettings, ProcessPlan, port_requests, process_plan
 from .metrics import LaunchMetrics
 from .progress import Progress, eval_points
 from .run_folder import RunFolder, RunFolderError

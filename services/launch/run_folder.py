@@ -16,12 +16,13 @@ from typing import Any
 
 import yaml
 
+from services.config.launch import LaunchSettings
+from services.launch.process_plan import ProcessPlan
 from spopp.api.client import TrackerClient
 from spopp.files import provenance
 from spopp.files.jsonfile import read_model, write_text
 from spopp.files.records import RunRecord
 
-from .config import LaunchSettings, ProcessPlan
 from .progress import last_line
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from spopp.settings.fields import MAX_TOKEN_CHARS, MIN_TOKEN_CHARS
 
 if TYPE_CHECKING:
-    from .config import LaunchSettings
+    from services.config.launch import LaunchSettings
 
 TOKEN_FILE = "api-token"
 MODE = 0o600

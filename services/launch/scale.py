@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from services.config.launch import LaunchSettings
+from services.launch.process_plan import ProcessPlan, rollout_settings
 from spopp.machine.net import free_port
-
-from .config import LaunchSettings, ProcessPlan, rollout_settings
 
 # `spopp scale` writes the wanted replica count here; the running launcher reads it each tick.
 SCALE_FILE = "replicas"

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from services.config.supervision import SupervisionSettings
 from services.shell.child import Child, ChildFailed
 from spopp.machine.restarts import RestartWindow
 from spopp.machine.retry import backoff
@@ -38,10 +39,10 @@ from spopp.machine.wait import WaitTimeout, wait_until
 
 from . import gpus as gpu
 from .children import child_env, launch_child
-from .supervision_settings import SupervisionSettings
 
 if TYPE_CHECKING:
-    from .config import LaunchSettings, ProcessPlan
+    from services.config.launch import LaunchSettings
+    from services.launch.process_plan import ProcessPlan
 
 
 def describe_exit(code: int | None) -> str:

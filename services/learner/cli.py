@@ -7,9 +7,8 @@ from pathlib import Path
 
 import click
 
+from services.config.learner import LearnerSettings
 from spopp.settings.base import settings_command
-
-from .config import LearnerSettings
 
 
 def _finished_already(settings: LearnerSettings) -> bool:

@@ -18,8 +18,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+from services.config.learner import LearnerSettings
+
 from .batch import accumulation_steps
-from .config import LearnerSettings
 from .lora import apply_lora
 from .op_build import LockWatch, build_shm_op
 from .zero3_state import forget_model

@@ -12,9 +12,8 @@ import signal
 import sys
 from pathlib import Path
 
+from services.config.learner import LearnerSettings
 from spopp.settings.base import API_TOKEN_ENV
-
-from .config import LearnerSettings
 
 LAUNCHER_PID_ENV = "SPOPP_LAUNCHER_PID"
 

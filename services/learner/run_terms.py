@@ -11,10 +11,9 @@ learner given nothing but its run trains that run's recipe.
 
 from __future__ import annotations
 
+from services.config.learner import LearnerSettings
 from spopp.api.tracker_api import RunConfig
 from spopp.settings.recipes import RECIPE_DEFAULTS
-
-from .config import LearnerSettings
 
 
 def check_run(cfg: LearnerSettings, run: RunConfig) -> None:

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
+from services.config.learner import LearnerSettings
+
 from .batch import Batch, collate, plan_micro_batches
-from .config import LearnerSettings
 from .logprobs import token_logprobs, token_logprobs_entropy
 
 

@@ -21,12 +21,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from services.config.learner import LearnerSettings
 from spopp.advantages import normalize_advantages
 from spopp.api.client import TrackerClient, TrackerError
 
 from .backend import DeepSpeedBackend
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import LearnerSettings
 from .deepspeed_engine import build_engine, init_distributed
 from .failpoints import failpoint
 from .ingest import IntakeLimits, TrajectoryBuffer, ingest_app

@@ -37,10 +37,10 @@ from typing import Any, Protocol
 
 import torch
 
+from services.config.learner import LearnerSettings
 from spopp.loss import policy_loss, screen_rows, screened
 
 from .batch import Batch, TrajectoryLike, action_tokens, collate, mini_batches
-from .config import LearnerSettings
 from .scoring import plan as plan_passes
 
 # Token-weighted statistics of policy_loss that are averaged over the whole update.

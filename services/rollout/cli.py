@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
+from services.config.rollout import RolloutSettings
 from spopp.settings.base import settings_command
-
-from .config import RolloutSettings
 
 
 def _claimed(s: RolloutSettings) -> RolloutSettings:

@@ -24,13 +24,13 @@ from runtime.chat_endpoint import Endpoint
 from runtime.engines.base import Engine, SamplingConfig
 from runtime.envs.base import Playable, Task, episode_seed
 from runtime.episode import Episode, within_context
+from services.config.rollout import RolloutSettings
 from spopp.api.client import AsyncTrackerClient, TrackerError
 from spopp.api.tracker_api import Lease
 from spopp.api.trajectory import Trajectory
 from spopp.compare.streams import sampling_seed
 from spopp.machine.retry import RetryPolicy
 
-from .config import RolloutSettings
 from .deliveries import TrajectoryBatcher, Undelivered
 from .leases import Leases
 from .metrics import RolloutMetrics

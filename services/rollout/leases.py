@@ -16,11 +16,11 @@ from collections.abc import Callable, Coroutine
 
 import httpx
 
+from services.config.rollout import RolloutSettings
 from spopp.api.client import AsyncTrackerClient, RunFinished, StalePolicy, TrackerError
 from spopp.api.tracker_api import Lease
 from spopp.machine.retry import RETRYABLE_STATUS
 
-from .config import RolloutSettings
 from .metrics import RolloutMetrics
 
 log = logging.getLogger("spopp.rollout")

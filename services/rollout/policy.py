@@ -15,11 +15,11 @@ import asyncio
 import logging
 import time
 
+from services.config.rollout import RolloutSettings
 from spopp import staleness
 from spopp.api.client import AsyncTrackerClient
 from spopp.files.snapshots import snapshot_path
 
-from .config import RolloutSettings
 from .episodes import Episodes
 from .leases import Leases
 from .metrics import RolloutMetrics

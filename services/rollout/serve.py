@@ -10,10 +10,10 @@ from fastapi import FastAPI
 from runtime.chat_endpoint import MAX_CHAT_BODY_BYTES, add_chat_routes, served_url
 from runtime.envs import env_factory
 from runtime.envs.base import Task
+from services.config.rollout import RolloutSettings
 from services.shell import server as http
 from services.shell.routes import service_app
 
-from .config import RolloutSettings
 from .worker import Worker, read_run
 
 log = logging.getLogger("spopp.rollout")

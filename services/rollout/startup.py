@@ -15,11 +15,10 @@ import logging
 
 import httpx
 
+from services.config.rollout import RolloutSettings
 from spopp.api.client import AsyncTrackerClient, RunFinished
 from spopp.api.tracker_api import Run
 from spopp.machine.wait import WaitTimeout, wait_until_async
-
-from .config import RolloutSettings
 
 log = logging.getLogger("spopp.rollout")
 

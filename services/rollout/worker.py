@@ -35,11 +35,11 @@ import httpx
 from runtime.agent import reserve_env_threads
 from runtime.engines.base import Engine
 from runtime.envs.base import Environment, Task
+from services.config.rollout import RolloutSettings
 from spopp.api.client import AsyncTrackerClient, RunFinished, StalePolicy
 from spopp.api.tracker_api import Lease, Run
 from spopp.compare.streams import stream_key
 
-from .config import RolloutSettings
 from .episodes import Episodes, token_versions
 from .leases import Leases, default_prefetch
 from .metrics import RolloutMetrics

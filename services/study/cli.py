@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
+from services.config.launch import LaunchSettings
 from services.launch.cli import CONFIG_ARGUMENT, SET_OPTION, import_package_model, resolve
-from services.launch.config import LaunchSettings
 from spopp.settings.base import SettingsError
 
 

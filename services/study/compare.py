@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.launch.config import LaunchSettings
+from services.config.launch import LaunchSettings
 from spopp.compare.arms import ARM_FIELDS, ARMS, parse_arm
 
 

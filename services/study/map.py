@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.launch.config import LaunchSettings
+from services.config.launch import LaunchSettings
 
 from .compare import arm_settings, run_in_turn
 from .protocol import PROTOCOL, decide, fixed

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.launch.config import LaunchSettings
+from services.config.launch import LaunchSettings
 from spopp.compare.stats import pairs_for_power
 from spopp.files import provenance
 

@@ -23,6 +23,7 @@ from redis.exceptions import AuthenticationError, MasterDownError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.config.tracker import TrackerSettings, metrics_need_token, password_from_file
 from services.shell.middleware import (
     BearerAuth,
     BodyLimit,
@@ -35,7 +36,6 @@ from spopp import __version__
 from spopp.api.tracker_api import MAX_TASKS_PER_CALL
 from spopp.machine.retry import RetryPolicy
 
-from .config import TrackerSettings, metrics_need_token, password_from_file
 from .errors import ApiError, error_response, unavailable
 from .metrics import Metrics, MetricsMiddleware
 from .routes import (

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
+from services.config.tracker import TrackerSettings
 from spopp.settings.base import settings_command
-
-from .config import TrackerSettings
 
 
 def _serve(settings: TrackerSettings) -> None:

@@ -7,10 +7,10 @@ import logging
 import signal
 import sys
 
+from services.config.tracker import TrackerSettings
 from services.shell import server as http
 
 from .app import create_app
-from .config import TrackerSettings
 from .embedded import SupervisedRedis
 
 log = logging.getLogger("spopp.tracker")

@@ -25,12 +25,12 @@ import pytest
 import yaml
 
 from services.cli import build
-from services.evaluator.config import EvaluatorSettings
-from services.evaluator.prior_config import PriorSettings
-from services.init.create import InitSettings
-from services.learner.config import LearnerSettings
-from services.rollout.config import RolloutSettings
-from services.tracker.config import TrackerSettings
+from services.config.evaluator import EvaluatorSettings
+from services.config.init import InitSettings
+from services.config.learner import LearnerSettings
+from services.config.prior import PriorSettings
+from services.config.rollout import RolloutSettings
+from services.config.tracker import TrackerSettings
 from spopp.settings.base import API_TOKEN_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -886,8 +886,8 @@ def test_replica_containers_have_a_memory_limit_that_covers_their_episodes():
     episodes in flight needs N x 1.25 GiB beside its engine, and a limit so that past it the kernel
     kills inside the container, not elsewhere on the node."""
     from runtime.sandbox.bubblewrap import SandboxConfig
-    from services.evaluator.config import EvaluatorTuning
-    from services.rollout.config import RolloutTuning
+    from services.config.evaluator import EvaluatorTuning
+    from services.config.rollout import RolloutTuning
 
     def gib(value: str) -> float:
         return float(value.rstrip("g"))

@@ -32,7 +32,7 @@ from test_deploy import (
     container_argv,
 )
 
-from services.init.create import InitSettings
+from services.config.init import InitSettings
 from spopp.settings.base import API_TOKEN_ENV, SHARED_ENV, TRACKER_URL_ENV
 
 K8S = ROOT / "deploy" / "k8s"

@@ -28,7 +28,7 @@ from service_procs import STEPS_PER_VERSION, evaluator_args, publish, recorded
 
 from runtime.envs.base import Task
 from runtime.tasks import generate_arithmetic_tasks, write_jsonl
-from services.evaluator.config import EvaluatorSettings
+from services.config.evaluator import EvaluatorSettings
 from services.evaluator.scorer import sample_seed
 from services.learner.snapshot import prune_snapshots
 from spopp.files.snapshots import (

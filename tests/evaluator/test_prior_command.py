@@ -26,7 +26,7 @@ from click.testing import CliRunner
 
 from runtime.engines.base import Engine, Generation, SamplingConfig
 from runtime.envs.toy_calc import generate_toy_calc_tasks, write_toy_calc_tasks
-from services.evaluator.prior_config import PriorSettings
+from services.config.prior import PriorSettings
 from services.evaluator.scorer import sample_seed
 from spopp.api.tracker_api import PutTasks
 from spopp.files.priors import read_prior

@@ -19,9 +19,9 @@ import yaml
 from procs import cli, held_port
 
 from runtime.envs.toy_calc import write_toy_calc_tasks
+from services.config.launch import LaunchSettings
 from services.launch import gpus
 from services.launch.cli import resolve
-from services.launch.config import LaunchSettings
 from services.study.compare import arm_settings
 from spopp.api.client import TrackerClient
 from spopp.files.priors import build_prior, read_prior, write_prior
@@ -232,10 +232,10 @@ def test_set_reaches_into_sections_and_wins_over_the_file(toy, tmp_path):
 
 
 def test_env_options_reach_every_replica_and_the_evaluator(toy, tmp_path):
-    from services.launch.config import process_plan
+    from services.launch.process_plan import process_plan
 
     s = resolve(config(toy, tmp_path, env_options={"max_tool_calls": 1}), ("rollout.replicas=2",))
-    from services.launch.config import port_requests
+    from services.launch.process_plan import port_requests
 
     ports = {name: 9000 + i for i, name in enumerate(port_requests(s))}
     p = process_plan(s, ports)
@@ -268,7 +268,7 @@ def test_a_run_finished_before_the_budget_was_named_max_updates_is_still_finishe
 def test_every_child_is_bound_to_the_one_run(toy, tmp_path):
     """spopp launch builds the run binding once (plan.binding) and every run-bound child carries
     it: the same run, the tracker it started, the token; the tracker itself gets only the token."""
-    from services.launch.config import port_requests, process_plan
+    from services.launch.process_plan import port_requests, process_plan
     from spopp.settings.run_binding import RunBinding
 
     token = "t" * 24
@@ -287,7 +287,7 @@ def test_the_embedded_redis_port_is_drawn_by_the_launcher_with_the_others(toy, t
     too. Drawn inside the tracker, it could land on a port handed to the tracker itself or to a
     replica that has not bound it yet (the likely cause of a tracker exiting 3 at start in CI). With
     an external Redis, none is drawn; a redis_port given in the file is checked like any port."""
-    from services.launch.config import process_plan
+    from services.launch.process_plan import process_plan
     from services.launch.run import LaunchError, _resolve_ports
 
     s = resolve(config(toy, tmp_path), ("rollout.replicas=3",))
@@ -309,7 +309,7 @@ def test_the_learners_lora_rank_reaches_every_engine(toy, tmp_path):
     """learner.lora_rank is the one LoRA setting a launch config needs: replicas and the evaluator
     get it (what vLLM must know at start-up), and their engines with it; merged snapshots need
     none; a smaller rank given by hand is refused."""
-    from services.launch.config import port_requests, process_plan
+    from services.launch.process_plan import port_requests, process_plan
 
     def planned(*sets):
         s = resolve(config(toy, tmp_path), ("rollout.replicas=2", "learner.lora_rank=8", *sets))
@@ -349,7 +349,7 @@ def test_arms_change_the_recipe_and_nothing_else(toy, tmp_path):
 
 
 def test_staleness_arms_set_k_for_the_tracker_run_which_the_learner_reads(toy, tmp_path):
-    from services.launch.config import port_requests, process_plan
+    from services.launch.process_plan import port_requests, process_plan
     from spopp.compare.arms import parse_arm
 
     base = resolve(config(toy, tmp_path))
@@ -370,7 +370,7 @@ def test_staleness_arms_set_k_for_the_tracker_run_which_the_learner_reads(toy, t
 
 
 def test_the_example_config_is_valid_on_a_five_gpu_node():
-    from services.launch.config import port_requests, process_plan
+    from services.launch.process_plan import port_requests, process_plan
 
     s = resolve(Path(__file__).resolve().parents[2] / "deploy" / "launch.example.yaml")
     p = process_plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})
@@ -387,7 +387,7 @@ def test_the_example_config_is_valid_on_a_five_gpu_node():
 
 
 def test_the_paper_alfworld_config_plans_on_an_eight_gpu_node():
-    from services.launch.config import port_requests, process_plan
+    from services.launch.process_plan import port_requests, process_plan
 
     s = resolve(Path(__file__).resolve().parents[2] / "deploy" / "launch.alfworld.yaml")
     p = process_plan(s, {name: 20000 + i for i, name in enumerate(port_requests(s))})

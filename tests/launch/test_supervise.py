@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from services.config.supervision import SupervisionSettings
 from services.launch.supervise import GaveUp, RestartBudget, describe_exit
-from services.launch.supervision_settings import SupervisionSettings
 from spopp.files.records import RunRecord
 
 
@@ -75,7 +75,7 @@ def test_bad_settings_are_refused_naming_the_field(over, field):
 
 
 def test_a_launch_file_names_the_supervision_field_at_fault(tmp_path):
-    from services.launch.config import LaunchSettings
+    from services.config.launch import LaunchSettings
     from spopp.settings.base import SettingsError
 
     path = tmp_path / "launch.yaml"

@@ -218,7 +218,7 @@ def test_a_deepspeed_engine_takes_the_chunked_path(tiny_model, _dist_env, stage,
     return aliases of the outputs) the chunked path is taken, not the fallback, and forward and
     engine.backward hold one chunk of logits at most. (That the update is the reference's is
     tests/learner/test_learner_update.py's and tests/learner/test_lora.py's.)"""
-    from services.learner.config import LearnerSettings
+    from services.config.learner import LearnerSettings
     from services.learner.deepspeed_engine import build_engine, release_engine
 
     cfg = LearnerSettings(

@@ -408,7 +408,7 @@ def test_a_learner_whose_intake_stopped_says_so_instead_of_waiting(
     """The intake's server runs in a thread beside training. If that thread ends (an exception out
     of uvicorn's loop), clients are refused while the learner would wait for a batch forever: it
     stops at its next wait, naming the intake, and nothing was trained."""
-    from services.learner.config import LearnerSettings
+    from services.config.learner import LearnerSettings
     from services.learner.trainer import Learner
 
     cfg = LearnerSettings(

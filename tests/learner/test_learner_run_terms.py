@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.learner.config import LearnerSettings
+from services.config.learner import LearnerSettings
 from services.learner.run_terms import adopt_run_terms, check_run
 from spopp.api.tracker_api import RunConfig
 

@@ -55,8 +55,8 @@ def batch(tiny_model):
 @pytest.fixture(scope="module")
 def learner(tiny_model, batch):
     """(ZeRO-1 engine after one update, its config) in this process."""
+    from services.config.learner import LearnerSettings
     from services.learner.backend import DeepSpeedBackend
-    from services.learner.config import LearnerSettings
     from services.learner.deepspeed_engine import build_engine, release_engine
     from services.learner.update import run_update
 

@@ -193,7 +193,7 @@ def test_an_adapter_snapshot_is_peft_layout_and_merges_to_the_same_model(tiny_mo
 
 
 def test_bad_lora_settings_are_refused(tiny_model):
-    from services.learner.config import LearnerSettings
+    from services.config.learner import LearnerSettings
     from services.learner.deepspeed_engine import build_engine
 
     with pytest.raises(ValueError, match="lora_rank"):

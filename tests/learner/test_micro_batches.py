@@ -13,8 +13,8 @@ import random
 
 import pytest
 
+from services.config.learner import LearnerSettings
 from services.learner.batch import accumulation_steps, pack_by_tokens, padded_tokens, plan_micro_batches
-from services.learner.config import LearnerSettings
 
 
 def _check_plan(plan, lengths, n_mini, world, budget=None):

@@ -11,8 +11,8 @@ import pytest
 import torch
 from learner_worker import dist_env_restored, make_batch
 
+from services.config.learner import LearnerSettings
 from services.learner.backend import DeepSpeedBackend
-from services.learner.config import LearnerSettings
 from services.learner.deepspeed_engine import build_engine, release_engine
 from services.learner.logprobs import token_logprobs
 from services.learner.update import run_update

@@ -24,7 +24,7 @@ from runtime.tasks import write_jsonl
 
 
 def test_a_replica_says_its_engine_is_on_the_cpu(tiny_model):
-    from services.rollout.config import RolloutSettings
+    from services.config.rollout import RolloutSettings
     from services.rollout.serve import health_app
     from services.rollout.worker import Worker
 
@@ -45,7 +45,7 @@ def test_a_replica_says_its_engine_is_on_the_cpu(tiny_model):
 
 
 def test_the_evaluator_says_its_engine_is_on_the_cpu_once_it_is_up(tiny_model, tmp_path):
-    from services.evaluator.config import EvaluatorSettings
+    from services.config.evaluator import EvaluatorSettings
     from services.evaluator.follow import Follower, health_app
     from services.evaluator.scorer import Scorer
 
@@ -76,7 +76,7 @@ _dist_env = pytest.fixture(autouse=True)(dist_env_restored)
 def test_the_learner_says_it_trains_on_the_cpu_with_gloo(tiny_model, tmp_path, tracker, make_run, caplog):
     import httpx
 
-    from services.learner.config import LearnerSettings
+    from services.config.learner import LearnerSettings
     from services.learner.trainer import Learner
 
     run = make_run()

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from runtime.engines.base import Engine, Generation
 from runtime.envs.toy_calc import ToyCalcEnv, generate_toy_calc_tasks
-from services.rollout.config import RolloutSettings
+from services.config.rollout import RolloutSettings
 from services.rollout.worker import Worker
 from tools.sink import LearnerSink
 

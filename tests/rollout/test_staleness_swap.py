@@ -131,7 +131,7 @@ def test_a_new_policy_under_staleness_keeps_what_may_still_train(
     and 3 are kept; running episodes go on (turn), are waited for (episode), and with `drain:
     abort` the one that can no longer train (version 1) is cancelled. No tracker answers here: the
     release is logged as failed, which is what a replica does when the tracker is away."""
-    from services.rollout.config import RolloutSettings
+    from services.config.rollout import RolloutSettings
     from services.rollout.worker import Worker
 
     s = RolloutSettings(
@@ -164,7 +164,7 @@ def test_a_new_policy_under_staleness_keeps_what_may_still_train(
 def test_a_worker_is_built_with_what_its_run_fixes(engine, tiny_model, runner):
     """The run's record, read before the worker is built, sets its k, lease length, seed, stream
     key and (a restarted worker id) the counts the tracker had of it: nothing is patched later."""
-    from services.rollout.config import RolloutSettings
+    from services.config.rollout import RolloutSettings
     from services.rollout.worker import Worker
     from spopp.compare.streams import stream_key
 

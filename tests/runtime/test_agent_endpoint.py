@@ -483,7 +483,7 @@ def test_a_replica_with_an_agent_serves_the_chat_routes_and_others_do_not(tiny_m
 
     from runtime.chat_endpoint import MAX_CHAT_BODY_BYTES
     from runtime.envs.toy_calc import ToyCalcEnv
-    from services.rollout.config import RolloutSettings
+    from services.config.rollout import RolloutSettings
     from services.rollout.serve import health_app
     from services.rollout.worker import Worker
 

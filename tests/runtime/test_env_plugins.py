@@ -155,7 +155,7 @@ def test_a_spec_of_the_wrong_shape_is_refused_without_importing(spec):
 def test_settings_take_any_spec_and_refuse_a_malformed_one():
     from pydantic import ValidationError
 
-    from services.launch.config import LaunchSettings
+    from services.config.launch import LaunchSettings
 
     ok = LaunchSettings(model="m", tasks="t.jsonl", env="mypkg.envs:Guess")
     assert ok.env == "mypkg.envs:Guess"

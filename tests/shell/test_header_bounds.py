@@ -182,10 +182,10 @@ def test_a_body_is_not_counted_as_head_and_each_request_of_a_connection_is_count
 
 
 def test_the_bounds_are_settings_of_every_service():
-    from services.evaluator.config import EvaluatorSettings
-    from services.learner.config import LearnerSettings
-    from services.rollout.config import RolloutSettings
-    from services.tracker.config import TrackerSettings
+    from services.config.evaluator import EvaluatorSettings
+    from services.config.learner import LearnerSettings
+    from services.config.rollout import RolloutSettings
+    from services.config.tracker import TrackerSettings
 
     for cls, prefix in (
         (TrackerSettings, "SPOPP_TRACKER_"),

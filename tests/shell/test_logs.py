@@ -188,7 +188,8 @@ def test_tracker_with_json_logs_writes_only_json_lines(tmp_path):
 
 
 def test_launch_passes_its_log_format_to_every_process_and_sections_may_not_differ(tmp_path):
-    from services.launch.config import LaunchSettings, process_plan
+    from services.config.launch import LaunchSettings
+    from services.launch.process_plan import process_plan
     from spopp.settings.base import SettingsError
 
     base = {"model": tmp_path / "m", "tasks": tmp_path / "t.jsonl", "heldout": tmp_path / "h.jsonl"}

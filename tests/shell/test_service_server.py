@@ -216,11 +216,11 @@ def test_a_stop_that_hangs_is_ended_by_the_watchdog(tmp_path):
 
 def test_every_serving_service_takes_the_same_http_settings():
     """The tracker, a replica, the learner and the evaluator: the same fields, read the same way."""
-    from services.evaluator.config import EvaluatorSettings
-    from services.learner.config import LearnerSettings
-    from services.rollout.config import RolloutSettings
+    from services.config.evaluator import EvaluatorSettings
+    from services.config.learner import LearnerSettings
+    from services.config.rollout import RolloutSettings
+    from services.config.tracker import TrackerSettings
     from services.shell.http_settings import HttpServerSettings
-    from services.tracker.config import TrackerSettings
 
     for cls in (TrackerSettings, RolloutSettings, LearnerSettings, EvaluatorSettings):
         assert issubclass(cls, HttpServerSettings), cls

@@ -20,8 +20,8 @@ import pytest
 from procs import cli, kill_unless_reused, running
 
 from runtime.tasks import generate_arithmetic_tasks
-from services.evaluator.config import EvaluatorSettings
-from services.rollout.config import RolloutSettings
+from services.config.evaluator import EvaluatorSettings
+from services.config.rollout import RolloutSettings
 from spopp.machine.claim import ClaimError, DeviceSpecError, claim, visible_devices
 from spopp.machine.net import free_port, port_free
 from spopp.machine.wait import http_answer, wait_until

@@ -17,7 +17,7 @@ import pytest
 from runtime.engines.hf import TransformersEngine
 from runtime.envs.base import episode_seed
 from runtime.envs.toy_calc import ToyCalcEnv, generate_toy_calc_tasks
-from services.rollout.config import RolloutSettings
+from services.config.rollout import RolloutSettings
 from services.rollout.worker import Worker, read_run
 from spopp.api.tracker_api import RunConfig
 from spopp.compare.streams import sampling_seed, stream_key

@@ -7,11 +7,11 @@ import pytest
 from click.testing import CliRunner
 
 from services.cli import build
-from services.evaluator.config import EvaluatorSettings, ScoreSettings
-from services.init.create import InitSettings
-from services.learner.config import LearnerSettings
-from services.rollout.config import RolloutSettings
-from services.tracker.config import TrackerSettings
+from services.config.evaluator import EvaluatorSettings, ScoreSettings
+from services.config.init import InitSettings
+from services.config.learner import LearnerSettings
+from services.config.rollout import RolloutSettings
+from services.config.tracker import TrackerSettings
 from spopp.settings.base import SettingsError
 from spopp.settings.run_binding import RunBinding
 

@@ -98,8 +98,8 @@ def test_bad_settings_name_the_field_and_its_source(tmp_path):
 
 def test_a_renamed_launch_key_is_refused_with_its_new_name(tmp_path):
     # `updates` of a launch file from before the rename: in the file, by --set, or in the environment.
+    from services.config.launch import LaunchSettings
     from services.launch.cli import resolve
-    from services.launch.config import LaunchSettings
     from spopp.settings.base import SettingsError
 
     hint = "updates: renamed max_updates (the run's budget in learner updates)"
@@ -119,8 +119,8 @@ def test_a_renamed_launch_key_is_refused_with_its_new_name(tmp_path):
 
 
 def test_text_stays_text_and_structured_values_are_read_as_yaml():
-    from services.learner.config import LearnerSettings
-    from services.rollout.config import RolloutSettings
+    from services.config.learner import LearnerSettings
+    from services.config.rollout import RolloutSettings
 
     s = LearnerSettings.resolve(
         env={"SPOPP_RUN": "123", "SPOPP_API_TOKEN": "0x1F00000000000000"},
@@ -163,7 +163,7 @@ def test_episode_settings_are_declared_once_for_every_service_that_plays():
     are the declaration's; only a default may be a service's own (EvaluatorEpisodes'), and the
     budget of an episode is built from the same fields."""
     from runtime.episode_settings import EpisodeTuning, bounds
-    from services.launch.config import EvaluatorSection, RolloutSection
+    from services.config.launch import EvaluatorSection, RolloutSection
 
     own_defaults = {"engine": "transformers", "concurrency": 32}
     players = [settings_class("rollout serve"), settings_class("evaluator run"), settings_class("prior"),

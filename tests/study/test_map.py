@@ -266,7 +266,7 @@ def test_a_missing_run_names_its_folder(tmp_path):
 
 
 def test_a_cell_is_the_base_with_the_two_knobs_set_and_nothing_else():
-    from services.launch.config import LaunchSettings
+    from services.config.launch import LaunchSettings
     from services.study.map import cell_settings, plan_runs
 
     base = LaunchSettings.model_validate(
@@ -290,7 +290,8 @@ def test_a_cell_is_the_base_with_the_two_knobs_set_and_nothing_else():
 
 
 def test_each_arm_sets_its_one_change_and_the_run_is_named_for_it(tmp_path):
-    from services.launch.config import LaunchSettings, port_requests, process_plan
+    from services.config.launch import LaunchSettings
+    from services.launch.process_plan import port_requests, process_plan
     from services.study.compare import arm_settings
 
     base = LaunchSettings.model_validate(
@@ -412,7 +413,7 @@ THREE = ["spo", "spo-eventtime", "spopp"]
 
 
 def test_the_pilot_fixes_n_per_cell_before_the_main_runs_and_a_resume_keeps_it(tmp_path):
-    from services.launch.config import LaunchSettings
+    from services.config.launch import LaunchSettings
     from services.study.map import run_map
 
     base = LaunchSettings.model_validate(
@@ -492,7 +493,7 @@ def test_the_pilot_fixes_n_per_cell_before_the_main_runs_and_a_resume_keeps_it(t
      ({"pilot_seeds": [7, 8], "seeds": [0]}, "not both")],
 )  # fmt: skip
 def test_a_pilot_that_cannot_size_the_cells_is_refused(tmp_path, kwargs, message):
-    from services.launch.config import LaunchSettings
+    from services.config.launch import LaunchSettings
     from services.study.map import run_map
 
     base = LaunchSettings.model_validate(
@@ -519,7 +520,7 @@ def test_a_pilot_that_cannot_size_the_cells_is_refused(tmp_path, kwargs, message
     "content,message", [("{not json", "is not JSON"), ('{"rule": "pilot"}', "is not a map protocol")]
 )
 def test_a_bad_protocol_file_is_refused_by_name_and_left_as_it_was(tmp_path, content, message):
-    from services.launch.config import LaunchSettings
+    from services.config.launch import LaunchSettings
     from services.study.map import run_map
 
     (tmp_path / "protocol.json").write_text(content)
@@ -541,7 +542,7 @@ def test_a_bad_protocol_file_is_refused_by_name_and_left_as_it_was(tmp_path, con
 
 # -- counterbalanced arm order, recorded environment options ---------------------------------------
 def test_each_seed_runs_the_arms_rotated_by_its_place():
-    from services.launch.config import LaunchSettings
+    from services.config.launch import LaunchSettings
     from services.study.map import arm_order, plan_runs
 
     arms = ["spo", "spopp-trajnorm", "spopp"]
@@ -643,7 +644,8 @@ def test_the_arms_of_a_comparison_share_a_study_and_the_evaluator_follows_the_ru
     """Common random numbers (spopp.compare.streams): every arm of a comparison runs in one study (its
     folder's name: a map cell's, an ablation's), which the tracker run carries; two cells are two
     studies; a study in the base config wins; the evaluator's seed is left to the run's."""
-    from services.launch.config import LaunchSettings, port_requests, process_plan
+    from services.config.launch import LaunchSettings
+    from services.launch.process_plan import port_requests, process_plan
     from services.study.compare import arm_settings
     from spopp.settings.base import SettingsError
 

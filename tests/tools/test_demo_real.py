@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from services.launch.config import LaunchSettings
+from services.config.launch import LaunchSettings
 from services.rollout.metrics import RolloutMetrics
 from tools import demo_real
 

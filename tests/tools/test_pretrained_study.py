@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from services.launch.config import LaunchSettings
+from services.config.launch import LaunchSettings
 from services.study import protocol as map_protocol
 from spopp.settings.base import environ_without_settings
 from tools import pretrained_study as ps

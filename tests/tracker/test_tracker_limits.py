@@ -10,8 +10,8 @@ import contextlib
 import pytest
 from fastapi.testclient import TestClient
 
+from services.config.tracker import TrackerSettings
 from services.tracker.app import create_app
-from services.tracker.config import TrackerSettings
 from services.tracker.embedded import EmbeddedRedis
 
 TOKEN = "limits-token-0123456789abcdef"

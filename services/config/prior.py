@@ -14,9 +14,8 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
+from services.config.evaluator import EpisodeSettings
 from spopp.api.tracker_api import MIN_PRIOR, Prior
-
-from .config import EpisodeSettings
 
 
 class PriorSettings(EpisodeSettings):
