@@ -36,7 +36,7 @@ __all__ = ["POLICIES", "MixedCode", "agree", "check", "code", "describe", "label
 
 # The folder that holds the spopp package: the checkout's root in a clone (an editable install);
 # elsewhere (a wheel in site-packages, the images' /app) no checkout, and the commit is unknown.
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCK = "requirements.lock"
 # Where no checkout is (the images copy the sources without .git), whoever builds may say the commit.
 COMMIT_ENV = "SPOPP_CODE_COMMIT"

@@ -306,3 +306,15 @@ def test_a_finished_comparison_is_not_refused_for_this_checkouts_code(tmp_path):
     (spopp / "run.json").write_text(json.dumps(record))
     with pytest.raises(click.ClickException, match="this checkout"):
         _check_code([spo, spopp], out, "refuse", "x", planned=False)
+
+
+@pytest.mark.process  # git
+def test_by_default_the_code_is_this_checkouts_and_its_lock_is_found():
+    """The default root is the folder that holds the spopp package, wherever the module sits in
+    it: the checkout's lock is hashed, and the commit is the checkout's HEAD."""
+    root = ROOT
+    assert provenance.ROOT == root
+    got = provenance.code()
+    assert got["lock_sha256"] == hashlib.sha256((root / "requirements.lock").read_bytes()).hexdigest()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+    assert got["commit"] == head.stdout.strip()
