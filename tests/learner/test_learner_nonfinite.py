@@ -31,6 +31,7 @@ from services.learner.batch import collate
 from services.learner.ingest import TrajectoryBuffer
 from spopp.api.trajectory import FLOAT32_MAX, Trajectory
 from spopp.loss import policy_loss, screen_rows, screened
+from spopp.machine.wait import wait_until
 
 POISON = -1e308  # finite in float64, -inf in float32
 
@@ -143,6 +144,11 @@ def _nan_token_model(src: Path, dst: Path) -> tuple[Path, int]:
     assert torch.isnan(again.get_input_embeddings().weight[token]).all()
     assert torch.isfinite(again.lm_head.weight).all()
     return dst, token
+
+
+def _log(tmp: Path) -> str:
+    path = tmp / "learner.log"
+    return path.read_text() if path.exists() else ""
 
 
 def _records(tmp: Path) -> list[dict]:
@@ -281,6 +287,12 @@ def test_a_learner_whose_weights_fail_every_trajectory_stops_instead_of_draining
                 "value": 0.5, "advantage": t.reward - 0.5, "token_ids": ids,
             }  # fmt: skip
             assert httpx.post(f"{url}/v1/trajectories", json=body, timeout=30).status_code == 200
+            if (i + 1) % b == 0 and i + 1 < n:
+                # The batch's places stay taken (409 full) until the learner has dropped it.
+                wait_until(
+                    lambda k=i + 1: _log(tmp_path).count("its loss term is not finite") >= k, 120,
+                    f"the learner to drop the first {i + 1}", proc=learner,
+                )  # fmt: skip
         assert learner.wait(120) != 0
     log = (tmp_path / "learner.log").read_text()
     assert f"{WHOLE_BATCHES_DROPPED} batches in a row had a non-finite loss term" in log
