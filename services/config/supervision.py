@@ -1,7 +1,7 @@
 """The `supervision` section of a launch file: how the launcher restarts children that die.
 
-Apart from supervise.py (which acts on it) so that the launch settings (config.py) can hold it
-without importing the supervisor.
+Apart from services/launch/supervise.py (which acts on it) so that the launch settings
+(services/config/launch.py) can hold it without importing the supervisor.
 """
 
 from __future__ import annotations
