@@ -104,11 +104,12 @@ def median_update_s(engine, trajs, adv, cfg, repeats: int) -> float:
     from services.learner.backend import DeepSpeedBackend
     from services.learner.update import run_update
 
-    run_update(DeepSpeedBackend(engine), trajs, adv, cfg)  # warm-up
+    backend = DeepSpeedBackend(engine)
+    run_update(backend, trajs, adv, cfg)  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        run_update(DeepSpeedBackend(engine), trajs, adv, cfg)
+        run_update(backend, trajs, adv, cfg)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -243,13 +243,10 @@ def learner_case(
     cfg = settings(setup, zero, ckpt, packing, liger, persist)
     base = memory_start(setup)
     engine = learner_engine(config, setup, cfg)
+    backend = DeepSpeedBackend(engine)
     try:
-        seconds, peak = timed(setup, lambda: run_update(DeepSpeedBackend(engine), trajs, adv, cfg), base)
-        top = (
-            profiled(setup, lambda: run_update(DeepSpeedBackend(engine), trajs, adv, cfg))
-            if profile
-            else None
-        )
+        seconds, peak = timed(setup, lambda: run_update(backend, trajs, adv, cfg), base)
+        top = profiled(setup, lambda: run_update(backend, trajs, adv, cfg)) if profile else None
     finally:
         release_engine(engine)
     return {"seconds": seconds, "peak": peak, "profile": top}

@@ -153,6 +153,7 @@ def layouts(mixes: dict, repeats: int) -> dict:
             layout: _settings(model, len(trajs), micro, layout == "packed") for layout in ("padded", "packed")
         }
         engine, _ = build_engine(cfgs["packed"])
+        backend = DeepSpeedBackend(engine)
         # Matmul weights of the decoder layers (every forward token goes through them) and of the
         # output layer (only scored tokens do, in either layout: logprobs.py).
         layers = sum(
@@ -162,11 +163,11 @@ def layouts(mixes: dict, repeats: int) -> dict:
         try:
             times: dict[str, list[float]] = {"padded": [], "packed": []}
             for cfg in cfgs.values():
-                run_update(DeepSpeedBackend(engine), trajs, adv, cfg)  # warm-up
+                run_update(backend, trajs, adv, cfg)  # warm-up
             for _ in range(repeats):
                 for layout, cfg in cfgs.items():
                     t0 = time.perf_counter()
-                    run_update(DeepSpeedBackend(engine), trajs, adv, cfg)
+                    run_update(backend, trajs, adv, cfg)
                     times[layout].append(time.perf_counter() - t0)
         finally:
             release_engine(engine)

@@ -28,17 +28,15 @@ import torch
 
 from .batch import Batch
 from .scoring import logprobs, logprobs_entropy
+from .update import BeforeStep
 from .zero3_state import forward_stack_depth, trim_forward_stack
 
 Item = TypeVar("Item")
 
-# Called with (engine, mini-batch index) on every rank after the mini-batch's last backward and
-# before its optimizer step, when the reduced gradients are in place (tests read them here).
-BeforeStep = Callable[[Any, int], None]
-
 
 class DeepSpeedBackend:
-    """A DeepSpeed engine (deepspeed_engine.build_engine) behind the calls the PPO step makes."""
+    """A DeepSpeed engine (deepspeed_engine.build_engine) behind the calls the PPO step makes
+    (update.Backend)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -131,7 +129,7 @@ class DeepSpeedBackend:
         import torch.distributed as dist
 
         if self.world == 1:
-            return t.clone()
+            return t
         on = t.to(self.device)
         dist.all_reduce(on, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
         return on.cpu()

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -52,6 +53,9 @@ _STALE_STATS = ("behaviour_weight_mean", "behaviour_cut_fraction")
 Plan = list[tuple[slice, list[list[int]]]]
 # One micro-batch as the training pass sees it: its tensors and its log-probs before the update.
 Scored = tuple[Batch, torch.Tensor]
+# Called by the backend with (its engine, mini-batch index) on every rank after the mini-batch's
+# last backward and before its optimizer step, when the reduced gradients are in place (tests read them).
+BeforeStep = Callable[[Any, int], None]
 
 
 class Backend(Protocol):
@@ -63,11 +67,16 @@ class Backend(Protocol):
 
     def accumulation_steps(self) -> int: ...
     def lr(self) -> float: ...
-    def training(self) -> Any: ...
+    def training(self) -> AbstractContextManager[None]: ...
     def logprobs(self, b: Batch) -> torch.Tensor: ...
     def logprobs_entropy(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
     def step(
-        self, micro: Sequence[Any], loss_fn: Any, *, before_step: Any = None, index: int = 0
+        self,
+        micro: Sequence[Scored],
+        loss_fn: Callable[[Scored], torch.Tensor],
+        *,
+        before_step: BeforeStep | None = None,
+        index: int = 0,
     ) -> float | None: ...
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
 
@@ -105,13 +114,13 @@ def run_update(
     advantages: Sequence[float] | torch.Tensor,
     cfg: LearnerSettings,
     *,
-    before_step: Any = None,
+    before_step: BeforeStep | None = None,
     version: int | None = None,
 ) -> dict[str, float]:
     """Run one update (cfg.mini_batches optimizer steps) on `trajs`; every rank calls it alike.
 
     `advantages` are the per-trajectory, already normalised advantages, aligned with `trajs`.
-    `before_step` is handed to the backend's step (backend.BeforeStep).
+    `before_step` is handed to the backend's step.
     Raises NonFiniteTrajectories, before any optimizer step, where some trajectory's loss term is
     not finite (see the module).
     Returns stats identical on every rank: loss (mean over mini-batches of the mini-batch loss),
@@ -177,7 +186,9 @@ def _collate_with_old_logp(
     return batches
 
 
-def _micro_batch_loss(backend: Backend, cfg: LearnerSettings, denom: int, tally: _Tally):
+def _micro_batch_loss(
+    backend: Backend, cfg: LearnerSettings, denom: int, tally: _Tally
+) -> Callable[[Scored], torch.Tensor]:
     """The loss of one scored micro-batch in a mini-batch of `denom` action tokens: its token-sum
     of the policy loss / denom, under the weights as they are now (tallied as it goes)."""
 
