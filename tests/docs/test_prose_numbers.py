@@ -599,8 +599,47 @@ def _design1_last_points() -> tuple[str, ...]:
     return tuple(f(x, ".4f") for x in last)
 
 
+@cache
+def _design2() -> dict:
+    """study.json of the SmolLM2 study's design 2, as `spopp study compare` wrote it (its refusal)."""
+    return json.loads((RESULTS / "smollm2-study" / "design-2" / "out" / "study.json").read_text())
+
+
+def _design2_refusal() -> tuple[str, ...]:
+    """The pilot's paired s.d., the n it asks, the hours it needs with the pilot, the budget."""
+    study = _design2()
+    found, asked = study["design"], study["request"]
+    assert study["status"] == "refused" and all(
+        c["ok"] for c in found["checks"]
+    )  # "Every design check passed"
+    return (f(found["pilot_sd"], ".3g"), str(found["n"]), f(asked["effect"], "+g"), f(study["needed_hours"], ".1f"),
+            f(asked["budget_hours"], "g"))  # fmt: skip
+
+
+def _design2_minutes() -> tuple[str, ...]:
+    minutes = [r["seconds"] / 60 for r in _design2()["pilot_runs"]]
+    return f(min(minutes), ".1f"), f(max(minutes), ".1f")
+
+
+def _design2_fastest() -> tuple[str, ...]:
+    """n pairs of both arms at the fastest pilot run's time, against what the budget left after the
+    pilot: "would still take more" holds only while the first is larger."""
+    study = _design2()
+    found, asked = study["design"], study["request"]
+    fastest = found["n"] * len(asked["arms"]) * min(r["seconds"] for r in study["pilot_runs"]) / 3600
+    left = asked["budget_hours"] - found["pilot_s"] / 3600
+    assert fastest > left
+    return str(found["n"]), f(fastest, ".2f"), f(left, ".2f")
+
+
 CLAIMS: list[tuple[str, str, Callable[[], tuple[str, ...]]]] = [
     (SMOLLM2_STUDY, "both runs ended their online curve at {} and {}, at or above", _design1_last_points),
+    (SMOLLM2_STUDY, "At the pilot's paired s.d. of {} points on the primary metric, the paired t test needs n = {} "
+     "pairs for 80 % power against {} points: {} h of machine time with the pilot, against the {} h this design "
+     "was given", _design2_refusal),
+    (SMOLLM2_STUDY, "The pilot's runs took {} to {} minutes", _design2_minutes),
+    (SMOLLM2_STUDY, "at the fastest run's time the {} pairs would still take {} h, more than the {} h the budget "
+     "left after the pilot", _design2_fastest),
     (README, "on the toy model no cell's difference survives Holm's correction over the {} cells", _no_cell_survives),
     (README, "rerun on one cell, the paired s.d. of Δ area fell from {} to {} points",
      lambda: (f(_crn("before")["delta_sd"], ".2f"), f(_crn("after")["delta_sd"], ".2f"))),
