@@ -609,9 +609,8 @@ def _design2_refusal() -> tuple[str, ...]:
     """The pilot's paired s.d., the n it asks, the hours it needs with the pilot, the budget."""
     study = _design2()
     found, asked = study["design"], study["request"]
-    assert study["status"] == "refused" and all(
-        c["ok"] for c in found["checks"]
-    )  # "Every design check passed"
+    # "Every design check passed; the budget stopped it."
+    assert study["status"] == "refused" and all(c["ok"] for c in found["checks"])
     return (f(found["pilot_sd"], ".3g"), str(found["n"]), f(asked["effect"], "+g"), f(study["needed_hours"], ".1f"),
             f(asked["budget_hours"], "g"))  # fmt: skip
 
