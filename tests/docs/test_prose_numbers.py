@@ -599,10 +599,13 @@ def _design1_last_points() -> tuple[str, ...]:
     return tuple(f(x, ".4f") for x in last)
 
 
+DESIGN2 = RESULTS / "smollm2-study" / "design-2" / "out"
+
+
 @cache
 def _design2() -> dict:
     """study.json of the SmolLM2 study's design 2, as `spopp study compare` wrote it (its refusal)."""
-    return json.loads((RESULTS / "smollm2-study" / "design-2" / "out" / "study.json").read_text())
+    return json.loads((DESIGN2 / "study.json").read_text())
 
 
 def _design2_refusal() -> tuple[str, ...]:
@@ -635,7 +638,7 @@ def _design2_coupling() -> tuple[str, ...]:
     """Failures longer than successes in design 2's pilot: the held-out episodes' mean turns and
     response tokens by outcome (eval/episodes of the six runs), and the learner's per-update
     correlation of length with advantage (learner/metrics.jsonl's length_advantage_corr)."""
-    runs = sorted((RESULTS / "smollm2-study" / "design-2" / "out" / "pilot" / "runs").iterdir())
+    runs = sorted((DESIGN2 / "pilot" / "runs").iterdir())
     episodes = [json.loads(x) for run in runs for path in sorted((run / "eval" / "episodes").glob("*.jsonl"))
                 for x in path.read_text().splitlines() if x]  # fmt: skip
     won = [e for e in episodes if e["reward"] == 1.0]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -161,18 +160,15 @@ SMOLLM2 = ROOT / "docs" / "results" / "smollm2-study" / "design-2"
 
 def test_the_smollm2_study_is_what_its_pilot_runs_say():
     """docs/results/smollm2-study/design-2/out is what `spopp study compare` wrote when its budget
-    could not pay for the n its pilot asked: no protocol was registered and no main run made. Each
-    number of design.json and study.json is recomputed here from the six committed pilot runs (their
-    run.json, learner metrics and evaluation records) by the command's own functions: the design
-    checks, the paired s.d., n, the run times, the refusal's message, the hours it would need, the
-    generated sentences; and README.md is their rendering. One clean commit made every run."""
-    import yaml
-
-    from services.study import conclusions
+    could not pay for the n its pilot asked: no protocol was registered and no main run made. The
+    committed study.yaml is the config that ran (its hash is the one study.json records), and from
+    it and the six committed pilot runs (their run.json, learner metrics and evaluation records) the
+    command's own functions give design.json, the refusal's message and study.json whole; README.md
+    is its rendering. One clean commit made every run."""
+    from services.launch.cli import resolve
     from services.study.measures import measure
-    from services.study.registered import StudyRefused, _main_seconds, _refuse_budget, _run_row, pilot_design
+    from services.study.registered import Request, StudyRefused, _refuse_budget, pilot_design, refusal
     from services.study.study_page import render as render_study
-    from spopp.files import provenance
 
     out = SMOLLM2 / "out"
     study = json.loads((out / "study.json").read_text())
@@ -180,34 +176,32 @@ def test_the_smollm2_study_is_what_its_pilot_runs_say():
     assert (
         study["status"] == "refused" and not (out / "protocol.json").exists() and not (out / "runs").exists()
     )
-    # The request study.json records is the command line study.yaml's header gives, and its config.
-    header = (SMOLLM2 / "study.yaml").read_text()
-    command = (
+    # The command line in study.yaml's header is the one study.json records.
+    header = " ".join((SMOLLM2 / "study.yaml").read_text().replace("#", " ").split())
+    assert (
         f"spopp study compare {asked['config']} --out {asked['out']} --budget-hours {asked['budget_hours']:g}"
+        in header
     )
-    assert command in " ".join(header.replace("#", " ").split()) and not asked["force"]
-    req = SimpleNamespace(
-        base=SimpleNamespace(prior=yaml.safe_load(header)["prior"]), arms=tuple(asked["arms"]),
-        primary=asked["primary"], effect=asked["effect"], power=asked["power"], budget_s=3600 * asked["budget_hours"],
+    req = Request(
+        base=resolve(SMOLLM2 / "study.yaml", ()), out=Path(asked["out"]), arms=tuple(asked["arms"]),
+        pilot_seeds=asked["pilot_seeds"], first_seed=asked["first_seed"], effect=asked["effect"],
+        primary=asked["primary"], budget_s=3600 * asked["budget_hours"], force=asked["force"],
+        config=Path(asked["config"]),
     )  # fmt: skip
+    assert (
+        req.options()["config_sha256"] == asked["config_sha256"]
+    )  # the committed config is the one that ran
     # In the order the command ran them: seed by seed, the control first.
     runs = [
-        measure(out / "pilot" / "runs" / f"{arm}-s{seed}")
-        for seed in asked["pilot_seeds"]
-        for arm in req.arms
+        measure(out / "pilot" / "runs" / f"{arm}-s{seed}") for seed in req.pilot_seeds for arm in req.arms
     ]
-    found = json.loads(json.dumps(pilot_design(req, runs)))
-    assert json.loads((out / "pilot" / "design.json").read_text()) == found == study["design"]
+    found = pilot_design(req, runs)
+    assert json.loads((out / "pilot" / "design.json").read_text()) == json.loads(json.dumps(found))
     assert all(check["ok"] for check in found["checks"])  # the design can answer; the budget stopped it
     with pytest.raises(StudyRefused) as refused:
         _refuse_budget(req, found)
-    assert str(refused.value) == study["refusal"]
-    need_h = (_main_seconds(req, found) + found["pilot_s"]) / 3600
-    assert study["needed_hours"] == need_h > asked["budget_hours"]
-    assert study["conclusions"] == conclusions.refused(found, req.effect, req.arms, need_h)
-    assert study["pilot_runs"] == json.loads(json.dumps([_run_row(r) for r in runs]))
-    assert study["machine_hours"] == found["pilot_s"] / 3600
-    assert study["code"] == provenance.agree({f"pilot/{r.folder.name}": r.code for r in runs})
+    assert json.loads(json.dumps(refusal(req, found, str(refused.value), runs))) == study
+    assert study["needed_hours"] > asked["budget_hours"]
     assert len(study["code"]["codes"]) == 1 and study["code"]["problem"] is None
     assert all(r.code["source"] == "git" and not r.code["dirty"] for r in runs)
     assert (out / "README.md").read_text() == render_study(study), "the study's page is not its study.json"
